@@ -1,0 +1,82 @@
+"""Patch configurations: one dataclass per attention method. Data only; validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .kernels.reference import check_threshold
+from .kernels.skiplist import DEFAULT_TILE, check_tile
+
+
+@dataclass
+class DenseConfig:
+    """Route attention through the bundled dense flash kernel (no sparsity).
+
+    layers: which attention layers to patch: "self" (self/joint attention only) or "all" (cross-attention too).
+    """
+
+    layers: str = "all"
+
+    def __post_init__(self):
+        if self.layers not in ("self", "all"):
+            raise ValueError(f"layers must be 'self' or 'all', got {self.layers!r}")
+
+
+@dataclass
+class SkipConfig:
+    """Temporal skip-list attention (LiteAttention) for diffusion transformers.
+
+    threshold: log2 units relative to the running row max, < 0 (-1 ~ 50%, -5 ~ 3%, -10 ~ 0.1%); tiles whose
+        scores never come within it of the running max are skipped at every later step.
+    warmup_steps: the first N denoising steps of each (layer, branch) run dense and leave the lists untouched.
+    tile: (tm, tn) tokens per skip tile; multiples of 16 (the Triton kernel supports (128, 128) and (64, 64)).
+    must_do: extra token ranges [(start, end), ...] always computed, on top of the text tokens of joint
+        attention that the adapter adds itself.
+    backward: training mode: the backward also skips the tiles the forward found negligible.
+    layers: "self" (default; cross-attention stays dense) — the only supported value for skip lists.
+    """
+
+    threshold: float = -5.0
+    warmup_steps: int = 1
+    tile: tuple = DEFAULT_TILE
+    must_do: list | None = None
+    backward: bool = False
+    layers: str = "self"
+
+    def __post_init__(self):
+        self.threshold = check_threshold(self.threshold)
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        self.tile = check_tile(self.tile)
+        if self.layers != "self":
+            raise ValueError(f"layers must be 'self' for SkipConfig (cross-attention has no temporal lists), "
+                             f"got {self.layers!r}")
+        if self.must_do is not None:
+            self.must_do = [tuple(int(x) for x in r) for r in self.must_do]
+
+
+@dataclass
+class NSAConfig:
+    """Native Sparse Attention (compressed + selected + sliding window, gated). Lands with issue 5."""
+
+    block_size: int = 64
+    num_selected: int = 16
+    window: int = 512
+    compress_block: int = 32
+    compress_stride: int = 16
+    gates: str = "uniform"
+
+    def __post_init__(self):
+        for name in ("block_size", "num_selected", "window", "compress_block", "compress_stride"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if self.gates not in ("uniform", "learned"):
+            raise ValueError(f"gates must be 'uniform' or 'learned', got {self.gates!r}")
+
+
+@dataclass
+class LightningConfig:
+    """Lightning (linear) attention layers of MiniMax models. Lands with issue 6."""
+
+    state_dtype: str = "float32"
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,65 @@
+"""Attention kernels: tensors in, tensors out. Nothing here knows what a model is.
+
+`attention` / `skip_attention` run the bundled Triton kernels on CUDA tensors when they support the inputs and
+the plain-PyTorch reference otherwise (CPU, fp32/fp64, unsupported head dims — the latter with a warning).
+Call `sparsepatch.kernels.skip.skip_attention` directly to force the Triton kernel (TRITON_INTERPRET=1 on CPU).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+
+from . import reference
+from .skiplist import DEFAULT_TILE, SkipList
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SkipList", "DEFAULT_TILE", "attention", "skip_attention", "nsa_attention", "lightning_decode",
+           "lightning_prefill", "reference"]
+
+
+def _triton_module(name: str):
+    """The Triton implementation module `name`, or None when it (or Triton) is not available."""
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError as exc:  # no triton on this platform, or the kernel has not landed
+        logger.debug("sparsepatch.kernels.%s unavailable: %s", name, exc)
+        return None
+
+
+def _use_triton(module, q, **kw) -> bool:
+    return module is not None and q.is_cuda and module.supports(q, **kw)
+
+
+def attention(q, k, v, *, causal: bool = False, scale=None, attn_mask=None, return_lse: bool = False):
+    """Dense attention. q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) -> (B, Sq, Hq, D) [, lse (B, Hq, Sq) fp32]."""
+    dense = _triton_module("skip")
+    if _use_triton(dense, q, attn_mask=attn_mask, causal=causal):
+        return dense.attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    return reference.attention(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask, return_lse=return_lse)
+
+
+def skip_attention(q, k, v, skip_list=None, threshold: float = -5.0, *, scale=None, must_do=None,
+                   return_lse: bool = False, tile=DEFAULT_TILE, attn_mask=None):
+    """Temporal skip-list attention; see `reference.skip_attention` for the exact semantics."""
+    skip = _triton_module("skip")
+    if _use_triton(skip, q, attn_mask=attn_mask, causal=False):
+        return skip.skip_attention(q, k, v, skip_list, threshold, scale=scale, must_do=must_do,
+                                   return_lse=return_lse, tile=tile)
+    return reference.skip_attention(q, k, v, skip_list, threshold, scale=scale, must_do=must_do,
+                                    return_lse=return_lse, tile=tile, attn_mask=attn_mask)
+
+
+def nsa_attention(*args, **kwargs):
+    """Native Sparse Attention (issue 5)."""
+    raise NotImplementedError("nsa_attention has not landed yet (issue 5: Native Sparse Attention)")
+
+
+def lightning_decode(*args, **kwargs):
+    """Lightning attention decode step (issue 6)."""
+    raise NotImplementedError("lightning_decode has not landed yet (issue 6: lightning attention)")
+
+
+def lightning_prefill(*args, **kwargs):
+    """Lightning attention chunked prefill (issue 6)."""
+    raise NotImplementedError("lightning_prefill has not landed yet (issue 6: lightning attention)")

@@ -1,0 +1,122 @@
+"""Skip lists carried across calls inside one op, so compiled callers see no Python state change per step.
+
+A `SkipListBuffers` holds device tensors only: two list slots (double buffering), a call counter and a density
+history. `skip_step` reads slot `(step - warmup) % 2`, computes, writes the next list into the other slot and
+increments the counter — all inside the `sparsepatch::skip_step` custom op (no host sync on the Triton path).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import reference
+from .skiplist import SkipList, num_tiles
+
+MAX_CALLS = 1024  # density history length per buffer; calls beyond it still run, their density is not recorded
+
+
+@dataclass
+class SkipListBuffers:
+    """Double-buffered skip lists for one (layer, branch).
+
+    counts  int32 (2, B, H, Tq), indices int32 (2, B, H, Tq, Tk): list slots; slot 0 starts full.
+    step    int64 (1,): calls made so far (warmup calls included).
+    density fp32 (MAX_CALLS, B): fraction of tiles computed per call and batch element (1.0 for warmup calls).
+    """
+
+    counts: torch.Tensor
+    indices: torch.Tensor
+    step: torch.Tensor
+    density: torch.Tensor
+    tile: tuple
+    seq_q: int
+    seq_k: int
+
+    @classmethod
+    def create(cls, B, H, Sq, Sk, tile, device) -> "SkipListBuffers":
+        full = SkipList.full(B, H, Sq, Sk, tile, device=device)
+        counts = torch.stack([full.counts, full.counts.clone()])
+        indices = torch.stack([full.indices, full.indices.clone()])
+        step = torch.zeros(1, dtype=torch.int64, device=device)
+        density = torch.zeros(MAX_CALLS, B, dtype=torch.float32, device=device)
+        return cls(counts, indices, step, density, tuple(tile), Sq, Sk)
+
+    def matches(self, B, H, Sq, Sk, device) -> bool:
+        return (self.counts.shape[1:3] == (B, H) and (self.seq_q, self.seq_k) == (Sq, Sk)
+                and self.counts.device == device)
+
+    def calls(self) -> int:
+        return int(self.step.item())
+
+    def history(self) -> torch.Tensor:
+        """fp32 (calls, B) density per recorded call."""
+        return self.density[: min(self.calls(), MAX_CALLS)].cpu()
+
+    def current(self, warmup_steps: int) -> SkipList:
+        """The list the next call will read."""
+        slot = max(self.calls() - warmup_steps, 0) % 2
+        return SkipList(self.counts[slot], self.indices[slot], self.tile, self.seq_q, self.seq_k)
+
+
+def _must_do_flat(must_do) -> list[int]:
+    return [int(x) for rng in (must_do or []) for x in rng]
+
+
+def _skip_step_reference(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
+                         must_do_flat) -> torch.Tensor:
+    n = int(step.item())
+    B = q.shape[0]
+    must_do = list(zip(must_do_flat[0::2], must_do_flat[1::2]))
+    if n < warmup_steps:
+        out = reference.attention(q, k, v, scale=scale)
+        dens = torch.ones(B, dtype=torch.float32, device=q.device)
+    else:
+        read = (n - warmup_steps) % 2
+        lst = SkipList(counts[read], indices[read], (tm, tn), q.shape[1], k.shape[1])
+        out, nxt = reference.skip_attention(q, k, v, lst, threshold, scale=scale, must_do=must_do)
+        forced = reference.must_do_tiles(must_do, q.shape[1], k.shape[1], (tm, tn))
+        computed = lst.to_mask() if forced is None else lst.to_mask() | forced.to(q.device)
+        dens = computed.float().mean(dim=(1, 2, 3))
+        counts[1 - read].copy_(nxt.counts)
+        indices[1 - read].copy_(nxt.indices)
+    if n < density.shape[0]:
+        density[n].copy_(dens)
+    step.add_(1)
+    return out
+
+
+@torch.library.custom_op("sparsepatch::skip_step", mutates_args=("counts", "indices", "step", "density"))
+def _skip_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor,
+                  step: torch.Tensor, density: torch.Tensor, threshold: float, warmup_steps: int, tm: int, tn: int,
+                  scale: float, must_do_flat: list[int]) -> torch.Tensor:
+    if q.is_cuda:
+        from . import _triton_module
+        skip = _triton_module("skip")
+        if skip is not None and hasattr(skip, "skip_step") and skip.supports(q):
+            return skip.skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
+                                  must_do_flat)
+    return _skip_step_reference(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
+                                must_do_flat)
+
+
+@_skip_step_op.register_fake
+def _(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale, must_do_flat):
+    return torch.empty_like(q)
+
+
+def skip_step(q, k, v, buffers: SkipListBuffers, threshold: float, warmup_steps: int, *, scale=None,
+              must_do=None) -> torch.Tensor:
+    """One call of temporal skip attention with the lists carried in `buffers` (updated in place).
+
+    q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) -> out (B, Sq, Hq, D). Calls numbered < warmup_steps run dense and
+    leave the lists alone; later calls read the current list and write the next one.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    tm, tn = buffers.tile
+    return _skip_step_op(q, k, v, buffers.counts, buffers.indices, buffers.step, buffers.density,
+                         float(threshold), int(warmup_steps), tm, tn, scale, _must_do_flat(must_do))
+
+
+__all__ = ["SkipListBuffers", "skip_step", "MAX_CALLS", "num_tiles"]
