@@ -96,14 +96,14 @@ def _skip_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: tor
         skip = _triton_module("skip")
         if skip is not None and hasattr(skip, "skip_step") and skip.supports(q):
             return skip.skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
-                                  must_do_flat)
+                                  must_do_flat).contiguous()
     return _skip_step_reference(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
-                                must_do_flat)
+                                must_do_flat).contiguous()
 
 
 @_skip_step_op.register_fake
 def _(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale, must_do_flat):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous (B, Sq, Hq, D)
 
 
 def skip_step(q, k, v, buffers: SkipListBuffers, threshold: float, warmup_steps: int, *, scale=None,
