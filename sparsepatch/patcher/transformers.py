@@ -1,0 +1,244 @@
+"""transformers adapter: route a PreTrainedModel's attention through `sparsepatch.kernels`.
+
+How it hooks in (transformers 5.17-5.23): one attention function is registered under `ATTN_NAME` in
+`AttentionInterface` (and `sdpa_mask` under the same name in `AttentionMaskInterface`, so the model still builds
+boolean padding / causal / sliding-window masks for it), then `model.set_attn_implementation(ATTN_NAME)` switches
+the model in place. No model code is copied or wrapped: every architecture whose attention layers call
+`ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)` is served.
+
+Unpatch (the undo registered on the handle) restores `_attn_implementation` on the model config and on every
+sub-config / sub-model config exactly as it was, and unregisters `ATTN_NAME` once no patched model uses it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+import torch
+
+from .. import kernels
+from ..config import DenseConfig, LightningConfig, NSAConfig, SkipConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ATTN_NAME", "is_transformers_model", "patch_model", "default_config", "attention_forward"]
+
+#: Name under which the attention function (and its mask function) is registered in transformers.
+ATTN_NAME = "sparsepatch"
+
+# model_type -> recipe config factory used when `sp.patch(model)` gets no config. Only architectures whose
+# attention call site was checked against this adapter are listed (same call site as Llama: q/k/v (B, H, L, D),
+# mask from create_causal_mask / create_sliding_window_causal_mask, scaling=module.scaling).
+_RECIPES = {
+    "llama": DenseConfig,
+    "mistral": DenseConfig,
+    "qwen2": DenseConfig,
+    "qwen3": DenseConfig,
+    # MiniMax's lightning layers are not routed through AttentionInterface; issue 6 adds them.
+    "minimax": LightningConfig,
+}
+
+# Attention-calling module -> (handle, qualified name). Weak keys: a deleted model must not be kept alive here.
+_PATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+# How many patched models use the global registration, and what (if anything) the names held before it.
+_REGISTRY = {"count": 0, "previous": None}
+_LOCK = threading.Lock()
+
+
+def is_transformers_model(obj) -> bool:
+    """True for a transformers `PreTrainedModel` (without importing transformers when it is not loaded)."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        return False
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # a broken / partial install: not ours to patch
+        return False
+    return isinstance(obj, PreTrainedModel)
+
+
+def _check_model(model) -> None:
+    if not is_transformers_model(model):
+        raise ValueError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+
+
+def default_config(model):
+    """The recipe config for `model`'s architecture (DenseConfig for Llama/Mistral/Qwen2/Qwen3).
+
+    Raises ValueError naming the class when the architecture has no recipe: pass a config explicitly then.
+    """
+    _check_model(model)
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in _RECIPES:
+        raise ValueError(
+            f"model: no sparsepatch recipe for {type(model).__name__} (model_type={model_type!r}); supported "
+            f"model types: {sorted(_RECIPES)}. Pass a config explicitly, e.g. sp.patch(model, sp.DenseConfig())"
+        )
+    return _RECIPES[model_type]()
+
+
+def _all_configs(model) -> list:
+    """Every config object whose `_attn_implementation` set_attn_implementation may touch, deduplicated by id:
+    the model's config, every sub-model's config, and their declared sub_configs (recursively)."""
+    from transformers import PreTrainedModel
+
+    seen, out = set(), []
+    todo = [model.config] + [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
+    while todo:
+        cfg = todo.pop()
+        if cfg is None or id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        out.append(cfg)
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            todo.append(getattr(cfg, key, None))
+    return out
+
+
+def _register() -> None:
+    """Register ATTN_NAME in both interfaces; reference-counted so several patched models share it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    with _LOCK:
+        if _REGISTRY["count"] == 0:
+            # Remember what held the names before (normally nothing) so the last unpatch puts it back exactly.
+            _REGISTRY["previous"] = (AttentionInterface._global_mapping.get(ATTN_NAME, _MISSING),
+                                     AttentionMaskInterface._global_mapping.get(ATTN_NAME, _MISSING))
+            AttentionInterface.register(ATTN_NAME, attention_forward)
+            AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+        _REGISTRY["count"] += 1
+
+
+def _unregister() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    with _LOCK:
+        if _REGISTRY["count"] <= 0:
+            return
+        _REGISTRY["count"] -= 1
+        if _REGISTRY["count"] == 0:
+            for mapping, prev in zip((AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping),
+                                     _REGISTRY["previous"]):
+                if prev is _MISSING:
+                    mapping.pop(ATTN_NAME, None)
+                else:
+                    mapping[ATTN_NAME] = prev
+            _REGISTRY["previous"] = None
+
+
+_MISSING = object()
+
+
+def patch_model(model, config, handle) -> None:
+    """Switch `model` (a PreTrainedModel) to sparsepatch attention in place; register its undo on `handle`.
+
+    config: DenseConfig (NSAConfig / LightningConfig raise NotImplementedError until issues 5 / 6 land).
+    handle: the PatchHandle: `add_undo(fn)`, `record_call(layer_name, branch, density)`.
+    """
+    _check_model(model)
+    if isinstance(config, (NSAConfig, LightningConfig)):
+        issue = "5 (Native Sparse Attention)" if isinstance(config, NSAConfig) else "6 (lightning attention)"
+        raise NotImplementedError(
+            f"{type(config).__name__} is not supported for transformers models yet; it lands with issue {issue}. "
+            f"Use sp.DenseConfig() meanwhile")
+    if isinstance(config, SkipConfig):
+        raise ValueError("config: SkipConfig keeps skip lists across diffusion denoising steps and has no meaning "
+                         f"for {type(model).__name__}; use sp.DenseConfig() (or sp.NSAConfig once issue 5 lands)")
+    if not isinstance(config, DenseConfig):
+        raise ValueError(f"config must be a sparsepatch DenseConfig / NSAConfig / LightningConfig, "
+                         f"got {type(config).__name__}")
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in _RECIPES:
+        logger.warning("sparsepatch: %s (model_type=%r) is not in the tested table %s; patching it through "
+                       "AttentionInterface anyway", type(model).__name__, model_type, sorted(_RECIPES))
+    if not type(model)._can_set_attn_implementation():
+        raise ValueError(f"model: {type(model).__name__} does not route attention through transformers' "
+                         "AttentionInterface, so it cannot be patched in place")
+    modules = list(model.named_modules())
+    if any(m in _PATCHED for _, m in modules):
+        raise ValueError(f"model: this {type(model).__name__} is already patched by sparsepatch; unpatch it first")
+
+    # Snapshot every config's implementation before anything changes: set_attn_implementation recurses into
+    # sub-models / sub-configs, and unpatch must put each one back as it was (not just the top-level one).
+    saved = [(cfg, cfg._attn_implementation_internal) for cfg in _all_configs(model)]
+
+    def restore_configs():
+        for cfg, impl in saved:
+            cfg._attn_implementation_internal = impl
+
+    def forget_modules():
+        for _, m in modules:
+            _PATCHED.pop(m, None)
+
+    _register()
+    try:
+        model.set_attn_implementation(ATTN_NAME)
+        if model.config._attn_implementation != ATTN_NAME:  # transformers only warned and left it unchanged
+            raise ValueError(f"model: {type(model).__name__} refused attn_implementation={ATTN_NAME!r}")
+    except BaseException:
+        restore_configs()
+        _unregister()
+        raise
+    # Layer identity: the function receives the attention module itself; map it to its qualified name. All
+    # modules are mapped (cheap) so that any layer that calls the interface is found, whatever its class.
+    for name, m in modules:
+        _PATCHED[m] = (handle, name or type(m).__name__, config)
+    # Undos run in reverse: configs first (so no later forward reaches us), then the map, then the registry.
+    handle.add_undo(_unregister)
+    handle.add_undo(forget_modules)
+    handle.add_undo(restore_configs)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      is_causal=None, **kwargs):
+    """The function transformers calls in place of sdpa.
+
+    query (B, Hq, L, D), key/value (B, Hk, S, D) — S includes the cache (StaticCache: padded to its max length);
+    attention_mask: None, bool (B|1, 1|H, L, S') with True = attend, or additive float; S' >= S is cut to S.
+    Returns ((B, L, Hq, D) output, None).
+    """
+    entry = _PATCHED.get(module)
+    if dropout and dropout > 0.0:
+        # The kernels have no dropout. Falling back to SDPA would silently change which kernel trains the model
+        # (and what the stats say), so refuse instead: most LLM configs train with attention_dropout=0.0.
+        name = entry[1] if entry else type(module).__name__
+        raise NotImplementedError(
+            f"sparsepatch attention does not implement attention dropout (layer {name}, p={dropout}): set "
+            f"model.config.attention_dropout=0.0 (and the layers' attention_dropout) or call model.eval()")
+    for arg in ("softcap", "s_aux", "sinks", "position_bias"):
+        if kwargs.get(arg) is not None:
+            raise NotImplementedError(f"sparsepatch attention does not support `{arg}` (layer "
+                                      f"{entry[1] if entry else type(module).__name__})")
+
+    L, S = query.shape[2], key.shape[2]
+    # Views into the kernel layout (B, S, H, D): no copies. GQA is left to the kernel (Hq % Hk == 0).
+    q = query.transpose(1, 2)
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+    causal = False
+    mask = attention_mask
+    if mask is not None:
+        if mask.shape[-1] > S:  # masks sized for a longer cache than this layer returned
+            mask = mask[..., :S]
+    else:
+        # No mask means no padding (and, on sliding layers, S < window): causality comes from the module.
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        if causal and L == 1:
+            causal = False  # decode: the single new query sees every cached key
+        elif causal and S > L:
+            # sdpa_mask only skips the mask with S > L when the cache was empty (StaticCache prefill): the keys
+            # past L are unwritten padding and SDPA's top-left `is_causal` never reaches them. Drop them, which
+            # also makes top-left and the kernel's bottom-right alignment agree.
+            k, v = k[:, :L], v[:, :L]
+    out = kernels.attention(q, k, v, causal=causal, scale=scaling, attn_mask=mask)
+    if entry is not None:
+        handle, name, _ = entry
+        handle.record_call(name, "default", 1.0)
+    else:
+        # E.g. a deep copy of a patched model: still correct, just not counted.
+        logger.debug("sparsepatch: call from an unmapped module %s", type(module).__name__)
+    return out, None
