@@ -1,0 +1,311 @@
+"""diffusers adapter: route a pipeline's (or model's) attention through sparsepatch.
+
+How it hooks in, without touching any forward():
+- a `sparsepatch` member is added to diffusers' closed `AttentionBackendName` enum and registered with the backend
+  registry (removed again when the last patch goes); processors that call `dispatch_attention_fn` get it as their
+  per-instance `_attention_backend` — the global active backend is never changed;
+- each patched attention module's processor is re-classed in place to a subclass whose `__call__` (signature kept
+  by functools.wraps: the host filters kwargs by it) tells the backend which layer is calling and, for joint
+  text+video attention, how many text tokens there are (they become must_do ranges);
+- processors that call F.scaled_dot_product_attention directly (CogVideoX, Mochi) run under a TorchFunctionMode
+  that routes those calls (sdpa_mode.py);
+- the denoiser's `cache_context` and `_reset_stateful_cache` get instance-level wrappers: the first names the CFG
+  branch of the coming call, the second (called by every pipeline at the end of `__call__`) ends the video.
+Instance attributes are deleted and classes restored on unpatch, so the model is bit-exactly what it was.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+import re
+from dataclasses import dataclass
+
+from .. import kernels
+from ..config import DenseConfig, LightningConfig, NSAConfig, SkipConfig
+from . import sdpa_mode
+from .state import CallSite, batched_cfg_branches
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What sparsepatch needs to know about one diffusers denoiser class.
+
+    self_attention: regexes (full match on the module's qualified name) of the self/joint attention modules.
+    text: where joint attention puts the text tokens in the sequence: None, "prefix" or "suffix".
+    batched_cfg: the pipeline batches [uncond, cond] into one call (branch = batch half).
+    """
+
+    self_attention: tuple
+    text: str | None = None
+    batched_cfg: bool = False
+
+
+_BLOCKS_ATTN1 = (r"blocks\.\d+\.attn1",)
+_TRANSFORMER_BLOCKS_ATTN1 = (r"transformer_blocks\.\d+\.attn1",)
+_DOUBLE_SINGLE = (r"transformer_blocks\.\d+\.attn", r"single_transformer_blocks\.\d+\.attn")
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    "WanTransformer3DModel": ModelSpec(_BLOCKS_ATTN1),
+    "WanVACETransformer3DModel": ModelSpec((r"(vace_)?blocks\.\d+\.attn1",)),
+    "WanAnimateTransformer3DModel": ModelSpec(_BLOCKS_ATTN1),
+    "HunyuanVideoTransformer3DModel": ModelSpec(_DOUBLE_SINGLE, text="suffix"),
+    "HunyuanVideoFramepackTransformer3DModel": ModelSpec(_DOUBLE_SINGLE, text="suffix"),
+    "CogVideoXTransformer3DModel": ModelSpec(_TRANSFORMER_BLOCKS_ATTN1, text="prefix", batched_cfg=True),
+    "LTXVideoTransformer3DModel": ModelSpec(_TRANSFORMER_BLOCKS_ATTN1, batched_cfg=True),
+    "MochiTransformer3DModel": ModelSpec(_TRANSFORMER_BLOCKS_ATTN1, text="suffix", batched_cfg=True),
+    "FluxTransformer2DModel": ModelSpec(_DOUBLE_SINGLE, text="prefix"),
+}
+
+BACKEND_VALUE = "sparsepatch"
+_DENOISER_NAMES = re.compile(r"(transformer|unet|prior)(_\d+)?")
+
+
+def is_diffusers_object(obj) -> bool:
+    try:
+        from diffusers import DiffusionPipeline, ModelMixin
+    except ImportError:
+        return False
+    return isinstance(obj, (DiffusionPipeline, ModelMixin))
+
+
+def _denoisers(obj) -> dict[str, object]:
+    """{prefix: denoiser model}: a pipeline's transformer / transformer_2 / unet, or the model itself (prefix "")."""
+    from diffusers import DiffusionPipeline, ModelMixin
+    if isinstance(obj, ModelMixin):
+        return {"": obj}
+    assert isinstance(obj, DiffusionPipeline)
+    found = {name: comp for name, comp in obj.components.items()
+             if isinstance(comp, ModelMixin) and _DENOISER_NAMES.fullmatch(name)}
+    if not found:
+        raise ValueError(f"pipe_or_model: {type(obj).__name__} has no transformer/unet component to patch")
+    return found
+
+
+def _spec(model) -> ModelSpec | None:
+    return MODEL_SPECS.get(type(model).__name__)
+
+
+def default_config(obj):
+    from ..recipes import recipe_for
+    classes = [type(m).__name__ for m in _denoisers(obj).values()]
+    return recipe_for(classes[0])
+
+
+def overlaps(obj, other) -> bool:
+    if not is_diffusers_object(other):
+        return False
+    mine = {id(m) for m in _denoisers(obj).values()}
+    return any(id(m) in mine for m in _denoisers(other).values())
+
+
+# --- the backend ----------------------------------------------------------------------------------------------
+_ACTIVE: list = []          # stack of _Binding for the processor calls in flight (innermost last)
+
+
+@dataclass
+class _Binding:
+    """A patched processor's link to its handle: layer identity and joint-attention text layout."""
+
+    handle: object
+    site: CallSite
+    prefix: str
+    text: str | None
+    text_len: int = 0
+
+    def attend(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        S = q.shape[1]
+        must_do = None
+        if self.text and self.text_len:
+            must_do = [(0, self.text_len)] if self.text == "prefix" else [(S - self.text_len, S)]
+        context = self.handle.contexts.get(self.prefix, "default")
+        return self.handle.attend(self.site, context, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                  scale=scale, dropout_p=dropout_p, must_do=must_do)
+
+
+def sparsepatch_attention_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                  enable_gqa=False, _parallel_config=None):
+    """diffusers attention backend: (B, S, H, D) tensors in and out, like every diffusers backend."""
+    if _parallel_config is not None:
+        raise NotImplementedError("sparsepatch backend: context parallelism is not supported yet")
+    if not _ACTIVE:   # called by a processor we did not patch (e.g. the user set the backend globally)
+        return kernels.attention(query, key, value, causal=is_causal, scale=scale, attn_mask=attn_mask)
+    return _ACTIVE[-1].attend(query, key, value, attn_mask, dropout_p, is_causal, scale)
+
+
+_BACKEND_USERS = [0]
+
+
+def _backend_member():
+    """Add (once) the `sparsepatch` member to AttentionBackendName and register the backend; returns the member."""
+    from diffusers.models import attention_dispatch as ad
+    enum_cls = ad.AttentionBackendName
+    member = enum_cls._value2member_map_.get(BACKEND_VALUE)
+    if member is None:
+        member = str.__new__(enum_cls, BACKEND_VALUE)
+        member._name_, member._value_ = "SPARSEPATCH", BACKEND_VALUE
+        member.__objclass__ = enum_cls
+        enum_cls._member_map_["SPARSEPATCH"] = member
+        enum_cls._value2member_map_[BACKEND_VALUE] = member
+        enum_cls._member_names_.append("SPARSEPATCH")
+        ad._AttentionBackendRegistry.register(member)(sparsepatch_attention_backend)
+    _BACKEND_USERS[0] += 1
+    return member
+
+
+def _release_backend_member():
+    from diffusers.models import attention_dispatch as ad
+    _BACKEND_USERS[0] -= 1
+    if _BACKEND_USERS[0] > 0:
+        return
+    enum_cls = ad.AttentionBackendName
+    member = enum_cls._value2member_map_.pop(BACKEND_VALUE, None)
+    if member is None:
+        return
+    enum_cls._member_map_.pop("SPARSEPATCH", None)
+    enum_cls._member_names_.remove("SPARSEPATCH")
+    reg = ad._AttentionBackendRegistry
+    for table in (reg._backends, reg._constraints, reg._supported_arg_names):
+        table.pop(member, None)
+    reg._supports_context_parallel.discard(BACKEND_VALUE)
+
+
+# --- processor subclasses -------------------------------------------------------------------------------------
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _patched_class(orig_cls: type) -> type:
+    """A subclass of a processor class whose __call__ announces its binding to the backend."""
+    if orig_cls in _SUBCLASSES:
+        return _SUBCLASSES[orig_cls]
+    orig_call = orig_cls.__call__
+    params = list(inspect.signature(orig_call).parameters)
+    ehs_pos = params.index("encoder_hidden_states") - 2 if "encoder_hidden_states" in params else None
+
+    @functools.wraps(orig_call)
+    def __call__(self, attn, *args, **kwargs):
+        binding = self._sparsepatch_binding
+        if binding.text:
+            ehs = kwargs.get("encoder_hidden_states")
+            if ehs is None and ehs_pos is not None and len(args) > ehs_pos:
+                ehs = args[ehs_pos]
+            if ehs is not None:   # single-stream blocks (already concatenated) reuse the last joint block's length
+                binding.handle.contexts[binding.prefix + "#text"] = ehs.shape[1]
+            binding.text_len = binding.handle.contexts.get(binding.prefix + "#text", 0)
+        _ACTIVE.append(binding)
+        try:
+            if self._sparsepatch_route == "sdpa":
+                with sdpa_mode.route_sdpa(binding.attend):
+                    return orig_call(self, attn, *args, **kwargs)
+            return orig_call(self, attn, *args, **kwargs)
+        finally:
+            _ACTIVE.pop()
+
+    sub = type(orig_cls.__name__, (orig_cls,), {"__call__": __call__, "__module__": orig_cls.__module__,
+                                                "_sparsepatch_original_class": orig_cls})
+    _SUBCLASSES[orig_cls] = sub
+    return sub
+
+
+def _attention_modules(model, config, spec):
+    """[(qualified name, module)] of the attention modules to patch."""
+    selected = []
+    for name, module in model.named_modules():
+        proc = getattr(module, "processor", None)
+        if proc is None or not callable(proc) or not hasattr(module, "set_processor"):
+            continue
+        if isinstance(config, DenseConfig) and config.layers == "all":
+            selected.append((name, module))
+        elif spec is not None and any(re.fullmatch(p, name) for p in spec.self_attention):
+            selected.append((name, module))
+        elif spec is None and not getattr(module, "is_cross_attention", True):
+            selected.append((name, module))
+    return selected
+
+
+def _patch_processor(handle, module, layer, prefix, spec, member, seen):
+    undo_attrs = []
+    proc = module.processor
+    if id(proc) in seen:   # a processor shared by several modules: give this module its own copy
+        original_proc = proc
+        proc = copy.copy(proc)
+        module.processor = proc
+        handle.add_undo(lambda m=module, p=original_proc: setattr(m, "processor", p))
+    seen.add(id(proc))
+    orig_cls = type(proc)
+    route = "dispatch" if hasattr(orig_cls, "_attention_backend") else "sdpa"
+    batch_branches = batched_cfg_branches if spec is not None and spec.batched_cfg else None
+    binding = _Binding(handle, CallSite(layer, batch_branches), prefix, spec.text if spec else None)
+    for attr, value in (("_sparsepatch_binding", binding), ("_sparsepatch_route", route)) + \
+            ((("_attention_backend", member),) if route == "dispatch" else ()):
+        undo_attrs.append((attr, attr in proc.__dict__, proc.__dict__.get(attr)))
+        setattr(proc, attr, value)
+    proc.__class__ = _patched_class(orig_cls)
+
+    def undo(proc=proc, orig_cls=orig_cls, undo_attrs=undo_attrs):
+        proc.__class__ = orig_cls
+        for attr, had, value in reversed(undo_attrs):
+            if had:
+                proc.__dict__[attr] = value
+            else:
+                proc.__dict__.pop(attr, None)
+    handle.add_undo(undo)
+
+
+def _wrap_denoiser(handle, model, prefix):
+    """Instance-level wrappers of cache_context (names the branch) and _reset_stateful_cache (ends the video)."""
+    orig_cache_context = model.cache_context
+    orig_reset = getattr(model, "_reset_stateful_cache", None)
+
+    @contextlib.contextmanager
+    def cache_context(name, **kwargs):
+        previous = handle.contexts.get(prefix)
+        handle.contexts[prefix] = name
+        try:
+            with orig_cache_context(name, **kwargs):
+                yield
+        finally:
+            if previous is None:
+                handle.contexts.pop(prefix, None)
+            else:
+                handle.contexts[prefix] = previous
+
+    def _reset_stateful_cache(*args, **kwargs):
+        handle.reset()
+        if orig_reset is not None:
+            return orig_reset(*args, **kwargs)
+
+    for attr, fn in (("cache_context", cache_context), ("_reset_stateful_cache", _reset_stateful_cache)):
+        had, value = attr in model.__dict__, model.__dict__.get(attr)
+        model.__dict__[attr] = fn
+
+        def undo(attr=attr, had=had, value=value):
+            if had:
+                model.__dict__[attr] = value
+            else:
+                model.__dict__.pop(attr, None)
+        handle.add_undo(undo)
+
+
+def patch_model(obj, config, handle) -> None:
+    if isinstance(config, (NSAConfig, LightningConfig)):
+        raise NotImplementedError(f"{type(config).__name__} is not available for diffusers models yet")
+    denoisers = _denoisers(obj)
+    if isinstance(config, SkipConfig):
+        unknown = [type(m).__name__ for m in denoisers.values() if _spec(m) is None]
+        if unknown:
+            raise ValueError(f"pipe_or_model: no skip-attention recipe for {unknown}; supported: "
+                             f"{sorted(MODEL_SPECS)} (DenseConfig works with any diffusers model)")
+    member = _backend_member()
+    handle.add_undo(_release_backend_member)
+    for prefix, model in denoisers.items():
+        spec = _spec(model)
+        modules = _attention_modules(model, config, spec)
+        if not modules:
+            raise ValueError(f"pipe_or_model: found no attention modules to patch in {type(model).__name__}")
+        seen = set()
+        for name, module in modules:
+            layer = f"{prefix}.{name}" if prefix else name
+            _patch_processor(handle, module, layer, prefix, spec, member, seen)
+        _wrap_denoiser(handle, model, prefix)

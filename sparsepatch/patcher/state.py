@@ -1,0 +1,201 @@
+"""Per-patch state: skip lists per (layer, branch) across denoising steps, call counts, densities.
+
+The patcher adapters (diffusers.py, transformers.py, sdpa_mode.py) hand every attention call they intercept to
+`PatchHandle.attend`. Lists live in `SkipListBuffers` (device tensors updated inside the `sparsepatch::skip_step`
+op), keyed by (layer, context); a context is the pipeline's cache-context name ("cond", "uncond", ...).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+from ..config import DenseConfig, SkipConfig
+from ..kernels.stateful import SkipListBuffers, skip_step
+from ..kernels.skiplist import SkipList
+
+logger = logging.getLogger("sparsepatch")
+
+
+@dataclass
+class CallSite:
+    """Where an attention call comes from: the layer's qualified name and how to name its batch elements.
+
+    batch_branches: None (the batch is one branch named after the context) or a function
+        (context, batch_size) -> list of branch names per batch element (batched CFG: ["uncond", ..., "cond"]).
+    """
+
+    layer: str
+    batch_branches: object = None
+
+
+def batched_cfg_branches(context: str, batch: int) -> list[str]:
+    """Batched classifier-free guidance: the first half of the batch is uncond, the second half cond."""
+    if batch % 2:
+        return [context] * batch
+    return ["uncond"] * (batch // 2) + ["cond"] * (batch // 2)
+
+
+class PatchHandle:
+    """What `sp.patch` returns: undo stack, call counts, skip state and `stats()`.
+
+    Adapters call `add_undo(fn)` for each thing they change (undone in reverse on `remove()`), `record_call` for
+    calls they serve themselves, and `attend(...)` to run attention under the handle's config.
+    """
+
+    def __init__(self, obj, config):
+        self.obj = obj
+        self.config = config
+        self._undos = []
+        self._removed = False
+        self._calls = 0
+        self._history = defaultdict(lambda: defaultdict(list))   # layer -> branch -> [density per call]
+        self._buffers: dict[tuple[str, str], tuple[SkipListBuffers, CallSite, tuple]] = {}
+        self.contexts: dict[str, str] = {}                       # denoiser prefix -> current cache context
+        self.probe = None                                        # validate's hook: fn(site, branch_names, q, k, v, out)
+        self._warned = set()
+
+    # --- undo stack ---------------------------------------------------------------------------------------------
+    def add_undo(self, fn) -> None:
+        self._undos.append(fn)
+
+    def remove(self) -> None:
+        """Restore everything the patch changed, bit-exactly. Idempotent."""
+        if self._removed:
+            return
+        self.reset()
+        while self._undos:
+            self._undos.pop()()
+        self._removed = True
+        from . import _HANDLES
+        _HANDLES.pop(self.obj, None)
+
+    @property
+    def removed(self) -> bool:
+        return self._removed
+
+    # --- accounting ---------------------------------------------------------------------------------------------
+    def record_call(self, layer_name: str, branch: str, density: float) -> None:
+        self._calls += 1
+        self._history[layer_name][branch].append(float(density))
+
+    def reset(self) -> None:
+        """End of a video: move live skip-list densities into the history and drop the lists."""
+        for key in list(self._buffers):
+            self._archive(key)
+        self._buffers.clear()
+
+    def _archive(self, key) -> None:
+        buffers, site, names = self._buffers.pop(key)
+        hist = buffers.history()                                    # (calls, B)
+        self._calls += int(buffers.step.item())
+        for branch in dict.fromkeys(names):
+            cols = [i for i, n in enumerate(names) if n == branch]
+            self._history[site.layer][branch].extend(hist[:, cols].mean(1).tolist())
+
+    def stats(self) -> dict:
+        """{"calls": int, "density": {layer: {branch: [density per call]}}, "per_step": [mean density per step]}.
+
+        density is the fraction of skip tiles computed (1.0 = dense); calls counts every patched attention call.
+        """
+        density = {layer: {b: list(v) for b, v in branches.items()} for layer, branches in self._history.items()}
+        calls = self._calls
+        for (buffers, site, names) in self._buffers.values():
+            hist = buffers.history()
+            calls += int(buffers.step.item())
+            for branch in dict.fromkeys(names):
+                cols = [i for i, n in enumerate(names) if n == branch]
+                density.setdefault(site.layer, {}).setdefault(branch, []).extend(hist[:, cols].mean(1).tolist())
+        per_step = defaultdict(list)
+        for branches in density.values():
+            for values in branches.values():
+                for i, d in enumerate(values):
+                    per_step[i].append(d)
+        return {"calls": calls, "density": density,
+                "per_step": [sum(v) / len(v) for _, v in sorted(per_step.items())]}
+
+    def skip_lists(self) -> dict:
+        """{(layer, context): SkipList the next call will read} for the live lists (for inspection and tests)."""
+        warm = self.config.warmup_steps if isinstance(self.config, SkipConfig) else 0
+        return {key: buf.current(warm) for key, (buf, _, _) in self._buffers.items()}
+
+    def warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg)
+
+    # --- the attention call -------------------------------------------------------------------------------------
+    def attend(self, site: CallSite, context: str, q, k, v, *, attn_mask=None, is_causal=False, scale=None,
+               dropout_p=0.0, must_do=None, self_attention=True):
+        """Attention for one intercepted call. q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) -> (B, Sq, Hq, D)."""
+        if dropout_p:
+            raise ValueError(f"dropout_p={dropout_p}: sparsepatch attention has no dropout; call the model in eval "
+                             "mode or set the attention dropout to 0")
+        B = q.shape[0]
+        names = site.batch_branches(context, B) if site.batch_branches else [context] * B
+        cfg = self.config
+        sparse = (isinstance(cfg, SkipConfig) and self_attention and not is_causal
+                  and q.shape[1] == k.shape[1])
+        if sparse and attn_mask is not None:
+            q, k, v, attn_mask, must_do = _drop_padded_keys(q, k, v, attn_mask, must_do)
+            if attn_mask is not None:
+                self.warn_once("mask", f"{site.layer}: attention mask is not a key-padding mask shared by the "
+                               "batch; running these calls dense")
+                sparse = False
+        if not sparse:
+            out = kernels.attention(q, k, v, causal=is_causal, scale=scale, attn_mask=attn_mask)
+            for branch in dict.fromkeys(names):
+                self._history[site.layer][branch].append(1.0)
+            self._calls += 1
+        else:
+            buffers = self._buffers_for(site, context, q, k, names)
+            extra = [tuple(r) for r in (cfg.must_do or [])]
+            ranges = (must_do or []) + extra
+            out = skip_step(q, k, v, buffers, cfg.threshold, cfg.warmup_steps, scale=scale, must_do=ranges)
+        if self.probe is not None:
+            self.probe(site, names, q, k, v, out, scale)
+        return out
+
+    def _buffers_for(self, site, context, q, k, names) -> SkipListBuffers:
+        key = (site.layer, context)
+        B, Sq, Hq, _ = q.shape
+        Sk = k.shape[1]
+        sig = (q.dtype, tuple(names))
+        entry = self._buffers.get(key)
+        if entry is not None and (not entry[0].matches(B, Hq, Sq, Sk, q.device) or entry[2] != sig[1]
+                                  or entry[0].dtype != q.dtype):
+            self._archive(key)   # shape, heads, dtype or batch layout changed: a new video
+            entry = None
+        if entry is None:
+            buffers = SkipListBuffers.create(B, Hq, Sq, Sk, self.config.tile, q.device)
+            buffers.dtype = q.dtype
+            entry = (buffers, site, sig[1])
+            self._buffers[key] = entry
+        return entry[0]
+
+
+def _drop_padded_keys(q, k, v, attn_mask, must_do):
+    """Turn a key-padding mask shared by every batch element into a shorter k/v (exactly the same attention).
+
+    Returns (q, k, v, None, must_do) with masked keys removed, or the inputs unchanged (mask kept) when the mask
+    is not of that form. Keys that a mask removes contribute exactly 0 to the softmax, so removing them is exact.
+    """
+    if attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[-2] != 1 \
+            or attn_mask.shape[1] != 1:
+        if attn_mask.dtype == torch.bool and bool(attn_mask.all()):
+            return q, k, v, None, must_do
+        return q, k, v, attn_mask, must_do
+    keep = attn_mask[:, 0, 0, :]                                     # (B or 1, Sk)
+    if not bool((keep == keep[:1]).all()):
+        return q, k, v, attn_mask, must_do
+    keep = keep[0]
+    if bool(keep.all()):
+        return q, k, v, None, must_do
+    # Ranges are positions in the joint sequence; the kernel applies them to q and k alike, which stays right when
+    # every removed key lies after all must_do keys that remain (text padding sits at the end of the text).
+    idx = keep.nonzero().squeeze(1)
+    return q, k.index_select(1, idx), v.index_select(1, idx), None, must_do

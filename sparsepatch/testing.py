@@ -1,0 +1,147 @@
+"""Tiny models built from configs (no download) and synthetic workloads, for tests, the demo and notebooks."""
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+_WORDS = ["<pad>", "</s>", "<unk>", "a", "cat", "dog", "runs", "on", "the", "beach", "red", "ball", "sunset",
+          "city", "night", "rain", "blurry", "low", "quality"]
+
+
+def tiny_tokenizer(model_max_length: int = 16):
+    """A WordLevel fast tokenizer over a few words (T5-style: pad=0, eos=1)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(_WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   model_max_length=model_max_length)
+
+
+def _tiny_t5_encoder(cls_name: str, d_model: int):
+    import transformers
+    cfg = transformers.UMT5Config if cls_name == "UMT5EncoderModel" else transformers.T5Config
+    config = cfg(vocab_size=len(_WORDS), d_model=d_model, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                 relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0,
+                 eos_token_id=1, decoder_start_token_id=0)
+    return getattr(transformers, cls_name)(config).eval()
+
+
+def tiny_wan_pipeline(num_layers: int = 2, heads: int = 2, head_dim: int = 16, seed: int = 0,
+                      attention_gain: float = 1.0, two_transformers: bool = False):
+    """A WanPipeline with random tiny components. attention_gain scales q/k projections (sharper attention)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    torch.manual_seed(seed)
+    text_dim = 16
+
+    def transformer():
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=4,
+            out_channels=4, text_dim=text_dim, freq_dim=16, ffn_dim=32, num_layers=num_layers,
+            cross_attn_norm=True, rope_max_seq_len=32).eval()
+        _sharpen(model, attention_gain)
+        return model
+
+    vae = AutoencoderKLWan(base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
+                           latents_std=[1.0] * 4).eval()
+    return WanPipeline(
+        tokenizer=tiny_tokenizer(), text_encoder=_tiny_t5_encoder("UMT5EncoderModel", text_dim), vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=transformer(),
+        transformer_2=transformer() if two_transformers else None,
+        boundary_ratio=0.5 if two_transformers else None)
+
+
+def wan_call_kwargs(height: int = 64, width: int = 64, num_frames: int = 9, steps: int = 4, seed: int = 0,
+                    guidance_scale: float = 5.0) -> dict:
+    """Arguments for a tiny WanPipeline call; latents are (1, 4, (F-1)/4+1, H/8, W/8)."""
+    return dict(prompt="a cat runs on the beach", negative_prompt="blurry low quality", height=height,
+                width=width, num_frames=num_frames, num_inference_steps=steps, guidance_scale=guidance_scale,
+                generator=torch.Generator().manual_seed(seed), output_type="pt", max_sequence_length=16)
+
+
+def tiny_cogvideox_pipeline(num_layers: int = 2, seed: int = 0, attention_gain: float = 1.0):
+    """A CogVideoXPipeline (batched CFG, F.scaled_dot_product_attention called directly, text-prefix joint attn)."""
+    from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline,
+                           CogVideoXTransformer3DModel)
+    torch.manual_seed(seed)
+    transformer = CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=8,
+        text_embed_dim=16, num_layers=num_layers, sample_width=8, sample_height=8, sample_frames=9, patch_size=2,
+        temporal_compression_ratio=4, max_text_seq_length=16).eval()
+    _sharpen(transformer, attention_gain)
+    vae = AutoencoderKLCogVideoX(
+        in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), latent_channels=4,
+        layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4).eval()
+    return CogVideoXPipeline(tokenizer=tiny_tokenizer(), text_encoder=_tiny_t5_encoder("T5EncoderModel", 16),
+                             vae=vae, transformer=transformer, scheduler=CogVideoXDDIMScheduler())
+
+
+def cogvideox_call_kwargs(steps: int = 4, seed: int = 0) -> dict:
+    return dict(prompt="a dog runs on the beach", negative_prompt="blurry", height=64, width=64, num_frames=9,
+                num_inference_steps=steps, guidance_scale=6.0, generator=torch.Generator().manual_seed(seed),
+                output_type="pt", max_sequence_length=16)
+
+
+def tiny_hunyuan_video_transformer(num_layers: int = 1, num_single_layers: int = 1, seed: int = 0):
+    """A HunyuanVideoTransformer3DModel (joint text+video attention, text after video, key-padding mask)."""
+    from diffusers import HunyuanVideoTransformer3DModel
+    torch.manual_seed(seed)
+    return HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=num_layers,
+        num_single_layers=num_single_layers, num_refiner_layers=1, patch_size=1, patch_size_t=1,
+        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(4, 6, 6)).eval()
+
+
+def hunyuan_inputs(steps_seed: int = 0, frames: int = 3, size: int = 8, text_len: int = 10, valid: int = 7):
+    """Inputs for one HunyuanVideo transformer call: latents (1, 4, F, H, W) and a padded text of `text_len`."""
+    g = torch.Generator().manual_seed(steps_seed)
+    mask = torch.zeros(1, text_len, dtype=torch.long)
+    mask[:, :valid] = 1
+    return dict(hidden_states=torch.randn(1, 4, frames, size, size, generator=g),
+                encoder_hidden_states=torch.randn(1, text_len, 16, generator=g), encoder_attention_mask=mask,
+                pooled_projections=torch.randn(1, 8, generator=g), guidance=torch.tensor([4.0]) * 1000)
+
+
+def _sharpen(model, gain: float) -> None:
+    """Multiply attention logits by `gain`: random weights attend almost uniformly, real DiTs do not; a gain > 1
+    gives the tiny model peaked attention so skipping has something to find. Scales the q/k RMSNorm weights where
+    the model normalises q and k (Wan, CogVideoX, HunyuanVideo), else the q/k projections."""
+    if gain == 1.0:
+        return
+    with torch.no_grad():
+        names = [n for n, _ in model.named_parameters()]
+        normed = any(re.search(r"norm_(q|k)\.weight$", n) for n in names)
+        pattern = r"norm_(q|k)\.weight$" if normed else r"(to_q|to_k)\.(weight|bias)$"
+        for name, p in model.named_parameters():
+            if re.search(pattern, name):
+                p.mul_(math.sqrt(gain))
+
+
+def video_like_qkv(B=1, heads=2, frames=4, height=8, width=8, dim=32, step=0, drift=0.02, seed=0,
+                   locality=3.0, dtype=torch.float32, device="cpu"):
+    """Synthetic video-like attention inputs (B, S, H, D), S = frames*height*width.
+
+    Queries and keys are sinusoidal embeddings of each token's (t, y, x) position plus noise, so scores fall with
+    3D distance (local attention, like video DiTs); `step` drifts the noise slowly, like denoising steps.
+    """
+    g = torch.Generator().manual_seed(seed)
+    t, y, x = torch.meshgrid(torch.arange(frames), torch.arange(height), torch.arange(width), indexing="ij")
+    pos = torch.stack([t, y, x], -1).reshape(-1, 3).float()                  # (S, 3)
+    nfreq = dim // 6
+    freqs = torch.exp(-torch.arange(nfreq).float() / max(nfreq, 1) * math.log(8.0)) * 0.9
+    ang = pos[:, :, None] * freqs                                            # (S, 3, nfreq)
+    emb = torch.cat([ang.sin(), ang.cos()], -1).reshape(pos.shape[0], -1)    # (S, 6*nfreq)
+    emb = torch.nn.functional.pad(emb, (0, dim - emb.shape[1]))
+    base = emb[None, :, None, :].expand(B, -1, heads, -1)
+    noise0 = torch.randn(3, B, pos.shape[0], heads, dim, generator=g)
+    noise1 = torch.randn(3, B, pos.shape[0], heads, dim, generator=g)
+    noise = noise0 * math.cos(drift * step) + noise1 * math.sin(drift * step)
+    q = base * locality + 0.3 * noise[0]
+    k = base * locality + 0.3 * noise[1]
+    v = noise[2]
+    return tuple(t.to(dtype=dtype, device=device).contiguous() for t in (q, k, v))
+

@@ -1,0 +1,3 @@
+"""placeholder"""
+class ValidationReport: pass
+def validate(*a, **k): raise NotImplementedError
