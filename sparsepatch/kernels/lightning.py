@@ -1,0 +1,261 @@
+"""Lightning (linear) attention in Triton: a bandwidth-bound decode step and a fused chunked prefill.
+
+Same functions as `lightning_reference` (read its docstring for the recurrence and layouts):
+
+    lightning_decode(q, k, v, state, decay, *, scale=None, out=None, state_layout="bhkv") -> o (B, 1, H, V)
+        state fp32 (B, H, K, V) is updated in place: state <- exp(-decay) state + k^T v; o = scale q @ state.
+    lightning_prefill(q, k, v, decay, *, scale=None, initial_state=None, cu_seqlens=None, state_layout="bhkv")
+        -> (o (B, T, H, V), final_state fp32 (N, H, K, V))
+
+Decode: one program per (batch, head, V-block) streams its (K, BV) fp32 state tile once (read + write); the
+only allocation is the output (none with `out=`), there is no host sync after the first call with a given decay
+tensor, so it is CUDA-graph capturable. Prefill: one program per (sequence, head, V-block) walks the sequence in
+chunks of 64 tokens carrying the fp32 state in registers: o = (q k^T * decay_mask) v + decay_q * (q @ state); the
+per-chunk states never touch memory. Tensor-core operands are the input dtype (the state is rounded to it for
+q @ state, like fla); accumulation is fp32.
+
+Both ops are registered as torch.library custom ops (`sparsepatch::lightning_decode_`, mutating state/out, and
+`sparsepatch::lightning_prefill`) with fake impls for torch.compile; eager calls launch the kernel directly to
+save the dispatcher's host time. Inputs: fp16/bf16 (fp32 runs with tf32 dot products on GPU; exact under
+TRITON_INTERPRET=1). Any strides (no hidden copies); q/k/v/o last dim should be contiguous for speed.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .lightning_reference import CHUNK, check_decode_args, check_prefill_args
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def supports(q: torch.Tensor, **kw) -> bool:
+    """Whether the Triton kernels take these inputs (dispatcher hook): fp16/bf16/fp32, head dims <= 256."""
+    k = kw.get("k")
+    v = kw.get("v")
+    dims_ok = q.shape[-1] <= MAX_HEAD_DIM and (v is None or v.shape[-1] <= MAX_HEAD_DIM)
+    return q.dtype in SUPPORTED_DTYPES and dims_ok and (k is None or k.dtype == q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------- decode
+@triton.jit
+def _decode_kernel(Q, Kt, Vt, S, G, O, scale, H,
+                   sqb, sqh, sqd, skb, skh, skd, svb, svh, svd,
+                   ssb, ssh, ssk, ssv, sob, soh, sod,
+                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   EVEN_K: tl.constexpr, EVEN_V: tl.constexpr):
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    ok = tl.arange(0, BK)
+    ov = pid_v * BV + tl.arange(0, BV)
+    g = tl.exp(-tl.load(G + h))
+    sp = S + b * ssb + h * ssh + ok[:, None] * ssk + ov[None, :] * ssv
+    if EVEN_K and EVEN_V:
+        s = tl.load(sp)
+        q = tl.load(Q + b * sqb + h * sqh + ok * sqd).to(tl.float32)
+        k = tl.load(Kt + b * skb + h * skh + ok * skd).to(tl.float32)
+        v = tl.load(Vt + b * svb + h * svh + ov * svd).to(tl.float32)
+    else:
+        mk = ok < K
+        mv = ov < V
+        s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0)
+        q = tl.load(Q + b * sqb + h * sqh + ok * sqd, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(Kt + b * skb + h * skh + ok * skd, mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(Vt + b * svb + h * svh + ov * svd, mask=mv, other=0.0).to(tl.float32)
+    s = s * g + k[:, None] * v[None, :]
+    o = tl.sum(s * (q * scale)[:, None], axis=0)
+    op = O + b * sob + h * soh + ov * sod
+    if EVEN_K and EVEN_V:
+        tl.store(sp, s)
+        tl.store(op, o.to(O.dtype.element_ty))
+    else:
+        tl.store(sp, s, mask=mk[:, None] & mv[None, :])
+        tl.store(op, o.to(O.dtype.element_ty), mask=mv)
+
+
+def _decode_config(BH: int, K: int, V: int) -> tuple[int, int]:
+    """(BV, num_warps) for the decode kernel; measured on H100 (benchmarks/notes_lightning.md)."""
+    BK = triton.next_power_of_2(K)
+    BV = min(triton.next_power_of_2(V), max(16, 4096 // BK))     # (K, BV) fp32 tile of at most 16 KiB
+    return BV, 4
+
+
+_DECODE_OVERRIDE: dict = {}  # {"BV": .., "num_warps": ..}: benchmark sweeps only
+
+
+def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
+    B, _, H, K = q.shape
+    V = v.shape[3]
+    if vk:
+        ssb, ssh, ssv, ssk = state.stride()
+    else:
+        ssb, ssh, ssk, ssv = state.stride()
+    BK = triton.next_power_of_2(K)
+    BV, warps = _decode_config(B * H, K, V)
+    if _DECODE_OVERRIDE:
+        BV, warps = _DECODE_OVERRIDE.get("BV", BV), _DECODE_OVERRIDE.get("num_warps", warps)
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+    _decode_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, v, state, decay, out, scale, H,
+        qs[0], qs[2], qs[3], ks[0], ks[2], ks[3], vs[0], vs[2], vs[3],
+        ssb, ssh, ssk, ssv, os_[0], os_[2], os_[3],
+        K=K, V=V, BK=BK, BV=BV, EVEN_K=BK == K, EVEN_V=V % BV == 0, num_warps=warps)
+
+
+@torch.library.custom_op("sparsepatch::lightning_decode_", mutates_args=("state", "out"))
+def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, decay: torch.Tensor,
+               out: torch.Tensor, scale: float, state_vk: bool) -> None:
+    _launch_decode(q, k, v, state, decay, out, scale, state_vk)
+
+
+@_decode_op.register_fake
+def _(q, k, v, state, decay, out, scale, state_vk):
+    return None
+
+
+def lightning_decode(q, k, v, state, decay, *, scale=None, out=None, state_layout: str = "bhkv"):
+    """One decode step on the Triton kernel; see the module docstring. Returns o (B, 1, H, V) (= `out` if given)."""
+    B, H, K, V, scale, vk = check_decode_args(q, k, v, state, decay, scale, out, state_layout)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype must be one of {SUPPORTED_DTYPES} for the Triton kernel, got {q.dtype}")
+    if out is None:
+        out = torch.empty((B, 1, H, V), dtype=q.dtype, device=q.device)
+    if torch.compiler.is_compiling():
+        _decode_op(q, k, v, state, decay, out, scale, vk)
+    else:
+        _launch_decode(q, k, v, state, decay, out, scale, vk)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- prefill
+@triton.jit
+def _prefill_kernel(Q, Kt, Vt, G, H0, HT, O, CU, scale, T, H,
+                    sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd,
+                    sob, sot, soh, sod, s0n, s0h, s0k, s0v, stn, sth, stk, stv,
+                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                    HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr):
+    pid_v = tl.program_id(0)
+    pid_nh = tl.program_id(1)
+    n = pid_nh // H
+    h = pid_nh % H
+    if IS_VARLEN:
+        bos = tl.load(CU + n).to(tl.int64)
+        L = tl.load(CU + n + 1).to(tl.int64) - bos
+        b = 0
+    else:
+        bos = 0
+        L = T
+        b = n.to(tl.int64)
+    rate = tl.load(G + h)
+    ok = tl.arange(0, BK)
+    ov = pid_v * BV + tl.arange(0, BV)
+    oc = tl.arange(0, C)
+    mk = ok < K
+    mv = ov < V
+    # decay inside a chunk: D[i, j] = exp(-rate (i - j)) for j <= i; the start state reaches row i as exp(-rate (i+1))
+    diff = (oc[:, None] - oc[None, :]).to(tl.float32)
+    dmat = tl.where(diff >= 0, tl.exp(-rate * tl.maximum(diff, 0.0)), 0.0)
+    qdec = tl.exp(-rate * (oc + 1).to(tl.float32)) * scale
+
+    if HAS_H0:
+        s = tl.load(H0 + n * s0n + h * s0h + ok[:, None] * s0k + ov[None, :] * s0v,
+                    mask=mk[:, None] & mv[None, :], other=0.0)
+    else:
+        s = tl.zeros((BK, BV), dtype=tl.float32)
+
+    qp = Q + b * sqb + bos * sqt + h * sqh + oc[:, None] * sqt + ok[None, :] * sqd
+    kp = Kt + b * skb + bos * skt + h * skh + oc[:, None] * skt + ok[None, :] * skd
+    vp = Vt + b * svb + bos * svt + h * svh + oc[:, None] * svt + ov[None, :] * svd
+    op = O + b * sob + bos * sot + h * soh + oc[:, None] * sot + ov[None, :] * sod
+    for t0 in range(0, L, C):
+        mt = (t0 + oc) < L
+        q = tl.load(qp, mask=mt[:, None] & mk[None, :], other=0.0)
+        k = tl.load(kp, mask=mt[:, None] & mk[None, :], other=0.0)
+        v = tl.load(vp, mask=mt[:, None] & mv[None, :], other=0.0)
+        a = tl.dot(q, tl.trans(k)) * (dmat * scale)
+        o = tl.dot(a.to(v.dtype), v)
+        o += tl.dot(q, s.to(q.dtype)) * qdec[:, None]
+        tl.store(op, o.to(O.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+        lc = tl.minimum(L - t0, C).to(tl.float32)
+        kdec = tl.where(mt, tl.exp(-rate * tl.maximum(lc - 1.0 - oc.to(tl.float32), 0.0)), 0.0)
+        kd = (k.to(tl.float32) * kdec[:, None]).to(k.dtype)
+        s = s * tl.exp(-rate * lc) + tl.dot(tl.trans(kd), v)
+        qp += C * sqt
+        kp += C * skt
+        vp += C * svt
+        op += C * sot
+    tl.store(HT + n * stn + h * sth + ok[:, None] * stk + ov[None, :] * stv, s, mask=mk[:, None] & mv[None, :])
+
+
+def _prefill_config(N: int, H: int, K: int, V: int) -> tuple[int, int, int]:
+    """(BV, num_warps, num_stages) for the prefill kernel; measured on H100 (benchmarks/notes_lightning.md)."""
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    return BV, 4, 2
+
+
+_PREFILL_OVERRIDE: dict = {}  # {"BV", "num_warps", "num_stages"}: benchmark sweeps only
+
+
+def _state_strides(t: torch.Tensor, vk: bool):
+    s0, s1, s2, s3 = t.stride()
+    return (s0, s1, s3, s2) if vk else (s0, s1, s2, s3)
+
+
+def _launch_prefill(q, k, v, decay, initial_state, cu_seqlens, scale: float, vk: bool):
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    o = torch.empty((B, T, H, V), dtype=q.dtype, device=q.device)
+    final = torch.empty((N, H, V, K) if vk else (N, H, K, V), dtype=torch.float32, device=q.device)
+    if N == 0:
+        return o, final
+    BK = max(16, triton.next_power_of_2(K))
+    BV, warps, stages = _prefill_config(N, H, K, V)
+    if _PREFILL_OVERRIDE:
+        BV = _PREFILL_OVERRIDE.get("BV", BV)
+        warps = _PREFILL_OVERRIDE.get("num_warps", warps)
+        stages = _PREFILL_OVERRIDE.get("num_stages", stages)
+    h0 = initial_state if initial_state is not None else final  # dummy pointer when absent
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
+    cu = cu_seqlens if cu_seqlens is not None else decay  # dummy pointer when absent
+    _prefill_kernel[(triton.cdiv(V, BV), N * H)](
+        q, k, v, decay, h0, final, o, cu, scale, T, H,
+        *qs, *ks, *vs, *os_, *_state_strides(h0, vk), *_state_strides(final, vk),
+        K=K, V=V, BK=BK, BV=BV, C=CHUNK, HAS_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
+        num_warps=warps, num_stages=stages)
+    return o, final
+
+
+@torch.library.custom_op("sparsepatch::lightning_prefill", mutates_args=())
+def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
+                state_vk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_prefill(q, k, v, decay, initial_state, cu_seqlens, scale, state_vk)
+
+
+@_prefill_op.register_fake
+def _(q, k, v, decay, initial_state, cu_seqlens, scale, state_vk):
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    o = q.new_empty((B, T, H, V))
+    final = q.new_empty((N, H, V, K) if state_vk else (N, H, K, V), dtype=torch.float32)
+    return o, final
+
+
+def lightning_prefill(q, k, v, decay, *, scale=None, initial_state=None, cu_seqlens=None,
+                      state_layout: str = "bhkv"):
+    """Chunked prefill on the Triton kernel; see the module docstring. Returns (o, final_state fp32)."""
+    N, T, H, K, V, scale, vk = check_prefill_args(q, k, v, decay, scale, initial_state, cu_seqlens, state_layout)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype must be one of {SUPPORTED_DTYPES} for the Triton kernel, got {q.dtype}")
+    if torch.compiler.is_compiling():
+        return _prefill_op(q, k, v, decay, initial_state, cu_seqlens, scale, vk)
+    return _launch_prefill(q, k, v, decay, initial_state, cu_seqlens, scale, vk)
+
+
+__all__ = ["lightning_decode", "lightning_prefill", "supports"]
