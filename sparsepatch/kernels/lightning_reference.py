@@ -28,12 +28,10 @@ _checked_decay: set = set()
 
 def _check_decay_values(decay: torch.Tensor) -> None:
     """decay >= 0 and finite. Syncs a CUDA tensor once per (tensor, version); skipped under graph capture/compile."""
-    if torch.compiler.is_compiling() or decay.numel() == 0:
+    key = (decay.data_ptr(), decay._version, decay.is_cuda)
+    if key in _checked_decay or torch.compiler.is_compiling() or decay.numel() == 0:
         return
     if decay.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    key = (str(decay.device), decay.data_ptr(), decay._version, decay.numel())
-    if key in _checked_decay:
         return
     bad = ~torch.isfinite(decay) | (decay < 0)
     if bool(bad.any()):
@@ -108,7 +106,28 @@ def resolve_scale(scale, K: int) -> float:
 
 
 def check_decode_args(q, k, v, state, decay, scale, out, state_layout):
-    """Validate decode arguments; returns (B, H, K, V, scale, vk)."""
+    """Validate decode arguments; returns (B, H, K, V, scale, vk). A lean fast path for the common valid call."""
+    try:
+        B, T, H, K = q.shape
+        V = v.shape[3]
+        dt = q.dtype
+        vk = state_layout == "bhvk"
+        ok = (T == 1 and k.shape == q.shape and v.shape[:3] == q.shape[:3] and k.dtype == dt and v.dtype == dt
+              and decay.dtype == torch.float32 and decay.shape == (H,) and state.dtype == torch.float32
+              and state.shape == ((B, H, V, K) if vk else (B, H, K, V)) and (vk or state_layout == "bhkv")
+              and (out is None or (out.shape == (B, 1, H, V) and out.dtype == dt))
+              and q.is_cuda == k.is_cuda == v.is_cuda == state.is_cuda == decay.is_cuda and K > 0 and V > 0 and H > 0)
+    except (AttributeError, TypeError, ValueError, IndexError):
+        ok = False
+    if ok and (not q.is_cuda or q.get_device() == state.get_device() == decay.get_device()):
+        _check_decay_values(decay)
+        if scale is None:
+            scale = 1.0 / math.sqrt(K)
+        return B, H, K, V, float(scale), vk
+    return _check_decode_args_slow(q, k, v, state, decay, scale, out, state_layout)
+
+
+def _check_decode_args_slow(q, k, v, state, decay, scale, out, state_layout):
     B, _, H, K, V = check_inputs(q, k, v, decay, decode=True)
     vk = check_state_layout(state_layout)
     _check_state("state", state, (B, H, K, V), vk, q)

@@ -1,0 +1,282 @@
+"""Lightning attention decode / prefill: sparsepatch Triton vs fla (fused_recurrent / chunk_simple_gla) vs torch.
+
+    python benchmarks/bench_lightning.py [--quick] [--sweep] [--out DIR]
+
+Decode: H=64, K=V=128, bf16 q/k/v, fp32 state (B, H, K, V), B in 1..256. Bandwidth = state bytes read + written
+(2 * B*H*K*V*4) / time, against a device-to-device copy ceiling measured in the same run. Eager times are
+triton.testing.do_bench medians (L2 flushed before each call, host launch time included when it dominates);
+graph times are one CUDA graph of `steps` decode calls cycling over enough state buffers to defeat L2, / steps.
+Prefill: B=1, H=64, K=V=128 bf16, MiniMax layer-0 slopes, T = 1K..32K, with final state, vs fla chunk_simple_gla.
+Writes <out>/<gpu>-lightning.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from sparsepatch.kernels import lightning_reference as ref  # noqa: E402
+
+H, D = 64, 128
+DECODE_B = [1, 4, 16, 32, 64, 128, 256]
+PREFILL_T = [1024, 2048, 4096, 8192, 16384, 32768]
+
+
+def _bench(fn, rep=200):
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3   # us
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def minimax_slopes(h=H, layer=0, layers=80):
+    base = 1 / (2 ** (8 / h))
+    rate = base ** (torch.arange(h) + 1.0)
+    return (rate * (1 - layer / (layers - 1 + 1e-5) + 1e-5)).float()
+
+
+def copy_ceiling():
+    n = 1 << 30
+    x = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    y = torch.empty_like(x)
+    us = _bench(lambda: y.copy_(x), rep=300)
+    return 2 * n / (us * 1e-6) / 1e12, us
+
+
+def load_fla():
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+        return chunk_simple_gla, fused_recurrent_simple_gla, None
+    except Exception as exc:  # noqa: BLE001
+        return None, None, f"{type(exc).__name__}: {exc}"
+
+
+def graph_time(step_fns, steps):
+    """us per step for a CUDA graph of `steps` calls cycling over step_fns (each a zero-arg call on its buffers)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in step_fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(steps):
+            step_fns[i % len(step_fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    return _bench(g.replay, rep=300) / steps
+
+
+def host_time(fn, n=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def bench_decode(fused_recurrent, batches, graph=True):
+    from sparsepatch.kernels import lightning as tri
+    rows = []
+    decay = minimax_slopes().cuda()
+    for B in batches:
+        g = torch.Generator(device="cuda").manual_seed(B)
+        q, k, v = (torch.randn(B, 1, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+        state_bytes = B * H * D * D * 4
+        nbuf = min(16, max(1, math.ceil((160 << 20) / state_bytes)))
+        states = [torch.randn(B, H, D, D, device="cuda", generator=g) * 0.1 for _ in range(nbuf)]
+        out = torch.empty(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+        row = {"B": B, "state_MB": state_bytes / 1e6}
+        # correctness against the reference (one step)
+        s_ref, s_tri = states[0].clone(), states[0].clone()
+        o_ref = ref.lightning_decode(q, k, v, s_ref, decay, scale=1.0)
+        o_tri = tri.lightning_decode(q, k, v, s_tri, decay, scale=1.0)
+        row["rel_err_out"], row["rel_err_state"] = _rel(o_tri, o_ref), _rel(s_tri, s_ref)
+        del s_ref, s_tri
+
+        row["ours_us"] = _bench(lambda: tri.lightning_decode(q, k, v, states[0], decay, scale=1.0))
+        row["ours_out_us"] = _bench(lambda: tri.lightning_decode(q, k, v, states[0], decay, scale=1.0, out=out))
+        torch_step = lambda st=states[0]: ref.lightning_decode(q, k, v, st, decay, scale=1.0)  # noqa: E731
+        row["torch_us"] = _bench(torch_step)
+        gg = -decay
+        if fused_recurrent is not None:
+            fla_step = lambda st=states[0]: fused_recurrent(q, k, v, g_gamma=gg, scale=1.0, initial_state=st,  # noqa
+                                                            output_final_state=True)
+            o_f, s_f = fla_step()
+            s_ref = states[0].clone()
+            o_r = ref.lightning_decode(q, k, v, s_ref, decay, scale=1.0)
+            row["fla_rel_err_out"], row["fla_rel_err_state"] = _rel(o_f, o_r), _rel(s_f, s_ref)
+            del s_ref, o_f, s_f
+            row["fla_us"] = _bench(fla_step)
+        if graph:
+            steps = 16 if B <= 32 else 4
+            row["graph_steps"] = steps
+            row["ours_graph_us"] = graph_time(
+                [lambda st=st: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=out) for st in states], steps)
+            row["torch_graph_us"] = graph_time(
+                [lambda st=st: ref.lightning_decode(q, k, v, st, decay, scale=1.0) for st in states], steps)
+            if fused_recurrent is not None:
+                try:
+                    row["fla_graph_us"] = graph_time(
+                        [lambda st=st: fused_recurrent(q, k, v, g_gamma=gg, scale=1.0, initial_state=st,
+                                                       output_final_state=True) for st in states], steps)
+                except Exception as exc:  # noqa: BLE001
+                    row["fla_graph_error"] = repr(exc)[:200]
+        for key in [k_ for k_ in row if k_.endswith("_us")]:
+            row[key.replace("_us", "_TBps")] = 2 * state_bytes / (row[key] * 1e-6) / 1e12
+        if B == 1:
+            row["host_us_ours"] = host_time(lambda: tri.lightning_decode(q, k, v, states[0], decay, scale=1.0))
+            row["host_us_ours_out"] = host_time(
+                lambda: tri.lightning_decode(q, k, v, states[0], decay, scale=1.0, out=out))
+            row["host_us_custom_op"] = host_time(
+                lambda: torch.ops.sparsepatch.lightning_decode_(q, k, v, states[0], decay, out, 1.0, False))
+            if fused_recurrent is not None:
+                row["host_us_fla"] = host_time(fla_step)
+        rows.append(row)
+        print("decode", {k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+        del states
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_prefill(chunk_gla, lengths):
+    from sparsepatch.kernels import lightning as tri
+    rows = []
+    decay = minimax_slopes().cuda()
+    for T in lengths:
+        g = torch.Generator(device="cuda").manual_seed(T)
+        q, k, v = (torch.randn(1, T, H, D, device="cuda", generator=g, dtype=torch.bfloat16) * s
+                   for s in (0.1, 0.1, 1.0))
+        row = {"T": T}
+        o, s = tri.lightning_prefill(q, k, v, decay, scale=1.0)
+        if T <= 4096:
+            o_r, s_r = ref.lightning_prefill(q, k, v, decay, scale=1.0)
+            row["rel_err_out"], row["rel_err_state"] = _rel(o, o_r), _rel(s, s_r)
+            del o_r, s_r
+        row["ours_us"] = _bench(lambda: tri.lightning_prefill(q, k, v, decay, scale=1.0), rep=300)
+        if chunk_gla is not None:
+            o_f, s_f = chunk_gla(q, k, v, g_gamma=-decay, scale=1.0, output_final_state=True)
+            row["vs_fla_rel_out"], row["vs_fla_rel_state"] = _rel(o, o_f), _rel(s, s_f)
+            row["fla_us"] = _bench(lambda: chunk_gla(q, k, v, g_gamma=-decay, scale=1.0, output_final_state=True),
+                                   rep=300)
+            row["speedup_vs_fla"] = row["fla_us"] / row["ours_us"]
+        flops = 1 * H * T * (4 * D * D + 2 * 64 * D + 2 * 64 * D)   # q@S, S update, qk^T, pv (chunk 64)
+        row["ours_TFLOPs"] = flops / (row["ours_us"] * 1e-6) / 1e12
+        row["io_GBps"] = 4 * T * H * D * 2 / (row["ours_us"] * 1e-6) / 1e9
+        rows.append(row)
+        print("prefill", {k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+        del q, k, v, o, s
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep(lengths, batches):
+    from sparsepatch.kernels import lightning as tri
+    out = {"decode": [], "prefill": []}
+    decay = minimax_slopes().cuda()
+    for B in batches:
+        q, k, v = (torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        st = torch.randn(B, H, D, D, device="cuda") * 0.1
+        o = torch.empty(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+        for bv in (16, 32, 64, 128):
+            for w in (1, 2, 4, 8):
+                tri._DECODE_OVERRIDE.update(BV=bv, num_warps=w)
+                try:
+                    us = _bench(lambda: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=o))
+                    r = {"B": B, "BV": bv, "warps": w, "us": us, "TBps": 2 * st.numel() * 4 / (us * 1e-6) / 1e12}
+                except Exception as exc:  # noqa: BLE001
+                    r = {"B": B, "BV": bv, "warps": w, "error": repr(exc)[:200]}
+                out["decode"].append(r)
+        tri._DECODE_OVERRIDE.clear()
+        print("sweep decode B", B, sorted([(round(r["us"], 2), r["BV"], r["warps"]) for r in out["decode"]
+                                          if r["B"] == B and "us" in r])[:5], flush=True)
+    for T in lengths:
+        q, k, v = (torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in range(3))
+        for bv, w, st in ((64, 4, 2), (64, 8, 2), (64, 4, 3), (64, 8, 3), (32, 4, 2), (32, 2, 2), (128, 8, 2),
+                          (64, 4, 1), (32, 4, 3), (128, 4, 2)):
+            tri._PREFILL_OVERRIDE.update(BV=bv, num_warps=w, num_stages=st)
+            try:
+                us = _bench(lambda: tri.lightning_prefill(q, k, v, decay, scale=1.0))
+                r = {"T": T, "BV": bv, "warps": w, "stages": st, "us": us}
+            except Exception as exc:  # noqa: BLE001
+                r = {"T": T, "BV": bv, "warps": w, "stages": st, "error": repr(exc)[:200]}
+            out["prefill"].append(r)
+        tri._PREFILL_OVERRIDE.clear()
+        print("sweep prefill T", T, sorted([(round(r["us"], 1), r["BV"], r["warps"], r["stages"])
+                                            for r in out["prefill"] if r["T"] == T and "us" in r])[:5], flush=True)
+    return out
+
+
+def table(res):
+    lines = ["| B | ours eager us | ours graph us/step | fla eager us | fla graph us/step | torch eager us | "
+             "ours TB/s (eager / graph) | fla TB/s (eager / graph) | ours/fla |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["decode"]:
+        lines.append("| {B} | {a:.1f} | {b:.1f} | {c:.1f} | {d:.1f} | {e:.1f} | {f:.2f} / {g:.2f} | {h:.2f} / {i:.2f} "
+                     "| {j:.2f}x |".format(
+                         B=r["B"], a=r["ours_us"], b=r.get("ours_graph_us", float("nan")),
+                         c=r.get("fla_us", float("nan")), d=r.get("fla_graph_us", float("nan")), e=r["torch_us"],
+                         f=r["ours_TBps"], g=r.get("ours_graph_TBps", float("nan")),
+                         h=r.get("fla_TBps", float("nan")), i=r.get("fla_graph_TBps", float("nan")),
+                         j=r.get("fla_us", float("nan")) / r["ours_us"]))
+    lines += ["", "| T | ours us | fla us | speedup | ours TFLOP/s | rel err vs fla |", "|---|---|---|---|---|---|"]
+    for r in res["prefill"]:
+        lines.append("| {T} | {a:.0f} | {b:.0f} | {c:.2f}x | {d:.0f} | {e:.1e} |".format(
+            T=r["T"], a=r["ours_us"], b=r.get("fla_us", float("nan")), c=r.get("speedup_vs_fla", float("nan")),
+            d=r["ours_TFLOPs"], e=r.get("vs_fla_rel_out", float("nan"))))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer sizes")
+    p.add_argument("--sweep", action="store_true", help="also sweep kernel configs")
+    p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_lightning: needs CUDA")
+        return 1
+    import triton
+    chunk_gla, fused_rec, fla_err = load_fla()
+    name = torch.cuda.get_device_name()
+    gpu = "h100" if "H100" in name else "h200" if "H200" in name else name.split()[-1].lower()
+    res = {"gpu": name, "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "fla_error": fla_err, "shape": {"H": H, "K": D, "V": D, "dtype": "bfloat16", "state": "float32"}}
+    res["copy_TBps"], res["copy_us_1GiB"] = copy_ceiling()
+    print(f"{name}: device copy {res['copy_TBps']:.3f} TB/s; fla: {fla_err or 'ok'}", flush=True)
+    batches = [1, 64, 256] if args.quick else DECODE_B
+    lengths = [4096, 32768] if args.quick else PREFILL_T
+    res["decode"] = bench_decode(fused_rec, batches, graph=not args.no_graph)
+    res["prefill"] = bench_prefill(chunk_gla, lengths)
+    if args.sweep:
+        res["sweep"] = sweep([4096, 32768], [1, 64, 256])
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{gpu}-lightning.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"copy ceiling {res['copy_TBps']:.3f} TB/s")
+    print(table(res))
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
