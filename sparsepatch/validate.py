@@ -1,3 +1,232 @@
-"""placeholder"""
-class ValidationReport: pass
-def validate(*a, **k): raise NotImplementedError
+"""Compare a patched run with the dense one: per-layer attention cos-sim per step, output PSNR/cos-sim, timings."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from . import kernels
+from .patcher import handle_of, patch, unpatch
+
+
+@dataclass
+class ValidationReport:
+    """What `sp.validate` measured.
+
+    attention_cos: {layer: {branch: [cos-sim per call]}} of the patched attention output against dense attention
+        computed on the SAME q/k/v (the local error of each call, not accumulated drift).
+    density: {layer: {branch: [fraction of tiles computed per call]}} (1.0 = dense).
+    output_cos / output_psnr_db / output_max_abs: the final outputs, patched vs dense (PSNR over the dense output's
+        value range, peak-to-peak).
+    dense_s / patched_s: wall time of one dense and one patched call (seconds, CUDA synchronized).
+    """
+
+    config: str
+    attention_cos: dict
+    density: dict
+    output_cos: float
+    output_psnr_db: float
+    output_max_abs: float
+    dense_s: float
+    patched_s: float | None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float | None:
+        return None if not self.patched_s else self.dense_s / self.patched_s
+
+    def per_step(self) -> list[dict]:
+        """[{step, density, cos_mean, cos_min}] aggregated over layers and branches."""
+        dens, coss = defaultdict(list), defaultdict(list)
+        for layer, branches in self.density.items():
+            for values in branches.values():
+                for i, d in enumerate(values):
+                    dens[i].append(d)
+        for layer, branches in self.attention_cos.items():
+            for values in branches.values():
+                for i, c in enumerate(values):
+                    coss[i].append(c)
+        dense_ms = self.extra.get("dense_step_s", [])
+        patched_ms = self.extra.get("patched_step_s", [])
+        rows = []
+        for i in sorted(dens):
+            rows.append(dict(step=i, density=sum(dens[i]) / len(dens[i]),
+                             cos_mean=sum(coss[i]) / len(coss[i]) if coss[i] else float("nan"),
+                             cos_min=min(coss[i]) if coss[i] else float("nan"),
+                             dense_ms=dense_ms[i] * 1e3 if i < len(dense_ms) else float("nan"),
+                             patched_ms=patched_ms[i] * 1e3 if i < len(patched_ms) else float("nan")))
+        return rows
+
+    def summary(self) -> str:
+        lines = [f"sparsepatch validation — {self.config}",
+                 f"{'step':>4} {'density':>8} {'attn cos mean':>14} {'attn cos min':>13} {'dense ms':>9} "
+                 f"{'patched ms':>10}"]
+        for row in self.per_step():
+            lines.append(f"{row['step']:>4} {row['density']:>8.3f} {row['cos_mean']:>14.6f} {row['cos_min']:>13.6f} "
+                         f"{row['dense_ms']:>9.1f} {row['patched_ms']:>10.1f}")
+        lines.append(f"output: cos {self.output_cos:.6f}  PSNR {self.output_psnr_db:.2f} dB  "
+                     f"max|diff| {self.output_max_abs:.3g}")
+        timing = f"time: dense {self.dense_s * 1e3:.1f} ms"
+        if self.patched_s:
+            timing += f", patched {self.patched_s * 1e3:.1f} ms ({self.speedup:.2f}x)"
+        lines.append(timing)
+        for key, value in self.extra.items():
+            if not key.endswith("_step_s"):
+                lines.append(f"{key}: {value}")
+        return "\n".join(lines)
+
+    def to_json(self, path=None) -> str:
+        data = asdict(self)
+        data["per_step"] = self.per_step()
+        data["speedup"] = self.speedup
+        text = json.dumps(data, indent=1, default=float)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    def plot(self, path=None):
+        """Density and attention cos-sim per step (matplotlib). Saves to `path` if given; returns the figure."""
+        import matplotlib
+        if path is not None:
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+        rows = self.per_step()
+        steps = [r["step"] for r in rows]
+        fig, (ax_d, ax_c) = plt.subplots(1, 2, figsize=(10, 3.5))
+        ax_d.plot(steps, [r["density"] for r in rows], marker="o")
+        ax_d.set(xlabel="step", ylabel="density (tiles computed)", ylim=(0, 1.05), title="density per step")
+        ax_c.plot(steps, [r["cos_mean"] for r in rows], marker="o", label="mean")
+        ax_c.plot(steps, [r["cos_min"] for r in rows], marker="x", label="min")
+        ax_c.set(xlabel="step", ylabel="cos-sim vs dense", title="attention output cos-sim")
+        ax_c.legend()
+        fig.suptitle(f"{self.config} — output PSNR {self.output_psnr_db:.1f} dB")
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=100)
+        return fig
+
+
+def output_tensor(out) -> torch.Tensor:
+    """The main tensor of a pipeline/model output (frames, images, sample, logits, ...)."""
+    for attr in ("frames", "images", "sample", "logits", "last_hidden_state"):
+        value = getattr(out, attr, None)
+        if value is not None:
+            out = value
+            break
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        import numpy as np
+        out = torch.from_numpy(np.asarray(out))
+    return out.detach().float().cpu()
+
+
+def compare_outputs(dense: torch.Tensor, patched: torch.Tensor) -> dict:
+    """cos-sim, PSNR (dB, peak = dense value range) and max abs difference of two outputs."""
+    d, p = dense.flatten().double(), patched.flatten().double()
+    cos = torch.nn.functional.cosine_similarity(d, p, dim=0).item()
+    mse = torch.mean((d - p) ** 2).item()
+    peak = (d.max() - d.min()).item() or 1.0
+    psnr = float("inf") if mse == 0 else 10 * math.log10(peak ** 2 / mse)
+    return dict(cos=cos, psnr_db=psnr, max_abs=(d - p).abs().max().item())
+
+
+def _fresh_kwargs(kwargs: dict, generator_states: dict) -> dict:
+    """A copy of the call kwargs with every torch.Generator reset to its state at validate() entry."""
+    out = {}
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Generator):
+            g = torch.Generator(device=value.device)
+            g.set_state(generator_states[key])
+            out[key] = g
+        else:
+            out[key] = value
+    return out
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed_call(fn, kwargs, seed, step_times=None):
+    """Call fn(**kwargs) under no_grad; returns (output, seconds). Appends per-step seconds to `step_times` when
+    the callable is a diffusers pipeline (via callback_on_step_end)."""
+    torch.manual_seed(seed)
+    _sync()
+    start = time.perf_counter()
+    if step_times is not None:
+        marks = [start]
+
+        def on_step_end(pipe, step, timestep, callback_kwargs):
+            _sync()
+            marks.append(time.perf_counter())
+            step_times.append(marks[-1] - marks[-2])
+            return callback_kwargs
+        kwargs = dict(kwargs, callback_on_step_end=on_step_end)
+    with torch.no_grad():
+        out = fn(**kwargs)
+    _sync()
+    return out, time.perf_counter() - start
+
+
+def _accepts_step_callback(fn, kwargs) -> bool:
+    import inspect
+    try:
+        params = inspect.signature(fn.__call__ if not inspect.isfunction(fn) else fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "callback_on_step_end" in params and "callback_on_step_end" not in kwargs
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def validate(pipe_or_model, config=None, *, seed: int = 0, measure_speed: bool = True, **call_kwargs):
+    """Run `pipe_or_model(**call_kwargs)` dense and patched with `config` (same seed and generators).
+
+    Returns a ValidationReport. The object must not be patched already; it is left unpatched.
+    measure_speed: time a third, un-instrumented patched run (the instrumented one computes dense attention too).
+    """
+    if handle_of(pipe_or_model) is not None:
+        raise ValueError("pipe_or_model is already patched; validate() patches it itself — sp.unpatch it first")
+    generator_states = {k: v.get_state() for k, v in call_kwargs.items() if isinstance(v, torch.Generator)}
+    steps = {"dense": [], "patched": []} if _accepts_step_callback(pipe_or_model, call_kwargs) else None
+    dense_out, dense_s = _timed_call(pipe_or_model, _fresh_kwargs(call_kwargs, generator_states), seed,
+                                     steps and steps["dense"])
+
+    handle = patch(pipe_or_model, config)
+    attention_cos = defaultdict(lambda: defaultdict(list))
+
+    def probe(site, names, q, k, v, out, scale):
+        ref = kernels.attention(q, k, v, scale=scale)
+        for branch in dict.fromkeys(names):
+            rows = [i for i, n in enumerate(names) if n == branch]
+            attention_cos[site.layer][branch].append(_cos(out[rows], ref[rows]))
+
+    try:
+        handle.probe = probe
+        patched_out, _ = _timed_call(pipe_or_model, _fresh_kwargs(call_kwargs, generator_states), seed)
+        handle.probe = None
+        handle.reset()   # a bare model call has no pipeline to end the video
+        density = handle.stats()["density"]
+        patched_s = None
+        if measure_speed:
+            _, patched_s = _timed_call(pipe_or_model, _fresh_kwargs(call_kwargs, generator_states), seed,
+                                       steps and steps["patched"])
+            handle.reset()
+    finally:
+        unpatch(pipe_or_model)
+    cmp = compare_outputs(output_tensor(dense_out), output_tensor(patched_out))
+    return ValidationReport(
+        config=repr(handle.config), attention_cos={k: dict(v) for k, v in attention_cos.items()},
+        density=copy.deepcopy(density), output_cos=cmp["cos"], output_psnr_db=cmp["psnr_db"],
+        output_max_abs=cmp["max_abs"], dense_s=dense_s, patched_s=patched_s,
+        extra={} if not steps else {"dense_step_s": steps["dense"], "patched_step_s": steps["patched"]})

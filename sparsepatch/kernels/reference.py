@@ -37,7 +37,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, i
 def _scores(q, k, scale, attn_mask, causal):
     """fp32 scores (B, Hq, Sq, Sk), with attn_mask / causality applied as -inf."""
     B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, k)
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # fp32 inputs are computed in fp64 so the oracle is more exact than any fp32 kernel compared against it.
+    compute = torch.float64 if q.dtype in (torch.float32, torch.float64) else torch.float32
     qh = q.transpose(1, 2).to(compute)
     kh = k.transpose(1, 2).to(compute)
     if Hq != Hk:

@@ -94,10 +94,10 @@ class SkipList:
         tk = self.indices.shape[-1]
         slot = torch.arange(tk, device=self.indices.device)
         valid = slot < self.counts.unsqueeze(-1)
-        mask = torch.zeros(self.indices.shape, dtype=torch.bool, device=self.indices.device)
         idx = torch.where(valid, self.indices.long(), 0)
-        mask.scatter_(-1, idx, valid)
-        return mask
+        hits = torch.zeros(self.indices.shape, dtype=torch.int32, device=self.indices.device)
+        hits.scatter_add_(-1, idx, valid.to(torch.int32))   # add, not assign: unused slots also point at tile 0
+        return hits > 0
 
     def density(self, dim=None) -> torch.Tensor:
         """Fraction of tiles computed: a 0-dim tensor, or per index along `dim` (e.g. dim=0 -> per batch)."""

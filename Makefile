@@ -1,0 +1,31 @@
+# Two entry points on a fresh machine: `make demo` and `make test`. Each builds its own virtualenv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build; on a GPU machine install torch first.
+TORCH ?= torch==2.13.0
+DEPS := "diffusers==0.42.1" "transformers==5.23.*" "accelerate==1.15.*" "triton==3.9.*" tokenizers
+TEST_DEPS := pytest matplotlib
+
+.PHONY: demo test test-gpu clean
+
+$(VENV)/.ready: setup.cfg pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q $(DEPS) $(TEST_DEPS)
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+demo: $(VENV)/.ready
+	$(PY) -m sparsepatch demo
+
+# Triton kernels are tested on CPU through the interpreter; CUDA tests are skipped without a GPU.
+test: $(VENV)/.ready
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -x --durations=10
+
+test-gpu:
+	python3 -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
