@@ -51,7 +51,7 @@ def tiny_llama(seed=0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=VOCAB + 5)   # eos never sampled: fixed length
+                      pad_token_id=0, bos_token_id=1, eos_token_id=None)   # no eos: fixed-length generate
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -61,7 +61,7 @@ def tiny_qwen3(seed=0, sliding=True):
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
                       use_sliding_window=sliding, sliding_window=8, max_window_layers=1,
                       layer_types=["full_attention", "sliding_attention" if sliding else "full_attention"],
-                      pad_token_id=0, bos_token_id=1, eos_token_id=VOCAB + 5)
+                      pad_token_id=0, bos_token_id=1, eos_token_id=None)
     return Qwen3ForCausalLM(cfg).eval()
 
 
@@ -234,6 +234,44 @@ def test_unpatch_restores_bit_exact(arch):
     assert tfa.ATTN_NAME not in AttentionMaskInterface._global_mapping
 
 
+def test_composite_model_sub_configs_restored():
+    """Llava (CLIP vision tower + Llama): every sub-config is switched, and each gets its own value back."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    def build():
+        torch.manual_seed(0)
+        vc = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=8, patch_size=4, projection_dim=16)
+        tc = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+        m = LlavaForConditionalGeneration(LlavaConfig(vision_config=vc, text_config=tc, image_token_index=63,
+                                                      vision_feature_layer=-1)).eval()
+        m.set_attn_implementation({"vision_config": "eager"})     # mixed implementations before patching
+        return m
+
+    model, twin = build(), build()
+    ids = torch.randint(1, 60, (1, 12), generator=torch.Generator().manual_seed(0))
+    ids[0, 2:6] = 63                                              # 4 image tokens = (8 / 4) ** 2 patches
+    px = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+
+    def run(m):
+        with torch.no_grad():
+            return m(input_ids=ids, pixel_values=px).logits
+
+    impls = lambda m: (m.config._attn_implementation, m.config.text_config._attn_implementation,  # noqa: E731
+                       m.config.vision_config._attn_implementation)
+    assert impls(model) == ("sdpa", "sdpa", "eager")
+    want = run(twin)
+    h = patch(model)
+    assert impls(model) == (tfa.ATTN_NAME,) * 3
+    assert (run(model) - want).abs().max().item() <= TOL     # non-causal vision attention with mask None too
+    assert h.calls == {("model.vision_tower.encoder.layers.0.self_attn", "default"): 1,
+                       ("model.language_model.layers.0.self_attn", "default"): 1}
+    h.remove()
+    assert impls(model) == ("sdpa", "sdpa", "eager")
+    assert torch.equal(run(model), want)
+
+
 def test_registration_is_reference_counted():
     a, b = tiny_llama(), tiny_qwen3()
     ids, mask = prompts()
@@ -312,3 +350,34 @@ def test_sp_unpatch_bit_exact():
     assert model.config._attn_implementation == "sdpa"
     assert torch.equal(logits(model, ids, mask), logits(twin, ids, mask))
     assert not math.isnan(logits(model, ids, mask)[mask.bool()].sum().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_llama_triton_path():
+    """bf16 on CUDA, head_dim 64: unpadded prefill and decode (mask None) take the Triton kernel through the
+    transposed (strided) views; padded calls take the reference. Same greedy tokens as SDPA."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                      pad_token_id=0, eos_token_id=None)
+    model = LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
+    ids = torch.randint(2, VOCAB, (1, 300), device="cuda")
+    want = logits(model, ids)
+    want_tokens = greedy(model, ids, torch.ones_like(ids))
+    from sparsepatch.kernels import skip as triton_skip
+    used = []
+    orig = triton_skip.attention
+    triton_skip.attention = lambda *a, **kw: (used.append(1), orig(*a, **kw))[1]
+    try:
+        h = patch(model)
+        got = logits(model, ids)
+        got_tokens = greedy(model, ids, torch.ones_like(ids))
+    finally:
+        triton_skip.attention = orig
+    assert len(used) == 2 + NEW_TOKENS * 2
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= 0.05 * want.float().abs().max().item(), err
+    assert (torch.nn.functional.cosine_similarity(got.float().flatten(), want.float().flatten(), 0) > 0.999)
+    assert (got_tokens == want_tokens).float().mean().item() >= 0.9
+    h.remove()

@@ -8,6 +8,17 @@ the model in place. No model code is copied or wrapped: every architecture whose
 
 Unpatch (the undo registered on the handle) restores `_attn_implementation` on the model config and on every
 sub-config / sub-model config exactly as it was, and unregisters `ATTN_NAME` once no patched model uses it.
+
+Decisions:
+- Masks: the model's own `sdpa_mask` builds them (bool, True = attend), so padding, left padding in batched
+  generate, sliding-window layers and StaticCache's padded keys all arrive as a mask the kernel applies. A mask
+  of None means no padding: causality then comes from `module.is_causal` (decode, L == 1, sees every key).
+- Attention dropout (training with attention_dropout > 0) raises NotImplementedError rather than falling back to
+  SDPA: a silent fallback would train with a different kernel than the one the user asked for.
+- DenseConfig.layers is not consulted: every call routed through AttentionInterface is served (decoder-only LLMs
+  have self-attention only). NSAConfig / LightningConfig raise NotImplementedError until issues 5 / 6 wire them.
+- On CUDA, calls with a mask (padding, sliding-window layers, StaticCache decode) currently take the reference
+  path, because the Triton dense kernel takes no mask.
 """
 from __future__ import annotations
 
@@ -155,7 +166,8 @@ def patch_model(model, config, handle) -> None:
     if model_type not in _RECIPES:
         logger.warning("sparsepatch: %s (model_type=%r) is not in the tested table %s; patching it through "
                        "AttentionInterface anyway", type(model).__name__, model_type, sorted(_RECIPES))
-    if not type(model)._can_set_attn_implementation():
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)   # private API: absent -> try anyway
+    if can_set is not None and not can_set():
         raise ValueError(f"model: {type(model).__name__} does not route attention through transformers' "
                          "AttentionInterface, so it cannot be patched in place")
     modules = list(model.named_modules())
