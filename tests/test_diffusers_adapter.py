@@ -1,0 +1,226 @@
+"""diffusers adapter on tiny pipelines built from configs: skip state per layer/branch/step, exactness, unpatch."""
+import pytest
+import torch
+
+import sparsepatch as sp
+from sparsepatch.patcher import diffusers as adapter
+from sparsepatch.testing import (cogvideox_call_kwargs, hunyuan_inputs, tiny_cogvideox_pipeline,
+                                 tiny_hunyuan_video_transformer, tiny_wan_pipeline, wan_call_kwargs)
+
+KEEP_ALL = -1e9
+
+
+@pytest.fixture(scope="module")
+def wan():
+    pipe = tiny_wan_pipeline(head_dim=32, attention_gain=100.0)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def wan_kwargs(steps=4, **kw):
+    return wan_call_kwargs(height=96, width=96, num_frames=9, steps=steps, **kw)
+
+
+def _frames(pipe, **kw):
+    with torch.no_grad():
+        return pipe(**kw).frames
+
+
+def _snapshot(pipe):
+    """Everything the patch may touch: processor identities/classes/instance dicts, model instance attrs."""
+    from diffusers.models import attention_dispatch as ad
+    procs = {}
+    for comp in ("transformer", "transformer_2"):
+        model = getattr(pipe, comp, None)
+        if model is None:
+            continue
+        for name, module in model.named_modules():
+            if hasattr(module, "processor"):
+                procs[(comp, name)] = (id(module.processor), type(module.processor), dict(vars(module.processor)))
+        procs[(comp, "__dict__")] = sorted(vars(model))
+    return procs, ad._AttentionBackendRegistry._active_backend, sorted(ad.AttentionBackendName._member_map_)
+
+
+def fp32_floor(pipe, make_kwargs, dense):
+    """How far two exact-in-math PyTorch SDPA backends (math vs the default CPU kernel) already disagree on this
+    pipeline in fp32: the noise floor any "equals dense" comparison sits on (measured ~1.7e-5 on tiny Wan frames
+    after 4 CFG steps and the VAE; ~4e-5 on CogVideoX latents of magnitude ~30)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.MATH):
+        other = _frames(pipe, **make_kwargs())
+    return (other - dense).abs().max().item()
+
+
+def assert_equals_dense(out, dense, pipe, make_kwargs):
+    err = (out - dense).abs().max().item()
+    assert err <= max(1e-5, fp32_floor(pipe, make_kwargs, dense)), err
+
+
+def assert_monotone_stats(stats, layers, branches, steps):
+    assert set(stats["density"]) == set(layers)
+    for layer in layers:
+        assert set(stats["density"][layer]) == set(branches), layer
+        for branch in branches:
+            series = stats["density"][layer][branch]
+            assert len(series) == steps
+            assert series[0] == 1.0
+            assert all(b <= a + 1e-9 for a, b in zip(series, series[1:])), series
+
+
+def test_wan_cfg_branches_density_and_unpatch_bit_exact(wan):
+    dense = _frames(wan, **wan_kwargs())
+    before = _snapshot(wan)   # after a first call: the pipeline itself adds a hook registry on first use
+    handle = sp.patch(wan, sp.SkipConfig(threshold=-3.0, tile=(16, 16)))
+    sparse = _frames(wan, **wan_kwargs())
+    stats = handle.stats()
+    layers = [f"transformer.blocks.{i}.attn1" for i in range(2)]
+    assert_monotone_stats(stats, layers, {"cond", "uncond"}, 4)
+    assert stats["calls"] == 2 * 2 * 4                            # layers x branches x steps
+    assert min(stats["per_step"]) < 0.95                           # sharpened tiny model really skips
+    assert stats["density"][layers[0]]["cond"][1] == 1.0          # warmup step, then the full list
+    assert not torch.equal(sparse, dense)
+    # state was reset at the end of the pipeline call: a second video starts dense again
+    _frames(wan, **wan_kwargs(steps=2))
+    assert handle.stats()["density"][layers[0]]["cond"][4:] == [1.0, 1.0]
+    sp.unpatch(wan)
+    sp.unpatch(wan)                                                # idempotent
+    assert _snapshot(wan) == before
+    assert torch.equal(_frames(wan, **wan_kwargs()), dense)
+
+
+def test_keep_everything_equals_dense_fp32(wan):
+    dense = _frames(wan, **wan_kwargs())
+    handle = sp.patch(wan, sp.SkipConfig(threshold=KEEP_ALL, tile=(16, 16)))
+    try:
+        out = _frames(wan, **wan_kwargs())
+        assert all(d == 1.0 for layer in handle.stats()["density"].values() for s in layer.values() for d in s)
+    finally:
+        sp.unpatch(wan)
+    assert_equals_dense(out, dense, wan, wan_kwargs)
+
+
+def test_patch_twice_and_unknown_objects_raise(wan):
+    sp.patch(wan, sp.DenseConfig())
+    try:
+        with pytest.raises(ValueError, match="already patched"):
+            sp.patch(wan, sp.DenseConfig())
+        with pytest.raises(ValueError, match="shares modules"):
+            sp.patch(wan.transformer, sp.DenseConfig())
+    finally:
+        sp.unpatch(wan)
+    with pytest.raises(ValueError, match="pipe_or_model"):
+        sp.patch(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="config"):
+        sp.patch(wan, config="fast please")
+
+
+def test_dense_config_matches_and_counts_cross_attention(wan):
+    dense = _frames(wan, **wan_kwargs(steps=2))
+    handle = sp.patch(wan, sp.DenseConfig())
+    try:
+        out = _frames(wan, **wan_kwargs(steps=2))
+        stats = handle.stats()
+    finally:
+        sp.unpatch(wan)
+    assert "transformer.blocks.0.attn2" in stats["density"]        # cross-attention routed too with layers="all"
+    assert stats["calls"] == 2 * 2 * 2 * 2                         # (attn1 + attn2) x layers x branches x steps
+    assert_equals_dense(out, dense, wan, lambda: wan_kwargs(steps=2))
+
+
+def test_wan22_transformer_2_has_its_own_states():
+    pipe = tiny_wan_pipeline(head_dim=32, attention_gain=100.0, two_transformers=True)
+    pipe.set_progress_bar_config(disable=True)
+    handle = sp.patch(pipe, sp.SkipConfig(threshold=-3.0, tile=(16, 16)))
+    try:
+        _frames(pipe, **wan_kwargs(steps=4))
+        density = handle.stats()["density"]
+    finally:
+        sp.unpatch(pipe)
+    high = density["transformer.blocks.0.attn1"]["cond"]
+    low = density["transformer_2.blocks.0.attn1"]["cond"]
+    assert len(high) + len(low) == 4 and len(high) >= 1 and len(low) >= 1
+    assert low[0] == 1.0                                          # transformer_2 starts with its own warmup
+
+
+def test_cogvideox_batched_cfg_and_direct_sdpa():
+    pipe = tiny_cogvideox_pipeline(attention_gain=50.0)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(cogvideox_call_kwargs(), output_type="latent")
+
+    def make_kwargs():
+        return dict(kw, generator=torch.Generator().manual_seed(0))
+    dense = _frames(pipe, **make_kwargs())
+    handle = sp.patch(pipe, sp.SkipConfig(threshold=KEEP_ALL, tile=(16, 16)))
+    try:
+        out = _frames(pipe, **kw)
+        stats = handle.stats()
+    finally:
+        sp.unpatch(pipe)
+    layers = [f"transformer.transformer_blocks.{i}.attn1" for i in range(2)]
+    assert_monotone_stats(stats, layers, {"uncond", "cond"}, 4)   # batch halves named as CFG branches
+    assert_equals_dense(out, dense, pipe, make_kwargs)
+    assert torch.equal(_frames(pipe, **make_kwargs()), dense)
+
+    handle = sp.patch(pipe, sp.SkipConfig(threshold=-2.0, tile=(16, 16)))
+    try:
+        _frames(pipe, **dict(make_kwargs(), num_inference_steps=5))
+        assert_monotone_stats(handle.stats(), layers, {"uncond", "cond"}, 5)
+    finally:
+        sp.unpatch(pipe)
+
+
+def test_hunyuan_joint_attention_text_is_must_do_and_mask_is_exact():
+    model = tiny_hunyuan_video_transformer()
+    inputs, t = hunyuan_inputs(frames=3, size=8, text_len=10, valid=7), torch.tensor([500])
+    with torch.no_grad():
+        dense = model(timestep=t, **inputs).sample
+    handle = sp.patch(model, sp.SkipConfig(threshold=KEEP_ALL, tile=(16, 16)))
+    try:
+        with torch.no_grad():
+            for branch in ("cond", "uncond"):
+                with model.cache_context(branch):
+                    out = model(timestep=t, **inputs).sample
+                    assert (out - dense).abs().max().item() <= 1e-5   # padded text keys dropped exactly
+        assert set(handle.stats()["density"]) == {"transformer_blocks.0.attn", "single_transformer_blocks.0.attn"}
+    finally:
+        sp.unpatch(model)
+
+    handle = sp.patch(model, sp.SkipConfig(threshold=-0.5, tile=(16, 16), warmup_steps=0))
+    try:
+        with torch.no_grad():
+            for step in range(3):
+                with model.cache_context("cond"):
+                    model(timestep=t, **inputs)
+        lists = handle.skip_lists()
+        lst = lists[("transformer_blocks.0.attn", "cond")]
+        # 192 video tokens then 7 valid text tokens (3 padded ones removed from the keys): text tiles stay
+        assert lst.seq_q == 202 and lst.seq_k == 199
+        mask = lst.to_mask()
+        assert mask[..., -1].all() and mask[..., -1, :].all()
+        assert_monotone_stats(handle.stats(), list(handle.stats()["density"]), {"cond"}, 3)
+    finally:
+        sp.unpatch(model)
+    with torch.no_grad():
+        assert torch.equal(model(timestep=t, **inputs).sample, dense)
+
+
+def test_backend_enum_member_is_removed_and_global_backend_untouched(wan):
+    from diffusers.models import attention_dispatch as ad
+    active = ad._AttentionBackendRegistry._active_backend
+    sp.patch(wan, sp.SkipConfig(tile=(16, 16)))
+    assert ad.AttentionBackendName("sparsepatch").value == "sparsepatch"
+    assert ad._AttentionBackendRegistry._active_backend == active
+    sp.unpatch(wan)
+    with pytest.raises(ValueError):
+        ad.AttentionBackendName("sparsepatch")
+    assert all(m.value != "sparsepatch" for m in ad._AttentionBackendRegistry._backends)
+
+
+def test_default_recipe_and_stats_shape(wan):
+    handle = sp.patch(wan)
+    try:
+        assert isinstance(handle.config, sp.SkipConfig) and handle.config.threshold == -5.0
+        assert handle.stats() == {"calls": 0, "density": {}, "per_step": []}
+    finally:
+        handle.remove()
+    assert sp.handle_of(wan) is None
