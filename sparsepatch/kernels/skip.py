@@ -1,0 +1,530 @@
+"""Triton forward kernels: temporal skip-list attention and the dense flash forward (skipping compiled out).
+
+Layout: q (B, Sq, Hq, D), k/v (B, Sk, Hk, D), any strides with unit stride on D; out (B, Sq, Hq, D) contiguous;
+LSE (B, Hq, Sq) fp32, natural log. fp16/bf16 on CUDA (fp32 only under TRITON_INTERPRET=1), head dim 64 or 128,
+GQA Hq % Hk == 0, any Sq/Sk (partial last tiles are masked).
+
+One program computes one q-tile (BLOCK_M = tm rows) of one (batch, query head). In skip mode it walks the row's
+list of k-tiles in ascending order (skipped tiles cost no loads and no math), each k-tile in tn / BLOCK_N
+sub-blocks, and applies the keep test of `reference.skip_attention` in log2 units with scale * log2(e) folded:
+a tile is kept iff some valid row has tile_max - running_max_before > threshold. Per-row keep bits are gathered
+in an int32 word per 32 visited tiles and OR-reduced across rows once per word (no per-tile cross-warp
+reduction); the kernel then writes the next list (ascending indices + count) itself.
+
+Ops are registered with torch.library.custom_op (+ fake impls): `sparsepatch::skip_fwd`, `sparsepatch::dense_fwd`.
+`skip_step` is the CUDA body of `sparsepatch::skip_step` (stateful.py): it reads the call counter on the device,
+so it never syncs with the host and can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from .reference import LOG2E, check_qkv, check_threshold
+from .skiplist import DEFAULT_TILE, SkipList, check_tile, num_tiles
+
+__all__ = ["supports", "supports_tile", "attention", "skip_attention", "skip_step", "CONFIGS"]
+
+LN2 = 0.6931471805599453
+CHUNK = 32  # visited tiles per keep-bit word
+
+# Launch configs, keyed by (head_dim, BLOCK_M): BLOCK_N, num_warps, num_stages, use_tma.
+# Chosen from benchmarks/bench_skip.py sweeps on an H100 (see benchmarks/notes_skip.md).
+CONFIGS = {
+    (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False),
+    (128, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
+    (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False),
+    (64, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
+}
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, start_n, offs_n, rows, Sk, causal_off, qk_scale,
+           stride_ks, stride_vs,
+           BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) step of the online softmax; returns (acc, l_i, m_i, scaled row max of the block)."""
+    cols = start_n + offs_n
+    if USE_TMA:
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
+    elif MASK_N:
+        k = tl.load(k_ptrs + start_n * stride_ks, mask=(cols < Sk)[:, None], other=0.0)
+        v = tl.load(v_ptrs + start_n * stride_vs, mask=(cols < Sk)[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs + start_n * stride_ks)
+        v = tl.load(v_ptrs + start_n * stride_vs)
+    qk = tl.dot(q, tl.trans(k))
+    if MASK_N or CAUSAL:
+        valid = (cols < Sk)[None, :]
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None] + causal_off)
+        qk = tl.where(valid, qk * qk_scale, float("-inf"))
+        rmax = tl.max(qk, 1)
+        m_new = tl.maximum(m_i, rmax)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_use[:, None])
+    else:
+        rmax = tl.max(qk, 1) * qk_scale
+        m_new = tl.maximum(m_i, rmax)
+        m_use = m_new
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new, rmax
+
+
+@triton.jit
+def _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, j, offs_n, rows, Sk, qk_scale, stride_ks, stride_vs,
+          TILE_N: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, USE_TMA: tl.constexpr):
+    """All sub-blocks of skip tile j; returns (acc, l_i, m_i, scaled row max over the whole tile)."""
+    tmax = tl.full(m_i.shape, float("-inf"), tl.float32)
+    for s in tl.static_range(TILE_N // BLOCK_N):
+        acc, l_i, m_i, rmax = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, j * TILE_N + s * BLOCK_N,
+                                     offs_n, rows, Sk, 0, qk_scale, stride_ks, stride_vs,
+                                     BLOCK_N, MASK_N, False, USE_TMA)
+        tmax = tl.maximum(tmax, rmax)
+    return acc, l_i, m_i, tmax
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, STEP,
+                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                stride_ob, stride_os, stride_oh,
+                Sq, Sk, Hq, n_rep, Tq, Tk, slot_stride_cnt, slot_stride_idx, warmup,
+                qk_scale, threshold, causal_off,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                TILE_N: tl.constexpr, SKIP: tl.constexpr, STATEFUL: tl.constexpr, HAS_FORCED: tl.constexpr,
+                LAST_PARTIAL: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
+                WARP_SPEC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // n_rep
+    b64 = b.to(tl.int64)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = pid_m * TILE_M + offs_m
+    row_ok = (rows < Sq) & (offs_m < TILE_M)
+
+    q_base = Q + b64 * stride_qb + h * stride_qh
+    k_base = K + b64 * stride_kb + hk * stride_kh
+    v_base = V + b64 * stride_vb + hk * stride_vh
+    q = tl.load(q_base + rows[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
+    if USE_TMA:
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, HEAD_DIM], strides=[stride_ks, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[Sk, HEAD_DIM], strides=[stride_vs, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+    else:
+        k_desc = k_ptrs
+        v_desc = v_ptrs
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    if SKIP:
+        row = (b64 * Hq + h) * Tq + pid_m
+        cnt_in = CNT_IN + row
+        idx_in = IDX_IN + row * Tk
+        cnt_out = CNT_OUT + row
+        idx_out = IDX_OUT + row * Tk
+        if STATEFUL:
+            n = tl.load(STEP)
+            warm = n < warmup
+            rs = tl.where(warm, 0, (n - warmup) % 2)
+            cnt_in += rs * slot_stride_cnt
+            idx_in += rs * slot_stride_idx
+            cnt_out += (1 - rs) * slot_stride_cnt
+            idx_out += (1 - rs) * slot_stride_idx
+            cnt = tl.where(warm, Tk, tl.load(cnt_in))
+            write_ok = (n >= warmup).to(tl.int32)
+        else:
+            cnt = tl.load(cnt_in)
+        n_plain = cnt
+        if LAST_PARTIAL:
+            last = tl.load(idx_in + tl.maximum(cnt - 1, 0))
+            if STATEFUL:
+                last = tl.where(warm, Tk - 1, last)
+            n_plain = tl.where((cnt > 0) & (last == Tk - 1), cnt - 1, cnt)
+        if HAS_FORCED:
+            frow = (tl.load(FROW + pid_m) != 0).to(tl.int32)
+        offs_c = tl.arange(0, CHUNK)
+        out_cnt = tl.full([], 0, tl.int32)
+        for c0 in range(0, n_plain, CHUNK):
+            c1 = tl.minimum(c0 + CHUNK, n_plain)
+            bits = tl.zeros([BLOCK_M], tl.int32)
+            for it in range(c0, c1):
+                j = tl.load(idx_in + it)
+                if STATEFUL:
+                    j = tl.where(warm, it, j)
+                m_before = m_i
+                acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, j, offs_n, rows, Sk,
+                                            qk_scale, stride_ks, stride_vs, TILE_N, BLOCK_N, False, USE_TMA)
+                hit = ((tmax - m_before) > threshold) & row_ok
+                bits = bits | (hit.to(tl.int32) << (it - c0))
+            # One cross-row reduction per CHUNK visited tiles, then compact the kept indices into the next list.
+            word = tl.reduce(bits, 0, _or)
+            inb = offs_c < (c1 - c0)
+            jv = tl.load(idx_in + c0 + offs_c, mask=inb, other=0)
+            if STATEFUL:
+                jv = tl.where(warm, c0 + offs_c, jv)
+            keep = (((word >> offs_c) & 1) != 0) & inb
+            if HAS_FORCED:
+                fc = (tl.load(FCOL + jv, mask=inb, other=0) != 0).to(tl.int32)
+                keep = ((keep.to(tl.int32) | fc | frow) != 0) & inb
+            ki = keep.to(tl.int32)
+            pos = out_cnt + tl.cumsum(ki, 0) - ki
+            if STATEFUL:
+                keep_w = (keep.to(tl.int32) & write_ok) != 0
+            else:
+                keep_w = keep
+            tl.store(idx_out + pos, jv, mask=keep_w)
+            out_cnt += tl.sum(ki, 0)
+        # The partial last k-tile (masked columns), if listed: it is the largest index, so it appends in order.
+        for it in range(n_plain, cnt):
+            m_before = m_i
+            acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, Tk - 1, offs_n, rows, Sk,
+                                        qk_scale, stride_ks, stride_vs, TILE_N, BLOCK_N, True, USE_TMA)
+            hit = ((tmax - m_before) > threshold) & row_ok
+            keep1 = tl.max(hit.to(tl.int32), 0)
+            if HAS_FORCED:
+                keep1 = keep1 | frow | (tl.load(FCOL + Tk - 1) != 0).to(tl.int32)
+            if STATEFUL:
+                keep1_w = (keep1 & write_ok) != 0
+            else:
+                keep1_w = keep1 != 0
+            tl.store(idx_out + out_cnt, Tk - 1, mask=keep1_w)
+            out_cnt += keep1
+        if STATEFUL:
+            tl.store(cnt_out, out_cnt, mask=write_ok != 0)
+        else:
+            tl.store(cnt_out, out_cnt)
+    else:
+        if CAUSAL:
+            hi = tl.minimum(Sk, pid_m * TILE_M + BLOCK_M + causal_off)
+            hi = tl.maximum(hi, 0)
+            hi_full = tl.minimum(tl.maximum(pid_m * TILE_M + causal_off + 1, 0), hi) // BLOCK_N * BLOCK_N
+        else:
+            hi = Sk
+            hi_full = Sk // BLOCK_N * BLOCK_N
+        for start_n in tl.range(0, hi_full, BLOCK_N, warp_specialize=WARP_SPEC):
+            acc, l_i, m_i, _r = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, start_n, offs_n, rows, Sk,
+                                       causal_off, qk_scale, stride_ks, stride_vs, BLOCK_N, False, False, USE_TMA)
+        for start_n in range(hi_full, hi, BLOCK_N):
+            acc, l_i, m_i, _r = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, start_n, offs_n, rows, Sk,
+                                       causal_off, qk_scale, stride_ks, stride_vs, BLOCK_N, True, CAUSAL, USE_TMA)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    o_ptrs = O + b64 * stride_ob + h * stride_oh + rows[:, None] * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2_C)
+        tl.store(LSE + (b64 * Hq + h) * Sq + rows, lse, mask=row_ok)
+
+
+LN2_C = tl.constexpr(LN2)
+CHUNK = tl.constexpr(CHUNK)
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------------
+
+_ALLOCATOR_SET = False
+
+
+def _ensure_allocator():
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        def alloc(size, alignment, stream):
+            return torch.empty(size, dtype=torch.int8, device="cuda")
+        triton.set_allocator(alloc)
+        _ALLOCATOR_SET = True
+
+
+def supports_tile(tile) -> bool:
+    """Skip tiles the kernel runs: tm in {16, 32, 64, 128}, tn a multiple of 16 up to 512."""
+    try:
+        tm, tn = check_tile(tile)
+    except ValueError:
+        return False
+    return tm in (16, 32, 64, 128) and tn <= 512
+
+
+def supports(q, attn_mask=None, causal: bool = False, tile=None) -> bool:
+    """True when the Triton kernels run these inputs (else the dispatcher uses the reference)."""
+    if attn_mask is not None or q.dim() != 4 or q.shape[-1] not in (64, 128):
+        return False
+    if tile is not None and not supports_tile(tile):
+        return False
+    if _interpret():
+        return q.dtype in (torch.float16, torch.float32)
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _check_inputs(q, k, v):
+    dims = check_qkv(q, k, v)
+    D = q.shape[-1]
+    if D not in (64, 128):
+        raise ValueError(f"q/k/v head dim must be 64 or 128 for the Triton kernel, got {D} "
+                         "(use sparsepatch.kernels.attention / skip_attention to fall back to the reference)")
+    ok = (torch.float16, torch.float32) if _interpret() else (torch.float16, torch.bfloat16)
+    if q.dtype not in ok:
+        raise ValueError(f"q dtype must be one of {ok} for the Triton kernel, got {q.dtype}")
+    if not _interpret() and not q.is_cuda:
+        raise ValueError("q/k/v must be CUDA tensors for the Triton kernel (or set TRITON_INTERPRET=1)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride on the head dim, got strides {t.stride()}")
+    return dims
+
+
+def _config(D, block_m, tn=None):
+    cfg = dict(CONFIGS.get((D, block_m)) or CONFIGS[(D, 64 if block_m <= 64 else 128)])
+    bn = cfg["BLOCK_N"]
+    if tn is not None:
+        while tn % bn:
+            bn //= 2
+    cfg["BLOCK_N"] = bn
+    return cfg
+
+
+def _tma_ok(cfg, *ts):
+    return (cfg.get("tma") and not _interpret() and hasattr(tl, "make_tensor_descriptor")
+            and all(t.data_ptr() % 16 == 0 and (t.stride(1) * t.element_size()) % 16 == 0 for t in ts))
+
+
+def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step, Tq, Tk, slot_cnt, slot_idx,
+            warmup, scale, threshold, tm, tn, skip, stateful, causal, cfg):
+    B, Sq, Hq, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    block_m = triton.next_power_of_2(tm)
+    use_tma = bool(_tma_ok(cfg, k, v))
+    if use_tma:
+        _ensure_allocator()
+    dummy = out
+    grid = (Tq, B * Hq)
+    _fwd_kernel[grid](
+        q, k, v, out, lse if lse is not None else dummy,
+        cnt_in if cnt_in is not None else dummy, idx_in if idx_in is not None else dummy,
+        cnt_out if cnt_out is not None else dummy, idx_out if idx_out is not None else dummy,
+        frow if frow is not None else dummy, fcol if fcol is not None else dummy,
+        step if step is not None else dummy,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        Sq, Sk, Hq, Hq // Hk, Tq, Tk, slot_cnt, slot_idx, warmup,
+        scale * LOG2E, threshold, Sk - Sq,
+        HEAD_DIM=D, BLOCK_M=block_m, TILE_M=tm, BLOCK_N=cfg["BLOCK_N"], TILE_N=tn, SKIP=skip, STATEFUL=stateful,
+        HAS_FORCED=frow is not None, LAST_PARTIAL=bool(skip and Sk % tn), CAUSAL=causal, WRITE_LSE=lse is not None,
+        USE_TMA=use_tma, WARP_SPEC=bool(cfg.get("ws", False)) and not skip,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def _ranges_to_tiles(must_do, S, t):
+    """Half-open tile ranges [lo, hi) covered by must_do token ranges along a sequence of S tokens, tile t."""
+    out = []
+    for start, end in must_do:
+        if end > start and start < S:
+            out.append((start // t, num_tiles(min(end, S), t)))
+    return out
+
+
+def _forced_flags(must_do, Sq, Sk, tm, tn, device):
+    """int8 (Tq,) row flags and (Tk,) column flags of must_do tiles, built on the device (no host->device copy)."""
+    if not must_do:
+        return None, None
+    reference.must_do_tiles(must_do, Sq, Sk, (tm, tn))  # validation, same errors as the reference
+    tq, tk = num_tiles(Sq, tm), num_tiles(Sk, tn)
+    must_do = [(int(a), int(b)) for a, b in must_do]
+    ar = torch.arange(tq, device=device)
+    ac = torch.arange(tk, device=device)
+    frow = torch.zeros(tq, dtype=torch.bool, device=device)
+    fcol = torch.zeros(tk, dtype=torch.bool, device=device)
+    for lo, hi in _ranges_to_tiles(must_do, Sq, tm):
+        frow |= (ar >= lo) & (ar < hi)
+    for lo, hi in _ranges_to_tiles(must_do, Sk, tn):
+        fcol |= (ac >= lo) & (ac < hi)
+    return frow.to(torch.int8), fcol.to(torch.int8)
+
+
+def _union(counts, indices, frow, fcol):
+    """counts/indices (..., Tq[, Tk]) with every forced tile added, ascending; device ops only."""
+    tk = indices.shape[-1]
+    slot = torch.arange(tk, device=indices.device)
+    valid = slot < counts.unsqueeze(-1)
+    mask = torch.zeros(indices.shape, dtype=torch.bool, device=indices.device)
+    mask.scatter_(-1, torch.where(valid, indices.long(), 0), valid)
+    mask = mask | frow.bool()[:, None] | fcol.bool()[None, :]
+    ucounts = mask.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return ucounts, order
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Custom ops
+# ----------------------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("sparsepatch::skip_fwd", mutates_args=())
+def _skip_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor,
+              threshold: float, scale: float, tm: int, tn: int, must_do_flat: list[int],
+              return_lse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, Sq, Hq, D = q.shape
+    Sk = k.shape[1]
+    Tq, Tk = num_tiles(Sq, tm), num_tiles(Sk, tn)
+    must_do = list(zip(must_do_flat[0::2], must_do_flat[1::2]))
+    frow, fcol = _forced_flags(must_do, Sq, Sk, tm, tn, q.device)
+    counts = counts.contiguous()
+    indices = indices.contiguous()
+    if frow is not None:
+        counts, indices = _union(counts, indices, frow, fcol)
+    out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if return_lse else None
+    next_counts = torch.empty((B, Hq, Tq), dtype=torch.int32, device=q.device)
+    next_indices = torch.empty((B, Hq, Tq, Tk), dtype=torch.int32, device=q.device)
+    _launch(q, k, v, out, lse, cnt_in=counts, idx_in=indices, cnt_out=next_counts, idx_out=next_indices,
+            frow=frow, fcol=fcol, step=None, Tq=Tq, Tk=Tk, slot_cnt=0, slot_idx=0, warmup=0, scale=scale,
+            threshold=threshold, tm=tm, tn=tn, skip=True, stateful=False, causal=False,
+            cfg=_config(D, triton.next_power_of_2(tm), tn))
+    if lse is None:
+        lse = q.new_empty((0,), dtype=torch.float32)
+    return out, next_counts, next_indices, lse
+
+
+@_skip_fwd.register_fake
+def _(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_flat, return_lse):
+    B, Sq, Hq, D = q.shape
+    Tq, Tk = num_tiles(Sq, tm), num_tiles(k.shape[1], tn)
+    out = q.new_empty((B, Sq, Hq, D))
+    lse = q.new_empty((B, Hq, Sq) if return_lse else (0,), dtype=torch.float32)
+    return (out, q.new_empty((B, Hq, Tq), dtype=torch.int32), q.new_empty((B, Hq, Tq, Tk), dtype=torch.int32), lse)
+
+
+def _dense_block_m(Sq):
+    return 64 if Sq <= 64 else 128
+
+
+@torch.library.custom_op("sparsepatch::dense_fwd", mutates_args=())
+def _dense_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+               return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    B, Sq, Hq, D = q.shape
+    out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if return_lse else None
+    bm = _dense_block_m(Sq)
+    _launch(q, k, v, out, lse, cnt_in=None, idx_in=None, cnt_out=None, idx_out=None, frow=None, fcol=None,
+            step=None, Tq=num_tiles(Sq, bm), Tk=0, slot_cnt=0, slot_idx=0, warmup=0, scale=scale, threshold=-1.0,
+            tm=bm, tn=_config(D, bm)["BLOCK_N"], skip=False, stateful=False, causal=causal, cfg=_config(D, bm))
+    if lse is None:
+        lse = q.new_empty((0,), dtype=torch.float32)
+    return out, lse
+
+
+@_dense_fwd.register_fake
+def _(q, k, v, causal, scale, return_lse):
+    B, Sq, Hq, D = q.shape
+    return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq) if return_lse else (0,), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public entries
+# ----------------------------------------------------------------------------------------------------------------
+
+def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = False):
+    """Dense flash forward. q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) -> out (B, Sq, Hq, D) [, lse (B, Hq, Sq) fp32].
+
+    causal: bottom-right aligned (query i sees keys <= Sk - Sq + i), as in `reference.attention`.
+    """
+    _check_inputs(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = _dense_fwd(q, k, v, bool(causal), scale, bool(return_lse))
+    return (out, lse) if return_lse else out
+
+
+def skip_attention(q, k, v, skip_list: SkipList | None = None, threshold: float = -5.0, *, scale=None,
+                   must_do=None, return_lse: bool = False, tile=DEFAULT_TILE):
+    """Temporal skip-list attention: the same function as `reference.skip_attention`, on the Triton kernel.
+
+    Returns (out (B, Sq, Hq, D), next_list) or (out, next_list, lse (B, Hq, Sq) fp32).
+    """
+    B, Sq, Sk, Hq, Hk, D = _check_inputs(q, k, v)
+    threshold = check_threshold(threshold)
+    if skip_list is None:
+        tm, tn = check_tile(tile)
+    else:
+        reference.check_skip_list(skip_list, B, Hq, Sq, Sk)
+        tm, tn = skip_list.tile
+    if not supports_tile((tm, tn)):
+        raise ValueError(f"tile must have tm in (16, 32, 64, 128) and tn a multiple of 16 <= 512 for the Triton "
+                         f"kernel, got {(tm, tn)}")
+    if skip_list is None:
+        skip_list = SkipList.full(B, Hq, Sq, Sk, (tm, tn), device=q.device)
+    must_do_flat = [int(x) for rng in (must_do or []) for x in rng]
+    if must_do:
+        reference.must_do_tiles(must_do, Sq, Sk, (tm, tn))
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out, nc, ni, lse = _skip_fwd(q, k, v, skip_list.counts, skip_list.indices, threshold, scale, tm, tn,
+                                 must_do_flat, bool(return_lse))
+    nxt = SkipList(nc, ni, (tm, tn), Sq, Sk)
+    return (out, nxt, lse) if return_lse else (out, nxt)
+
+
+def skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale, must_do_flat):
+    """CUDA body of `sparsepatch::skip_step`: same semantics as `stateful._skip_step_reference`, no host sync.
+
+    counts (2, B, H, Tq) / indices (2, B, H, Tq, Tk) are the list slots, step int64 (1,), density fp32 (N, B).
+    The kernel reads `step` itself: calls < warmup_steps run dense and leave the lists alone; later calls read
+    slot (step - warmup) % 2 and write the other one. Density and the step increment are device tensor ops.
+    """
+    B, Sq, Sk, Hq, Hk, D = _check_inputs(q, k, v)
+    threshold = check_threshold(threshold)
+    if not supports_tile((tm, tn)):
+        raise ValueError(f"tile {(tm, tn)} is not supported by the Triton kernel")
+    Tq, Tk = num_tiles(Sq, tm), num_tiles(Sk, tn)
+    must_do = list(zip(must_do_flat[0::2], must_do_flat[1::2]))
+    frow, fcol = _forced_flags(must_do, Sq, Sk, tm, tn, q.device)
+    cnt_in, idx_in = counts, indices
+    if frow is not None:
+        cnt_in, idx_in = _union(counts, indices, frow, fcol)
+    # Density of this call, from the list it reads (before the kernel writes the other slot).
+    n = step.reshape(1)
+    warm = n < warmup_steps
+    read = torch.remainder(n - warmup_steps, 2).clamp(min=0)
+    dens = cnt_in.index_select(0, read).to(torch.float32).mean(dim=(2, 3)).reshape(B) / Tk
+    dens = torch.where(warm, torch.ones_like(dens), dens)
+    out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
+    _launch(q, k, v, out, None, cnt_in=cnt_in, idx_in=idx_in, cnt_out=counts, idx_out=indices, frow=frow,
+            fcol=fcol, step=step, Tq=Tq, Tk=Tk, slot_cnt=counts.stride(0), slot_idx=indices.stride(0),
+            warmup=int(warmup_steps), scale=float(scale), threshold=threshold, tm=tm, tn=tn, skip=True,
+            stateful=True, causal=False, cfg=_config(D, triton.next_power_of_2(tm), tn))
+    cap = density.shape[0]
+    at = n.clamp(max=cap - 1)
+    old = density.index_select(0, at)
+    density.index_copy_(0, at, torch.where((n < cap)[:, None], dens[None, :], old))
+    step.add_(1)
+    return out

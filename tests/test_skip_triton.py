@@ -1,0 +1,278 @@
+"""Triton skip-list / dense forward vs the reference.
+
+CPU: runs under TRITON_INTERPRET=1 at tiny shapes (fp16/fp32). GPU (`-m gpu`): bf16/fp16 at realistic shapes.
+
+Inputs have structure so tiles really drop: every q-tile / k-tile belongs to one of a few clusters (q and k share
+a cluster centre), so tiles of other clusters visited after a same-cluster tile fall far below the running max.
+q and k are quantised to multiples of 1/4, so q.k is exact in any fp32 summation order, every keep-test gain lies
+on a lattice of step scale*log2(e)/16, and the threshold sits half a step off that lattice: the exact next-list
+comparison cannot flip on rounding.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+_GPU = torch.cuda.is_available()
+if not _GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from sparsepatch.kernels import reference, stateful  # noqa: E402
+from sparsepatch.kernels.reference import LOG2E  # noqa: E402
+from sparsepatch.kernels.skiplist import SkipList  # noqa: E402
+
+skip = pytest.importorskip("sparsepatch.kernels.skip")
+
+INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
+cpu_only = pytest.mark.skipif(not INTERP, reason="interpreter tests (TRITON_INTERPRET=1, no CUDA)")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not _GPU or INTERP, reason="needs CUDA")
+
+
+def lattice_threshold(D, scale=None, near=-5.0):
+    """A threshold half a lattice step away from any reachable gain (see module docstring)."""
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    step = scale * LOG2E / 16
+    return -(round(-near / step) + 0.5) * step
+
+
+def structured_qkv(B, Sq, Sk, Hq, Hk, D, dtype, tile, *, seed, device="cpu", clusters=4, strength=1.0,
+                   assign=None):
+    """Random q/k/v with cluster structure per tile, q/k on the 1/4 lattice. Returns (q, k, v, assign)."""
+    g = torch.Generator().manual_seed(seed)
+    tm, tn = tile
+    tq, tk = -(-Sq // tm), -(-Sk // tn)
+    if assign is None:
+        centres = torch.randint(0, 2, (clusters, D), generator=g).float() * 2 - 1
+        cq = torch.randint(0, clusters, (B, tq, Hq), generator=g)
+        ck = torch.randint(0, clusters, (B, tk, Hk), generator=g)
+        assign = (centres, cq, ck)
+    centres, cq, ck = assign
+    qc = centres[cq].repeat_interleave(tm, 1)[:, :Sq]            # (B, Sq, Hq, D)
+    kc = centres[ck].repeat_interleave(tn, 1)[:, :Sk]            # (B, Sk, Hk, D)
+    q = qc * strength + 0.5 * torch.randn(B, Sq, Hq, D, generator=g)
+    k = kc * strength + 0.5 * torch.randn(B, Sk, Hk, D, generator=g)
+    q = (q * 4).round().clamp(-12, 12) / 4
+    k = (k * 4).round().clamp(-12, 12) / 4
+    v = torch.randn(B, Sk, Hk, D, generator=g)
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), assign
+
+
+def assert_close(out, ref, dtype):
+    out, ref = out.float(), ref.float()
+    assert torch.isfinite(out).all()
+    rel = ((out - ref).norm() / ref.norm()).item()
+    err = (out - ref).abs()
+    if dtype == torch.bfloat16:
+        assert err.max().item() <= 2e-2 * max(1.0, ref.abs().max().item()), err.max().item()
+        assert rel <= 1e-2, rel
+    else:  # fp16 / fp32: 1e-3 absolute, plus the output's own fp16 rounding (half an ulp ~ 2^-11 relative)
+        tol = 1e-3 + (2.0 ** -10) * ref.abs()
+        assert (err <= tol).all(), (err - tol).max().item()
+        assert rel <= 1e-3, rel
+
+
+def check_skip(q, k, v, lst, thr, *, tile, must_do=None, dtype):
+    out, nxt, lse = skip.skip_attention(q, k, v, lst, thr, must_do=must_do, return_lse=True, tile=tile)
+    rout, rnxt, rlse = reference.skip_attention(q, k, v, lst, thr, must_do=must_do, return_lse=True, tile=tile)
+    assert_close(out, rout, dtype)
+    torch.testing.assert_close(lse, rlse, atol=2e-3, rtol=1e-4)
+    assert nxt.equal(rnxt), (nxt.to_mask() ^ rnxt.to_mask()).sum().item()
+    return nxt
+
+
+# ------------------------------------------------------------------------------------------------- interpreter
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype,tile,D", [(torch.float16, (64, 64), 64), (torch.float32, (128, 128), 64),
+                                          (torch.float16, (64, 128), 128)])
+def test_skip_two_calls_interp(dtype, tile, D):
+    B, S, Hq, Hk = 1, 300, 4, 2
+    thr = lattice_threshold(D)
+    q, k, v, assign = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=1)
+    nxt = check_skip(q, k, v, None, thr, tile=tile, dtype=dtype)
+    assert nxt.density().item() < 0.9
+    # Second call: fresh inputs with the same structure, reading the pruned list.
+    q, k, v, _ = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=2, assign=assign)
+    nxt2 = check_skip(q, k, v, nxt, thr, tile=tile, dtype=dtype)
+    assert nxt2.density().item() < 1.0
+
+
+@cpu_only
+def test_skip_must_do_strided_interp():
+    B, S, Hq, Hk, D, tile = 2, 200, 2, 1, 64, (64, 64)
+    dtype = torch.float16
+    thr = lattice_threshold(D)
+    q, k, v, assign = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=3)
+    # Strided inputs as diffusers passes them: views into one fused (B, S, 3, H, D) buffer (Hk == Hq here).
+    fused = torch.stack([q, k.expand(-1, -1, Hq, -1), v.expand(-1, -1, Hq, -1)], dim=2)
+    q, k, v = fused[:, :, 0], fused[:, :, 1], fused[:, :, 2]
+    must_do = [(0, 30), (190, 200)]
+    mask = torch.rand(B, Hq, 4, 4, generator=torch.Generator().manual_seed(4)) < 0.5
+    lst = SkipList.from_mask(mask, tile, S, S)
+    nxt = check_skip(q, k, v, lst, thr, tile=tile, must_do=must_do, dtype=dtype)
+    assert nxt.density().item() < 1.0
+
+
+@cpu_only
+def test_dense_interp():
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 130, 4, 64, generator=g).to(dtype)
+    k = torch.randn(1, 150, 2, 64, generator=g).to(dtype)
+    v = torch.randn(1, 150, 2, 64, generator=g).to(dtype)
+    for causal in (False, True):
+        out, lse = skip.attention(q, k, v, causal=causal, return_lse=True)
+        rout, rlse = reference.attention(q, k, v, causal=causal, return_lse=True)
+        assert_close(out, rout, dtype)
+        torch.testing.assert_close(lse, rlse, atol=2e-3, rtol=1e-4)
+    # decode: one query sees every key
+    out = skip.attention(q[:, -1:], k, v, causal=True)
+    assert_close(out, reference.attention(q[:, -1:], k, v, causal=True), dtype)
+
+
+@cpu_only
+def test_skip_step_interp():
+    B, S, Hq, Hk, D, tile = 1, 200, 2, 1, 64, (64, 64)
+    dtype = torch.float16
+    thr = lattice_threshold(D)
+    must_do = [0, 20]
+    bufs = stateful.SkipListBuffers.create(B, Hq, S, S, tile, "cpu")
+    refb = stateful.SkipListBuffers.create(B, Hq, S, S, tile, "cpu")
+    assign = None
+    for call in range(3):
+        q, k, v, assign = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=10 + call, assign=assign)
+        args = (thr, 1, tile[0], tile[1], 1 / math.sqrt(D), must_do)
+        out = skip.skip_step(q, k, v, bufs.counts, bufs.indices, bufs.step, bufs.density, *args)
+        rout = stateful._skip_step_reference(q, k, v, refb.counts, refb.indices, refb.step, refb.density, *args)
+        assert_close(out, rout, dtype)
+        assert bufs.calls() == refb.calls() == call + 1
+        assert bufs.current(1).equal(refb.current(1))
+        torch.testing.assert_close(bufs.history(), refb.history())
+    assert bufs.current(1).density().item() < 1.0
+
+
+def test_bad_inputs():
+    q = torch.randn(1, 16, 2, 96, dtype=torch.float16)
+    assert not skip.supports(q)
+    with pytest.raises(ValueError, match="head dim"):
+        skip.attention(q, q, q)
+    q = torch.randn(1, 16, 2, 64, dtype=torch.float16)
+    assert not skip.supports(q, attn_mask=torch.ones(16, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match="threshold"):
+        skip.skip_attention(q, q, q, None, 0.5)
+    with pytest.raises(ValueError, match="tile"):
+        skip.skip_attention(q, q, q, None, -5.0, tile=(256, 128))
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("S,D,tile,H", [(4096, 128, (128, 128), (4, 2)), (4000, 64, (64, 64), (2, 2)),
+                                        (32760, 128, (128, 128), (1, 1))])
+def test_skip_gpu(dtype, S, D, tile, H):
+    Hq, Hk = H
+    thr = lattice_threshold(D)
+    q, k, v, assign = structured_qkv(1, S, S, Hq, Hk, D, dtype, tile, seed=20, device="cuda", clusters=8)
+    nxt = check_skip(q, k, v, None, thr, tile=tile, dtype=dtype)
+    assert nxt.density().item() < 0.9
+    q, k, v, _ = structured_qkv(1, S, S, Hq, Hk, D, dtype, tile, seed=21, device="cuda", assign=assign)
+    check_skip(q, k, v, nxt, thr, tile=tile, must_do=[(0, 300)], dtype=dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Sq,Sk,D,causal", [(4096, 4096, 128, False), (4000, 4100, 64, True),
+                                            (1, 5000, 128, True), (32760, 32760, 128, False)])
+def test_dense_gpu(dtype, Sq, Sk, D, causal):
+    g = torch.Generator(device="cuda").manual_seed(6)
+    H = 2 if Sq > 10000 else 4
+    q = torch.randn(1, Sq, H, D, device="cuda", generator=g).to(dtype)
+    k = torch.randn(1, Sk, H // 2, D, device="cuda", generator=g).to(dtype)
+    v = torch.randn(1, Sk, H // 2, D, device="cuda", generator=g).to(dtype)
+    out, lse = skip.attention(q, k, v, causal=causal, return_lse=True)
+    rout, rlse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    assert_close(out, rout, dtype)
+    torch.testing.assert_close(lse, rlse, atol=2e-3, rtol=1e-4)
+
+
+def _step_inputs(S, D, dtype, seed, assign, tile):
+    return structured_qkv(1, S, S, 4, 2, D, dtype, tile, seed=seed, device="cuda", assign=assign)
+
+
+@gpu
+@needs_cuda
+def test_skip_step_gpu_graph_compile():
+    S, D, tile, dtype = 4096, 128, (128, 128), torch.bfloat16
+    thr = lattice_threshold(D)
+    bufs = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))
+    refb = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))
+    assign = None
+    for call in range(3):
+        q, k, v, assign = _step_inputs(S, D, dtype, 30 + call, assign, tile)
+        out = stateful.skip_step(q, k, v, bufs, thr, 1)
+        rout = stateful._skip_step_reference(q, k, v, refb.counts, refb.indices, refb.step, refb.density, thr, 1,
+                                             tile[0], tile[1], 1 / math.sqrt(D), [])
+        assert_close(out, rout, dtype)
+        assert bufs.current(1).equal(refb.current(1))
+        torch.testing.assert_close(bufs.history(), refb.history())
+    assert bufs.current(1).density().item() < 0.9
+
+    # CUDA graph: capture one step, replay twice; the device step counter drives slot choice.
+    gb = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))
+    eager = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))
+    q, k, v, _ = _step_inputs(S, D, dtype, 40, assign, tile)
+    stateful.skip_step(q, k, v, gb, thr, 1)          # warm-up call (compiles), also dense warmup step
+    stateful.skip_step(q, k, v, eager, thr, 1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = stateful.skip_step(q, k, v, gb, thr, 1)
+    for _ in range(2):
+        graph.replay()
+        eout = stateful.skip_step(q, k, v, eager, thr, 1)
+        torch.cuda.synchronize()
+        assert torch.equal(gout, eout)
+    assert gb.calls() == eager.calls() == 3   # capture itself does not run the step
+    assert gb.current(1).equal(eager.current(1))
+
+    # torch.compile: 5 calls, no recompilation.
+    import torch._dynamo
+    torch._dynamo.reset()
+    cb = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))
+
+    def f(q, k, v):
+        return stateful.skip_step(q, k, v, cb, thr, 1) * 2
+
+    cf = torch.compile(f, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for call in range(5):
+            q, k, v, _ = _step_inputs(S, D, dtype, 50 + call, assign, tile)
+            cf(q, k, v)
+    assert cb.calls() == 5
+
+
+@gpu
+@needs_cuda
+def test_custom_ops_compile():
+    q = torch.randn(1, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
+    lst = SkipList.full(1, 4, 1000, 1000, (128, 128), device="cuda")
+
+    def f(q):
+        out, nxt = skip.skip_attention(q, q, q, lst, -5.0)
+        return out + skip.attention(q, q, q), nxt.counts
+
+    out, counts = torch.compile(f, fullgraph=True)(q)
+    eout, ecounts = f(q)
+    torch.testing.assert_close(out, eout)
+    assert torch.equal(counts, ecounts)
