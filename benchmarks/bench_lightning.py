@@ -106,8 +106,9 @@ def bench_decode(fused_recurrent, batches, graph=True):
         row = {"B": B, "state_MB": state_bytes / 1e6}
         # correctness against the reference (one step)
         s_ref, s_tri = states[0].clone(), states[0].clone()
-        o_ref = ref.lightning_decode(q, k, v, s_ref, decay, scale=1.0)
-        o_tri = tri.lightning_decode(q, k, v, s_tri, decay, scale=1.0)
+        for _ in range(2):                               # the second call relaunches the cached kernel directly
+            o_ref = ref.lightning_decode(q, k, v, s_ref, decay, scale=1.0)
+            o_tri = tri.lightning_decode(q, k, v, s_tri, decay, scale=1.0)
         row["rel_err_out"], row["rel_err_state"] = _rel(o_tri, o_ref), _rel(s_tri, s_ref)
         del s_ref, s_tri
 
@@ -145,6 +146,17 @@ def bench_decode(fused_recurrent, batches, graph=True):
             row["host_us_ours"] = host_time(lambda: tri.lightning_decode(q, k, v, states[0], decay, scale=1.0))
             row["host_us_ours_out"] = host_time(
                 lambda: tri.lightning_decode(q, k, v, states[0], decay, scale=1.0, out=out))
+            row["host_us_checks"] = host_time(lambda: ref.check_decode_args(q, k, v, states[0], decay, 1.0, None,
+                                                                            "bhkv"))
+            row["host_us_new_empty"] = host_time(lambda: q.new_empty((B, 1, H, D)))
+            row["host_us_launch"] = host_time(lambda: tri._launch_decode(q, k, v, states[0], decay, out, 1.0, False))
+            row["direct_relaunch_active"] = bool(tri._FAST) and tri._FAST_OK[0]
+            ok = tri._FAST_OK[0]
+            tri._FAST_OK[0] = False
+            row["host_us_launch_jit_only"] = host_time(
+                lambda: tri._launch_decode(q, k, v, states[0], decay, out, 1.0, False))
+            row["ours_us_jit_only"] = _bench(lambda: tri.lightning_decode(q, k, v, states[0], decay, scale=1.0))
+            tri._FAST_OK[0] = ok
             row["host_us_custom_op"] = host_time(
                 lambda: torch.ops.sparsepatch.lightning_decode_(q, k, v, states[0], decay, out, 1.0, False))
             if fused_recurrent is not None:
@@ -195,32 +207,34 @@ def sweep(lengths, batches):
         q, k, v = (torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         st = torch.randn(B, H, D, D, device="cuda") * 0.1
         o = torch.empty(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
-        for bv in (16, 32, 64, 128):
-            for w in (1, 2, 4, 8):
-                tri._DECODE_OVERRIDE.update(BV=bv, num_warps=w)
-                try:
-                    us = _bench(lambda: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=o))
-                    r = {"B": B, "BV": bv, "warps": w, "us": us, "TBps": 2 * st.numel() * 4 / (us * 1e-6) / 1e12}
-                except Exception as exc:  # noqa: BLE001
-                    r = {"B": B, "BV": bv, "warps": w, "error": repr(exc)[:200]}
-                out["decode"].append(r)
+        for bv, w, stream in ((64, 2, False), (64, 2, True), (64, 1, False), (128, 2, False), (128, 4, False),
+                              (128, 4, True), (32, 1, False), (32, 2, True), (64, 4, True)):
+            tri._DECODE_OVERRIDE.update(BV=bv, num_warps=w, STREAM=stream)
+            try:
+                us = _bench(lambda: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=o), rep=100)
+                r = {"B": B, "BV": bv, "warps": w, "stream": stream, "us": us,
+                     "TBps": 2 * st.numel() * 4 / (us * 1e-6) / 1e12}
+            except Exception as exc:  # noqa: BLE001
+                r = {"B": B, "BV": bv, "warps": w, "stream": stream, "error": repr(exc)[:200]}
+            out["decode"].append(r)
         tri._DECODE_OVERRIDE.clear()
-        print("sweep decode B", B, sorted([(round(r["us"], 2), r["BV"], r["warps"]) for r in out["decode"]
-                                          if r["B"] == B and "us" in r])[:5], flush=True)
+        print("sweep decode B", B, sorted([(round(r["us"], 2), r["BV"], r["warps"], r["stream"]) for r in out["decode"]
+                                          if r["B"] == B and "us" in r]), flush=True)
     for T in lengths:
         q, k, v = (torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in range(3))
-        for bv, w, st in ((64, 4, 2), (64, 8, 2), (64, 4, 3), (64, 8, 3), (32, 4, 2), (32, 2, 2), (128, 8, 2),
-                          (64, 4, 1), (32, 4, 3), (128, 4, 2)):
-            tri._PREFILL_OVERRIDE.update(BV=bv, num_warps=w, num_stages=st)
+        for c, bv, w, st in ((64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 8, 3),
+                             (128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 4, 2), (128, 32, 4, 3)):
+            tri._PREFILL_OVERRIDE.update(BV=bv, num_warps=w, num_stages=st, C=c)
             try:
-                us = _bench(lambda: tri.lightning_prefill(q, k, v, decay, scale=1.0))
-                r = {"T": T, "BV": bv, "warps": w, "stages": st, "us": us}
+                us = _bench(lambda: tri.lightning_prefill(q, k, v, decay, scale=1.0), rep=60)
+                r = {"T": T, "C": c, "BV": bv, "warps": w, "stages": st, "us": us}
             except Exception as exc:  # noqa: BLE001
-                r = {"T": T, "BV": bv, "warps": w, "stages": st, "error": repr(exc)[:200]}
+                r = {"T": T, "C": c, "BV": bv, "warps": w, "stages": st, "error": repr(exc)[:200]}
             out["prefill"].append(r)
         tri._PREFILL_OVERRIDE.clear()
-        print("sweep prefill T", T, sorted([(round(r["us"], 1), r["BV"], r["warps"], r["stages"])
-                                            for r in out["prefill"] if r["T"] == T and "us" in r])[:5], flush=True)
+        print("sweep prefill T", T, sorted([(round(r["us"], 1), r["C"], r["BV"], r["warps"], r["stages"])
+                                            for r in out["prefill"] if r["T"] == T and "us" in r]),
+              [r for r in out["prefill"] if r["T"] == T and "error" in r], flush=True)
     return out
 
 
@@ -249,6 +263,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer sizes")
     p.add_argument("--sweep", action="store_true", help="also sweep kernel configs")
     p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--sweep-only", action="store_true", help="only the config sweep and the B=1 decode row")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -264,6 +279,16 @@ def main(argv=None):
     print(f"{name}: device copy {res['copy_TBps']:.3f} TB/s; fla: {fla_err or 'ok'}", flush=True)
     batches = [1, 64, 256] if args.quick else DECODE_B
     lengths = [4096, 32768] if args.quick else PREFILL_T
+    if args.sweep_only:
+        res["decode"] = bench_decode(fused_rec, [1], graph=True)
+        res["prefill"] = []
+        res["sweep"] = sweep([4096, 32768], [1, 64, 256])
+        path = os.path.join(args.out, f"{gpu}-lightning-sweep.json")
+        os.makedirs(args.out, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        print("wrote", path)
+        return 0
     res["decode"] = bench_decode(fused_rec, batches, graph=not args.no_graph)
     res["prefill"] = bench_prefill(chunk_gla, lengths)
     if args.sweep:

@@ -176,6 +176,17 @@ def test_triton_decode_strided_qkv_and_uneven_dims():
     o_ref = ref.lightning_decode(q, k, v, s_ref, decay)
     o_tri = tri.lightning_decode(q, k, v, s_tri, decay)
     assert rel(o_tri, o_ref) < 1e-5 and rel(s_tri, s_ref) < 1e-6
+    # non-unit last-dim strides everywhere (the generic kernel), twice (the second call may relaunch directly)
+    qt, kt = (x.transpose(2, 3).contiguous().transpose(2, 3) for x in (q, k))
+    vt = v.transpose(2, 3).contiguous().transpose(2, 3)
+    st = h0.transpose(2, 3).contiguous().transpose(2, 3)            # (K, V) with unit stride along K
+    s_ref, s_tri = h0.clone(), h0.clone()
+    for _ in range(2):
+        o_ref = ref.lightning_decode(q, k, v, s_ref, decay)
+        o_tri = tri.lightning_decode(qt, kt, vt, st, decay)
+        o_tri2 = tri.lightning_decode(q, k, v, s_tri, decay)
+    assert qt.stride(3) != 1 and st.stride(3) != 1
+    assert rel(o_tri, o_ref) < 1e-5 and rel(st, s_ref) < 1e-6 and rel(o_tri2, o_ref) < 1e-5
 
 
 @needs_triton
@@ -240,8 +251,9 @@ def test_gpu_decode_bf16_realistic(B):
     from sparsepatch.kernels import lightning as tri
     q, k, v, decay, h0 = inputs(B, 1, 64, 128, 128, torch.bfloat16, "cuda", seed=7)
     s_ref, s_tri = h0.clone(), h0.clone()
-    o_ref = ref.lightning_decode(q, k, v, s_ref, decay, scale=1.0)
-    o_tri = tri.lightning_decode(q, k, v, s_tri, decay, scale=1.0)
+    for _ in range(3):                                                 # later calls relaunch the cached kernel
+        o_ref = ref.lightning_decode(q, k, v, s_ref, decay, scale=1.0)
+        o_tri = tri.lightning_decode(q, k, v, s_tri, decay, scale=1.0)
     assert rel(s_tri, s_ref) < 1e-6 and rel(o_tri, o_ref) < 1e-2
 
 

@@ -21,11 +21,16 @@ TRITON_INTERPRET=1). Any strides (no hidden copies); q/k/v/o last dim should be 
 """
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from .lightning_reference import CHUNK, check_decode_args, check_prefill_args
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -77,27 +82,109 @@ def _decode_kernel(Q, Kt, Vt, S, G, O, scale, H,
         tl.store(op, o.to(O.dtype.element_ty), mask=mv)
 
 
+_NO_SPEC = ["H", "sqb", "sqh", "skb", "skh", "svb", "svh", "ssb", "ssh", "ssr", "sob", "soh"]
+
+
+def _jit_no_spec(fn):
+    """triton.jit with no value/alignment specialization of strides (one compiled kernel for every stride), so the
+    compiled kernel can be cached and relaunched directly (`_FAST`). Older Triton without the alignment option
+    still gets the stride list."""
+    try:
+        return triton.jit(fn, do_not_specialize=_NO_SPEC, do_not_specialize_on_alignment=["Q", "Kt", "Vt", "G", "O"])
+    except TypeError:
+        return triton.jit(fn, do_not_specialize=_NO_SPEC)
+
+
+@_jit_no_spec
+def _decode_unit_kernel(Q, Kt, Vt, S, G, O, scale, H,
+                        sqb, sqh, skb, skh, svb, svh, ssb, ssh, ssr, sob, soh,
+                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, VK: tl.constexpr, STREAM: tl.constexpr):
+    """_decode_kernel for unit last-dim strides of q/k/v/out and of the state's inner axis (ssr: the other one)."""
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    ok = tl.arange(0, BK)
+    ov = pid_v * BV + tl.arange(0, BV)
+    g = tl.exp(-tl.load(G + h))
+    if VK:
+        sp = S + b * ssb + h * ssh + ok[:, None] + ov[None, :] * ssr
+    else:
+        sp = S + b * ssb + h * ssh + ok[:, None] * ssr + ov[None, :]
+    mk = ok < K
+    mv = ov < V
+    if EVEN_K and EVEN_V:
+        if STREAM:
+            s = tl.load(sp, eviction_policy="evict_first")
+        else:
+            s = tl.load(sp)
+    else:
+        s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0)
+    q = tl.load(Q + b * sqb + h * sqh + ok, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(Kt + b * skb + h * skh + ok, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(Vt + b * svb + h * svh + ov, mask=mv, other=0.0).to(tl.float32)
+    s = s * g + k[:, None] * v[None, :]
+    o = tl.sum(s * (q * scale)[:, None], axis=0)
+    if EVEN_K and EVEN_V:
+        if STREAM:
+            tl.store(sp, s, cache_modifier=".cs")
+        else:
+            tl.store(sp, s)
+    else:
+        tl.store(sp, s, mask=mk[:, None] & mv[None, :])
+    tl.store(O + b * sob + h * soh + ov, o.to(O.dtype.element_ty), mask=mv)
+
+
 def _decode_config(BH: int, K: int, V: int) -> tuple[int, int]:
-    """(BV, num_warps) for the decode kernel; measured on H100 (benchmarks/notes_lightning.md)."""
-    BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), max(16, 4096 // BK))     # (K, BV) fp32 tile of at most 16 KiB
-    return BV, 4
+    """(BV, num_warps) for the decode kernel; measured on H100 (benchmarks/notes_lightning.md): a (128, 64) fp32
+    tile per 2-warp program streamed best at B = 1, 64 and 256."""
+    BV = min(triton.next_power_of_2(V), max(16, 8192 // triton.next_power_of_2(K)))
+    return BV, 2
 
 
-_DECODE_OVERRIDE: dict = {}  # {"BV": .., "num_warps": ..}: benchmark sweeps only
+_DECODE_OVERRIDE: dict = {}  # {"BV", "num_warps", "STREAM"}: benchmark sweeps only
+_FAST: dict = {}             # (device, dtype, K, V, vk, BV, warps, stream, state aligned) -> compiled kernel
+_FAST_OK = [os.environ.get("TRITON_INTERPRET") != "1"]
 
 
 def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
     B, _, H, K = q.shape
     V = v.shape[3]
+    ss = state.stride()
+    inner = ss[2] if vk else ss[3]
+    if inner == 1 and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1 and out.stride(3) == 1:
+        BV, warps = _decode_config(B * H, K, V)
+        stream = False
+        if _DECODE_OVERRIDE:
+            BV, warps = _DECODE_OVERRIDE.get("BV", BV), _DECODE_OVERRIDE.get("num_warps", warps)
+            stream = _DECODE_OVERRIDE.get("STREAM", stream)
+        BK = triton.next_power_of_2(K)
+        grid = ((V + BV - 1) // BV, B * H)
+        qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+        args = (q, k, v, state, decay, out, scale, H, qs[0], qs[2], ks[0], ks[2], vs[0], vs[2],
+                ss[0], ss[1], ss[3] if vk else ss[2], os_[0], os_[2],
+                K, V, BK, BV, BK == K, V % BV == 0, vk, stream)
+        key = (q.device.index, q.dtype, K, V, vk, BV, warps, stream, state.data_ptr() % 16 == 0)
+        kern = _FAST.get(key) if _FAST_OK[0] else None
+        if kern is not None:
+            try:
+                kern[grid](*args)
+                return
+            except Exception as exc:  # noqa: BLE001  (a Triton whose launcher convention differs: stop trying)
+                logger.warning("sparsepatch lightning: direct relaunch failed (%s); using triton's launcher", exc)
+                _FAST_OK[0] = False
+        kern = _decode_unit_kernel[grid](*args[:19], K=K, V=V, BK=BK, BV=BV, EVEN_K=BK == K, EVEN_V=V % BV == 0,
+                                         VK=vk, STREAM=stream, num_warps=warps)
+        if _FAST_OK[0] and kern is not None and hasattr(kern, "__getitem__"):
+            _FAST[key] = kern
+        return
     if vk:
-        ssb, ssh, ssv, ssk = state.stride()
+        ssb, ssh, ssv, ssk = ss
     else:
-        ssb, ssh, ssk, ssv = state.stride()
+        ssb, ssh, ssk, ssv = ss
     BK = triton.next_power_of_2(K)
     BV, warps = _decode_config(B * H, K, V)
-    if _DECODE_OVERRIDE:
-        BV, warps = _DECODE_OVERRIDE.get("BV", BV), _DECODE_OVERRIDE.get("num_warps", warps)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     _decode_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, state, decay, out, scale, H,
@@ -123,7 +210,7 @@ def lightning_decode(q, k, v, state, decay, *, scale=None, out=None, state_layou
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype must be one of {SUPPORTED_DTYPES} for the Triton kernel, got {q.dtype}")
     if out is None:
-        out = torch.empty((B, 1, H, V), dtype=q.dtype, device=q.device)
+        out = q.new_empty((B, 1, H, V))
     if torch.compiler.is_compiling():
         _decode_op(q, k, v, state, decay, out, scale, vk)
     else:
@@ -194,10 +281,10 @@ def _prefill_kernel(Q, Kt, Vt, G, H0, HT, O, CU, scale, T, H,
 def _prefill_config(N: int, H: int, K: int, V: int) -> tuple[int, int, int]:
     """(BV, num_warps, num_stages) for the prefill kernel; measured on H100 (benchmarks/notes_lightning.md)."""
     BV = min(64, max(16, triton.next_power_of_2(V)))
-    return BV, 4, 2
+    return BV, 4, 3
 
 
-_PREFILL_OVERRIDE: dict = {}  # {"BV", "num_warps", "num_stages"}: benchmark sweeps only
+_PREFILL_OVERRIDE: dict = {}  # {"BV", "num_warps", "num_stages", "C"}: benchmark sweeps only
 
 
 def _state_strides(t: torch.Tensor, vk: bool):
@@ -219,13 +306,14 @@ def _launch_prefill(q, k, v, decay, initial_state, cu_seqlens, scale: float, vk:
         BV = _PREFILL_OVERRIDE.get("BV", BV)
         warps = _PREFILL_OVERRIDE.get("num_warps", warps)
         stages = _PREFILL_OVERRIDE.get("num_stages", stages)
+    C = _PREFILL_OVERRIDE.get("C", CHUNK)
     h0 = initial_state if initial_state is not None else final  # dummy pointer when absent
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
     cu = cu_seqlens if cu_seqlens is not None else decay  # dummy pointer when absent
     _prefill_kernel[(triton.cdiv(V, BV), N * H)](
         q, k, v, decay, h0, final, o, cu, scale, T, H,
         *qs, *ks, *vs, *os_, *_state_strides(h0, vk), *_state_strides(final, vk),
-        K=K, V=V, BK=BK, BV=BV, C=CHUNK, HAS_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
+        K=K, V=V, BK=BK, BV=BV, C=C, HAS_H0=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         num_warps=warps, num_stages=stages)
     return o, final
 
