@@ -122,7 +122,7 @@ def _sharpen(model, gain: float) -> None:
 
 
 def video_like_qkv(B=1, heads=2, frames=4, height=8, width=8, dim=32, step=0, drift=0.02, seed=0,
-                   locality=3.0, dtype=torch.float32, device="cpu"):
+                   locality=6.0, dtype=torch.float32, device="cpu"):
     """Synthetic video-like attention inputs (B, S, H, D), S = frames*height*width.
 
     Queries and keys are sinusoidal embeddings of each token's (t, y, x) position plus noise, so scores fall with

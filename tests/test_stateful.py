@@ -1,0 +1,47 @@
+"""Skip lists carried across calls inside the sparsepatch::skip_step op (reference path on CPU)."""
+import torch
+
+from sparsepatch.kernels import reference
+from sparsepatch.kernels.stateful import SkipListBuffers, skip_step
+from sparsepatch.testing import video_like_qkv
+
+
+def test_skip_step_chains_reference_calls_with_warmup():
+    steps = [video_like_qkv(frames=4, height=8, width=8, dim=32, step=i) for i in range(5)]
+    q0 = steps[0][0]
+    B, S, H, _ = q0.shape
+    buffers = SkipListBuffers.create(B, H, S, S, (32, 32), q0.device)
+    lst, densities = None, []
+    for i, (q, k, v) in enumerate(steps):
+        out = skip_step(q, k, v, buffers, -4.0, warmup_steps=1, must_do=[(0, 10)])
+        if i < 1:
+            expect = reference.attention(q, k, v)
+            densities.append(1.0)
+        else:
+            expect, nxt = reference.skip_attention(q, k, v, lst, -4.0, tile=(32, 32), must_do=[(0, 10)])
+            densities.append(1.0 if lst is None else lst.density().item())
+            lst = nxt
+        assert (out - expect).abs().max() < 1e-6, i
+    hist = buffers.history()[:, 0].tolist()
+    assert buffers.calls() == 5
+    assert [round(x, 6) for x in hist] == [round(x, 6) for x in densities]
+    assert hist[-1] < 0.9                        # the video-like workload is local: tiles really drop
+    assert buffers.current(1).equal(lst)
+
+
+def test_skip_step_compiles_once_for_all_steps():
+    import torch._dynamo
+    torch._dynamo.reset()
+    q, k, v = video_like_qkv(frames=2, height=8, width=8, dim=32)
+    buffers = SkipListBuffers.create(1, 2, 128, 128, (32, 32), q.device)
+    frames = []
+
+    def layer(q, k, v):
+        return skip_step(q, k, v, buffers, -4.0, warmup_steps=1) * 2
+
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(5):
+            frames.append(compiled(*video_like_qkv(frames=2, height=8, width=8, dim=32, step=step)))
+    assert buffers.calls() == 5
+    assert buffers.history()[2:, 0].max() < 1.0   # state advanced inside the op, without Python-side guards

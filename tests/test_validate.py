@@ -1,0 +1,57 @@
+"""sp.validate and the demo CLI on the tiny Wan pipeline."""
+import json
+import math
+import subprocess
+import sys
+
+import torch
+
+import sparsepatch as sp
+from sparsepatch.testing import tiny_wan_pipeline, wan_call_kwargs
+
+
+def test_validate_reports_per_layer_cos_output_psnr_and_restores(tmp_path):
+    pipe = tiny_wan_pipeline(head_dim=32, attention_gain=100.0)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = wan_call_kwargs(height=96, width=96, num_frames=9, steps=4)
+    report = sp.validate(pipe, sp.SkipConfig(threshold=-3.0, tile=(16, 16)), **kwargs)
+    assert sp.handle_of(pipe) is None
+    rows = report.per_step()
+    assert len(rows) == 4 and rows[0]["density"] == 1.0 and rows[-1]["density"] < 0.95
+    assert rows[0]["cos_mean"] > 0.999999                    # step 0 is warmup: exactly dense attention
+    assert all(0.5 < r["cos_min"] <= 1.0 + 1e-9 for r in rows)
+    assert set(report.attention_cos) == {"transformer.blocks.0.attn1", "transformer.blocks.1.attn1"}
+    assert set(report.attention_cos["transformer.blocks.0.attn1"]) == {"cond", "uncond"}
+    assert 0.99 < report.output_cos <= 1.0 and 20 < report.output_psnr_db < math.inf
+    assert report.dense_s > 0 and report.patched_s > 0
+    assert len(report.extra["dense_step_s"]) == 4 and len(report.extra["patched_step_s"]) == 4
+    data = json.loads(report.to_json(tmp_path / "r.json"))
+    assert data["per_step"][0]["density"] == 1.0 and (tmp_path / "r.json").exists()
+    report.plot(tmp_path / "r.png")
+    assert (tmp_path / "r.png").stat().st_size > 1000
+    assert "PSNR" in report.summary()
+
+    # the same generator seed gives the same dense output: keep-everything validates to (near) identity
+    exact = sp.validate(pipe, sp.SkipConfig(threshold=-1e9, tile=(16, 16)), measure_speed=False, **kwargs)
+    assert exact.output_psnr_db > 80 and exact.patched_s is None
+
+
+def test_validate_refuses_a_patched_object():
+    pipe = tiny_wan_pipeline()
+    sp.patch(pipe, sp.DenseConfig())
+    try:
+        import pytest
+        with pytest.raises(ValueError, match="already patched"):
+            sp.validate(pipe, sp.DenseConfig())
+    finally:
+        sp.unpatch(pipe)
+
+
+def test_demo_cli_prints_the_table():
+    out = subprocess.run([sys.executable, "-m", "sparsepatch", "demo", "--steps", "3", "--size", "64", "--cpu"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    table = [l for l in lines if l.strip()[:1].isdigit()]
+    assert len(table) == 3
+    assert "PSNR" in out.stdout and "density" in out.stdout
