@@ -45,3 +45,23 @@ def test_skip_step_compiles_once_for_all_steps():
             frames.append(compiled(*video_like_qkv(frames=2, height=8, width=8, dim=32, step=step)))
     assert buffers.calls() == 5
     assert buffers.history()[2:, 0].max() < 1.0   # state advanced inside the op, without Python-side guards
+
+
+def test_differentiable_step_matches_op_and_gives_sparse_gradients():
+    from sparsepatch.kernels.stateful import skip_step_differentiable
+    steps = [video_like_qkv(frames=4, height=8, width=8, dim=32, step=i) for i in range(3)]
+    a = SkipListBuffers.create(1, 2, 256, 256, (32, 32), "cpu")
+    b = SkipListBuffers.create(1, 2, 256, 256, (32, 32), "cpu")
+    for q, k, v in steps:
+        read_list = b.current(1).clone()
+        q = q.clone().requires_grad_()
+        out_op = skip_step(q.detach(), k, v, a, -4.0, 1)
+        out = skip_step_differentiable(q, k, v, b, -4.0, 1)
+        assert (out - out_op).abs().max() < 1e-6
+    assert a.current(1).equal(b.current(1)) and torch.equal(a.history(), b.history())
+    assert read_list.density() < 1.0
+    out.square().sum().backward()
+    q_ref = q.detach().clone().requires_grad_()
+    ref, _ = reference.skip_attention(q_ref, k, v, read_list, -4.0)
+    ref.square().sum().backward()
+    assert (q.grad - q_ref.grad).abs().max() < 1e-5          # the gradient of the sparse forward

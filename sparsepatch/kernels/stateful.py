@@ -119,4 +119,31 @@ def skip_step(q, k, v, buffers: SkipListBuffers, threshold: float, warmup_steps:
                          float(threshold), int(warmup_steps), tm, tn, scale, _must_do_flat(must_do))
 
 
-__all__ = ["SkipListBuffers", "skip_step", "MAX_CALLS", "num_tiles"]
+def skip_step_differentiable(q, k, v, buffers: SkipListBuffers, threshold: float, warmup_steps: int, *,
+                             scale=None, must_do=None) -> torch.Tensor:
+    """`skip_step` for training: the same lists and state updates, run eagerly so autograd sees the attention.
+
+    The gradient is that of the sparse forward (only the computed tiles contribute).
+    """
+    from . import attention, skip_attention
+    n = buffers.calls()
+    B = q.shape[0]
+    if n < warmup_steps:
+        out = attention(q, k, v, scale=scale)
+        dens = torch.ones(B, dtype=torch.float32, device=q.device)
+    else:
+        read = (n - warmup_steps) % 2
+        lst = SkipList(buffers.counts[read], buffers.indices[read], buffers.tile, q.shape[1], k.shape[1])
+        out, nxt = skip_attention(q, k, v, lst, threshold, scale=scale, must_do=must_do)
+        forced = reference.must_do_tiles(must_do, q.shape[1], k.shape[1], buffers.tile)
+        computed = lst.to_mask() if forced is None else lst.to_mask() | forced.to(q.device)
+        dens = computed.float().mean(dim=(1, 2, 3))
+        buffers.counts[1 - read].copy_(nxt.counts)
+        buffers.indices[1 - read].copy_(nxt.indices)
+    if n < buffers.density.shape[0]:
+        buffers.density[n].copy_(dens)
+    buffers.step.add_(1)
+    return out
+
+
+__all__ = ["SkipListBuffers", "skip_step", "skip_step_differentiable", "MAX_CALLS", "num_tiles"]

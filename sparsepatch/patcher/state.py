@@ -15,7 +15,7 @@ import torch
 
 from .. import kernels
 from ..config import DenseConfig, SkipConfig
-from ..kernels.stateful import SkipListBuffers, skip_step
+from ..kernels.stateful import SkipListBuffers, skip_step, skip_step_differentiable
 from ..kernels.skiplist import SkipList
 
 logger = logging.getLogger("sparsepatch")
@@ -155,7 +155,9 @@ class PatchHandle:
             buffers = self._buffers_for(site, context, q, k, names)
             extra = [tuple(r) for r in (cfg.must_do or [])]
             ranges = (must_do or []) + extra
-            out = skip_step(q, k, v, buffers, cfg.threshold, cfg.warmup_steps, scale=scale, must_do=ranges)
+            training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            step_fn = skip_step_differentiable if training else skip_step
+            out = step_fn(q, k, v, buffers, cfg.threshold, cfg.warmup_steps, scale=scale, must_do=ranges)
         if self.probe is not None:
             self.probe(site, names, q, k, v, out, scale)
         return out
