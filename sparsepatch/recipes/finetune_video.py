@@ -1,0 +1,257 @@
+"""Flow-matching fine-tune of a Wan-architecture video denoiser with sparse (skip-list) attention.
+
+    python -m sparsepatch.recipes.finetune_video --config skip-train --max-steps 100
+    accelerate launch --cpu --num_processes 1 -m sparsepatch.recipes.finetune_video --max-steps 2
+    accelerate launch --multi_gpu --num_processes 2 -m sparsepatch.recipes.finetune_video --model-size small
+
+Objective (rectified flow): for a clean latent clip x0, noise n ~ N(0, I) and t ~ U(0, 1),
+x_t = (1 - t) x0 + t n; the transformer, called with timestep 1000 t, predicts the velocity n - x0; loss = MSE.
+
+Data: `data.ProceduralClips` draws moving / rotating shapes, textures and pans directly in a latent space of
+shape (B, 4, F, H, W) (default (B, 4, 5, 16, 16)); no VAE is involved (see data.py for why). Each clip's class
+picks a fixed random text embedding (text_len, text_dim) that plays the prompt. The model is built from a config
+(`--model-size tiny|small`, random weights) or loaded with `--model-path` (a `save_pretrained` directory).
+
+Configs: dense = the model unpatched (diffusers' SDPA); skip = `sp.SkipConfig(threshold, warmup_steps=0,
+tile=(16, 16), backward=False)`; skip-train = the same with backward=True. In training the handle runs
+`skip_step_differentiable`, so the backward is exactly the gradient of the sparse forward that ran (only the
+tiles the forward computed contribute). NOTE: the handle does not consult `SkipConfig.backward` yet, so today
+skip and skip-train train identically; the flag is passed through so they diverge once the patcher uses it.
+
+Skip lists in training (`--list-refresh N`). At inference a list lives for one video: call k reads the list that
+call k-1 of the same video wrote. Training batches are unrelated clips at random noise levels, so:
+- N = 0 (default), "probe": before each step, `handle.reset()` and one no-grad forward on the very batch (x_t, t,
+  text) of the step. That forward reads full lists (dense) and writes each (layer, sample, head, q-tile) list
+  from this batch's own attention; the gradient forward then reads exactly those lists. The list used is always
+  the one made for the data it is applied to (like a video's step k+1 reading step k's list), and the gradient is
+  exactly that of this sparse forward. Cost: one extra no-grad forward (~1/3 of a dense step), so it pays off
+  once the density is below ~2/3 (fwd + bwd ~ 3 forward units: 1 + 3 d < 3).
+- N >= 1, "carry": `handle.reset()` every N steps; the step after a reset runs dense (full lists) and writes
+  lists, the next N - 1 steps read the list the previous step wrote, from OTHER clips. Cheapest (no probe), but
+  a list only ever shrinks between resets (unvisited tiles stay skipped), so keep N small. Each step's gradient
+  is still exactly that of the sparse forward it ran.
+Either way a list is never re-read after its forward: gradient checkpointing (which re-runs the forward and so
+would advance the lists) is not used with skip configs, and the dataloader drops the last partial batch (a new
+batch size would start new lists mid-run).
+
+Returns (from `main`) and prints a summary: final loss, losses, step times (seconds: from the batch on the device
+to the end of the optimizer step, probe included), attention calls and per-step density of the skip lists.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+MODEL_SIZES = {
+    # heads x head_dim, layers, ffn; text_dim matches the class text embeddings
+    "tiny": dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, ffn_dim=32, text_dim=16, freq_dim=16),
+    "small": dict(num_attention_heads=4, attention_head_dim=32, num_layers=4, ffn_dim=256, text_dim=64,
+                  freq_dim=64),
+}
+CONFIGS = ("dense", "skip", "skip-train")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sparsepatch.recipes.finetune_video", description=__doc__.split("\n")[0])
+    p.add_argument("--config", choices=CONFIGS, default="skip-train")
+    p.add_argument("--max-steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=2, help="clips per process per step")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threshold", type=float, default=-5.0, help="skip threshold, log2 units (< 0)")
+    p.add_argument("--tile", type=int, nargs=2, default=(16, 16), metavar=("TM", "TN"))
+    p.add_argument("--list-refresh", type=int, default=0,
+                   help="0: probe each batch with a no-grad forward to make its lists; N>=1: reset every N steps")
+    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
+    p.add_argument("--model-path", default=None, help="a WanTransformer3DModel save_pretrained directory")
+    p.add_argument("--frames", type=int, default=5, help="latent frames F")
+    p.add_argument("--latent-size", type=int, default=16, help="latent height = width")
+    p.add_argument("--text-len", type=int, default=8)
+    p.add_argument("--output-dir", default=None, help="save the unpatched model here (save_pretrained)")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--num-workers", type=int, default=0)
+    return p
+
+
+def build_model(size: str = "tiny", model_path: str | None = None):
+    """A WanTransformer3DModel in train mode: from `model_path`, else random weights of `MODEL_SIZES[size]`.
+
+    Latent channels 4, patch (1, 2, 2): a (B, 4, F, H, W) latent becomes F * H/2 * W/2 tokens.
+    """
+    from diffusers import WanTransformer3DModel
+    if model_path:
+        return WanTransformer3DModel.from_pretrained(model_path).train()
+    cfg = MODEL_SIZES[size]
+    return WanTransformer3DModel(patch_size=(1, 2, 2), in_channels=4, out_channels=4, cross_attn_norm=True,
+                                 rope_max_seq_len=64, **cfg).train()
+
+
+def flow_matching_inputs(x0: torch.Tensor, generator: torch.Generator):
+    """Rectified-flow training pair for clean latents x0 (B, C, F, H, W).
+
+    Returns x_t (same shape), timestep fp32 (B,) in [0, 1000] (the model's convention), target = noise - x0.
+    """
+    B = x0.shape[0]
+    noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
+    t = torch.rand(B, generator=generator, device=x0.device, dtype=torch.float32)
+    tt = t.to(x0.dtype).view(B, *([1] * (x0.dim() - 1)))
+    return (1 - tt) * x0 + tt * noise, t * 1000.0, noise - x0
+
+
+def progress(total: int, enabled: bool, desc: str):
+    """A tqdm bar (None when disabled or tqdm is missing; callers then print lines)."""
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, dynamic_ncols=True)
+
+
+def log_line(accelerator, bar, text: str) -> None:
+    if bar is not None:
+        bar.write(text)
+    else:
+        accelerator.print(text)
+
+
+def sync(device) -> None:
+    """Wait for queued device work so step times measure the work, not the launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def list_density(handle) -> float:
+    """Mean fraction of skip tiles the NEXT patched forward computes (1.0 when no lists are live: full first pass)."""
+    lists = handle.skip_lists()
+    if not lists:
+        return 1.0
+    return float(torch.stack([lst.density().to("cpu") for lst in lists.values()]).mean())
+
+
+def summarize(accelerator, name: str, result: dict) -> None:
+    times = result["step_times"]
+    steady = times[1:] or times   # the first step includes one-off setup (allocations, kernel compiles)
+    line = (f"[{name}] config={result['config']} steps={len(result['losses'])} final_loss={result['final_loss']:.6f} "
+            f"mean_step_ms={1000 * sum(steady) / max(len(steady), 1):.2f} attention_calls={result['attention_calls']}")
+    if result.get("density"):
+        line += f" mean_density={sum(result['density']) / len(result['density']):.4f}"
+    if result.get("output_dir"):
+        line += f" saved={result['output_dir']}"
+    accelerator.print(line)
+    accelerator.print("SUMMARY " + json.dumps({k: v for k, v in result.items() if k != "model"}))
+
+
+def main(argv=None) -> dict:
+    """Run the fine-tune; returns {"final_loss", "losses", "step_times", "attention_calls", "density",
+    "config", "output_dir", "model" (the trained model, unpatched, unwrapped)}. losses are process-mean MSE."""
+    args = build_parser().parse_args(argv)
+    if args.max_steps < 1:
+        raise ValueError(f"--max-steps must be >= 1, got {args.max_steps}")
+    if args.list_refresh < 0:
+        raise ValueError(f"--list-refresh must be >= 0, got {args.list_refresh}")
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    import sparsepatch as sp
+    from .data import ProceduralClips
+
+    accelerator = Accelerator()
+    set_seed(args.seed)                       # same initial weights on every process
+    model = build_model(args.model_size, args.model_path)
+    text_dim = model.config.text_dim
+    handle = None
+    if args.config != "dense":
+        # Patch before prepare: DDP then wraps the patched processors; sp.patch keys the handle by the raw model.
+        cfg = sp.SkipConfig(threshold=args.threshold, warmup_steps=0, tile=tuple(args.tile),
+                            backward=args.config == "skip-train")
+        handle = sp.patch(model, cfg)
+
+    data = ProceduralClips(length=max(10_000, 4 * args.max_steps * args.batch_size * accelerator.num_processes),
+                           frames=args.frames, size=args.latent_size, channels=model.config.in_channels,
+                           text_len=args.text_len, text_dim=text_dim, seed=args.seed)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                                         num_workers=args.num_workers,
+                                         generator=torch.Generator().manual_seed(args.seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    raw = accelerator.unwrap_model(model)
+    # Noise and t differ per process (each sees other clips anyway) but are reproducible for a given seed.
+    gen = torch.Generator(device=accelerator.device).manual_seed(args.seed * 1000 + accelerator.process_index)
+
+    losses, step_times, density = [], [], []
+    bar = progress(args.max_steps, accelerator.is_local_main_process, f"finetune_video[{args.config}]")
+    batches = iter(loader)
+    model.train()
+    for step in range(args.max_steps):
+        try:
+            batch = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            batch = next(batches)
+        sync(accelerator.device)
+        t0 = time.perf_counter()
+        x0, text = batch["latents"], batch["text"]
+        xt, timestep, target = flow_matching_inputs(x0, gen)
+        if handle is not None:
+            if args.list_refresh == 0:
+                handle.reset()
+                with torch.no_grad():             # probe: full lists in, this batch's lists out
+                    raw(hidden_states=xt, timestep=timestep, encoder_hidden_states=text, return_dict=False)
+            elif step % args.list_refresh == 0:
+                handle.reset()                    # this step runs full lists and writes fresh ones
+            density.append(list_density(handle))  # the lists this step's gradient forward reads
+        pred = model(hidden_states=xt, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+        loss = F.mse_loss(pred.float(), target.float())
+        accelerator.backward(loss)
+        if args.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = accelerator.reduce(loss.detach(), reduction="mean").item()   # syncs the device
+        sync(accelerator.device)
+        step_times.append(time.perf_counter() - t0)
+        losses.append(loss_value)
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"step {step}: loss is {loss_value}")
+        if bar is not None:
+            post = {"loss": f"{loss_value:.4f}", "ms": f"{1000 * step_times[-1]:.0f}"}
+            if density:
+                post["density"] = f"{density[-1]:.3f}"
+            bar.set_postfix(post)
+            bar.update(1)
+        if args.log_every and ((step + 1) % args.log_every == 0 or step == 0):
+            extra = f" density {density[-1]:.3f}" if density else ""
+            log_line(accelerator, bar, f"step {step + 1}/{args.max_steps} loss {loss_value:.5f} "
+                                       f"step_ms {1000 * step_times[-1]:.1f}{extra}")
+    if bar is not None:
+        bar.close()
+
+    accelerator.wait_for_everyone()
+    calls = 0
+    if handle is not None:
+        calls = handle.stats()["calls"]
+        sp.unpatch(raw)                           # save (and return) the plain diffusers model
+    if args.output_dir:
+        os.makedirs(args.output_dir, exist_ok=True)
+        raw.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    result = {"config": args.config, "final_loss": losses[-1], "losses": losses, "step_times": step_times,
+              "attention_calls": calls, "density": density, "output_dir": args.output_dir,
+              "list_refresh": args.list_refresh, "num_processes": accelerator.num_processes, "model": raw}
+    summarize(accelerator, "finetune_video", result)
+    accelerator.end_training()
+    return result
+
+
+if __name__ == "__main__":
+    main()
