@@ -82,20 +82,7 @@ def _decode_kernel(Q, Kt, Vt, S, G, O, scale, H,
         tl.store(op, o.to(O.dtype.element_ty), mask=mv)
 
 
-_NO_SPEC = ["H", "sqb", "sqh", "skb", "skh", "svb", "svh", "ssb", "ssh", "ssr", "sob", "soh"]
-
-
-def _jit_no_spec(fn):
-    """triton.jit with no value/alignment specialization of strides (one compiled kernel for every stride), so the
-    compiled kernel can be cached and relaunched directly (`_FAST`). Older Triton without the alignment option
-    still gets the stride list."""
-    try:
-        return triton.jit(fn, do_not_specialize=_NO_SPEC, do_not_specialize_on_alignment=["Q", "Kt", "Vt", "G", "O"])
-    except TypeError:
-        return triton.jit(fn, do_not_specialize=_NO_SPEC)
-
-
-@_jit_no_spec
+@triton.jit
 def _decode_unit_kernel(Q, Kt, Vt, S, G, O, scale, H,
                         sqb, sqh, skb, skh, svb, svh, ssb, ssh, ssr, sob, soh,
                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -144,7 +131,7 @@ def _decode_config(BH: int, K: int, V: int) -> tuple[int, int]:
 
 
 _DECODE_OVERRIDE: dict = {}  # {"BV", "num_warps", "STREAM"}: benchmark sweeps only
-_FAST: dict = {}             # (device, dtype, K, V, vk, BV, warps, stream, state aligned) -> compiled kernel
+_FAST: dict = {}             # launch signature -> compiled kernel (relaunched without triton's binder)
 _FAST_OK = [os.environ.get("TRITON_INTERPRET") != "1"]
 
 
@@ -153,20 +140,24 @@ def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
     V = v.shape[3]
     ss = state.stride()
     inner = ss[2] if vk else ss[3]
-    if inner == 1 and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1 and out.stride(3) == 1:
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+    if inner == 1 and qs[3] == 1 and ks[3] == 1 and vs[3] == 1 and os_[3] == 1:
         BV, warps = _decode_config(B * H, K, V)
         stream = False
         if _DECODE_OVERRIDE:
             BV, warps = _DECODE_OVERRIDE.get("BV", BV), _DECODE_OVERRIDE.get("num_warps", warps)
             stream = _DECODE_OVERRIDE.get("STREAM", stream)
         BK = triton.next_power_of_2(K)
-        grid = ((V + BV - 1) // BV, B * H)
-        qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+        grid = ((V + BV - 1) // BV, B * H, 1)
         args = (q, k, v, state, decay, out, scale, H, qs[0], qs[2], ks[0], ks[2], vs[0], vs[2],
                 ss[0], ss[1], ss[3] if vk else ss[2], os_[0], os_[2],
                 K, V, BK, BV, BK == K, V % BV == 0, vk, stream)
-        key = (q.device.index, q.dtype, K, V, vk, BV, warps, stream, state.data_ptr() % 16 == 0)
-        kern = _FAST.get(key) if _FAST_OK[0] else None
+        # Triton specializes int args (== 1, % 16) and pointers (16-byte alignment): the key holds every int arg
+        # and requires all pointers aligned, so a cached kernel is only reused where triton would pick it again.
+        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | state.data_ptr() | out.data_ptr()
+                   | decay.data_ptr()) % 16 == 0
+        key = (q.device.index, q.dtype, warps, args[7:]) if aligned and _FAST_OK[0] else None
+        kern = _FAST.get(key) if key is not None else None
         if kern is not None:
             try:
                 kern[grid](*args)
@@ -174,9 +165,12 @@ def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
             except Exception as exc:  # noqa: BLE001  (a Triton whose launcher convention differs: stop trying)
                 logger.warning("sparsepatch lightning: direct relaunch failed (%s); using triton's launcher", exc)
                 _FAST_OK[0] = False
+                _FAST.clear()
         kern = _decode_unit_kernel[grid](*args[:19], K=K, V=V, BK=BK, BV=BV, EVEN_K=BK == K, EVEN_V=V % BV == 0,
                                          VK=vk, STREAM=stream, num_warps=warps)
-        if _FAST_OK[0] and kern is not None and hasattr(kern, "__getitem__"):
+        if key is not None and kern is not None and hasattr(kern, "__getitem__"):
+            if len(_FAST) > 64:
+                _FAST.clear()
             _FAST[key] = kern
         return
     if vk:
@@ -185,7 +179,6 @@ def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
         ssb, ssh, ssk, ssv = ss
     BK = triton.next_power_of_2(K)
     BV, warps = _decode_config(B * H, K, V)
-    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     _decode_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, state, decay, out, scale, H,
         qs[0], qs[2], qs[3], ks[0], ks[2], ks[3], vs[0], vs[2], vs[3],
@@ -280,7 +273,7 @@ def _prefill_kernel(Q, Kt, Vt, G, H0, HT, O, CU, scale, T, H,
 
 def _prefill_config(N: int, H: int, K: int, V: int) -> tuple[int, int, int]:
     """(BV, num_warps, num_stages) for the prefill kernel; measured on H100 (benchmarks/notes_lightning.md)."""
-    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BV = min(32, max(16, triton.next_power_of_2(V)))
     return BV, 4, 3
 
 

@@ -28,8 +28,10 @@ _checked_decay: set = set()
 
 def _check_decay_values(decay: torch.Tensor) -> None:
     """decay >= 0 and finite. Syncs a CUDA tensor once per (tensor, version); skipped under graph capture/compile."""
+    if torch.compiler.is_compiling():
+        return
     key = (decay.data_ptr(), decay._version, decay.is_cuda)
-    if key in _checked_decay or torch.compiler.is_compiling() or decay.numel() == 0:
+    if key in _checked_decay or decay.numel() == 0:
         return
     if decay.is_cuda and torch.cuda.is_current_stream_capturing():
         return
