@@ -78,48 +78,65 @@ def _compiled_flex(flex_attention):
     return _FLEX["fn"]
 
 
-def sweep_configs(q, k, v, skip, lst, log):
-    """Time the dense and skip (density 0.5) kernels over a small config set; returns rows and the best dense one."""
-    import triton
-    variants = [
+def sweep_configs(q, k, v, skip, lists, log):
+    """Time the dense kernel and the skip kernel (density 0.5 and 1.0) over small config sets.
+
+    Returns (rows, best dense config, best skip config); a variant that fails to compile is reported, not fatal.
+    """
+    dense_variants = [
+        dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False),
+        dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True),
+        dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ws=True),
+        dict(BLOCK_N=128, num_warps=8, num_stages=4, tma=True, ws=True),
+    ]
+    skip_variants = [
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False),
         dict(BLOCK_N=128, num_warps=8, num_stages=2, tma=False),
-        dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
-        dict(BLOCK_N=64, num_warps=8, num_stages=3, tma=False),
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True),
         dict(BLOCK_N=128, num_warps=8, num_stages=2, tma=True),
-        dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=True),
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ws=True),
-        dict(BLOCK_N=128, num_warps=4, num_stages=3, tma=False),
+        dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False, ws=True),
     ]
-    saved = dict(skip.CONFIGS[(128, 128)])
+    saved = dict(skip.CONFIGS[(128, 128)]), dict(skip.SKIP_CONFIGS[(128, 128)])
     B, S, H, D = q.shape
     flops = 4 * B * H * S * S * D
     rows = []
     ref = skip.attention(q, k, v)
-    for cfg in variants:
-        skip.CONFIGS[(128, 128)] = cfg
-        row = dict(cfg)
-        try:
-            t0 = time.time()
-            out = skip.attention(q, k, v)
-            torch.cuda.synchronize()
-            row["compile_s"] = round(time.time() - t0, 1)
-            row["max_err_vs_default"] = (out.float() - ref.float()).abs().max().item()
-            row["dense_ms"] = bench_ms(lambda: skip.attention(q, k, v))
-            row["dense_tflops"] = flops / row["dense_ms"] * 1e-9
-            if not cfg.get("ws"):
-                row["skip50_ms"] = bench_ms(lambda: skip.skip_attention(q, k, v, lst, -5.0))
-        except Exception as exc:  # a variant that does not compile on this triton is reported, not fatal
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        log(f"sweep {row}")
-        rows.append(row)
-    skip.CONFIGS[(128, 128)] = saved
-    ok = [r for r in rows if "dense_ms" in r and r["max_err_vs_default"] < 2e-2]
-    best = min(ok, key=lambda r: r["dense_ms"]) if ok else None
-    ok_skip = [r for r in ok if "skip50_ms" in r]
-    best_skip = min(ok_skip, key=lambda r: r["skip50_ms"]) if ok_skip else None
-    return rows, best, best_skip
+    ref_skip, ref_next = skip.skip_attention(q, k, v, lists[0.5], -5.0)
+    for kind, variants in (("dense", dense_variants), ("skip", skip_variants)):
+        for cfg in variants:
+            row = dict(kind=kind, **cfg)
+            try:
+                t0 = time.time()
+                if kind == "dense":
+                    skip.CONFIGS[(128, 128)] = cfg
+                    out = skip.attention(q, k, v)
+                    torch.cuda.synchronize()
+                    row["compile_s"] = round(time.time() - t0, 1)
+                    row["max_err"] = (out.float() - ref.float()).abs().max().item()
+                    row["ms"] = bench_ms(lambda: skip.attention(q, k, v))
+                    row["tflops"] = flops / row["ms"] * 1e-9
+                else:
+                    skip.SKIP_CONFIGS[(128, 128)] = cfg
+                    out, nxt = skip.skip_attention(q, k, v, lists[0.5], -5.0)
+                    torch.cuda.synchronize()
+                    row["compile_s"] = round(time.time() - t0, 1)
+                    row["max_err"] = (out.float() - ref_skip.float()).abs().max().item()
+                    row["same_next_list"] = bool(nxt.equal(ref_next))
+                    row["ms"] = bench_ms(lambda: skip.skip_attention(q, k, v, lists[0.5], -5.0))
+                    row["ms_rho1"] = bench_ms(lambda: skip.skip_attention(q, k, v, lists[1.0], -5.0))
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            log(f"sweep {row}")
+            rows.append(row)
+    skip.CONFIGS[(128, 128)], skip.SKIP_CONFIGS[(128, 128)] = saved
+    ok = [r for r in rows if "ms" in r and r["max_err"] < 2e-2 and r.get("same_next_list", True)]
+    keys = ("BLOCK_N", "num_warps", "num_stages", "tma", "ws")
+    pick = {}
+    for kind in ("dense", "skip"):
+        cand = [r for r in ok if r["kind"] == kind]
+        pick[kind] = {kk: r[kk] for r in [min(cand, key=lambda r: r["ms"])] for kk in keys if kk in r} if cand else None
+    return rows, pick["dense"], pick["skip"]
 
 
 def main(argv=None):
@@ -163,13 +180,14 @@ def main(argv=None):
         flops = 4 * B * H * S * S * D
         lists = {rho: random_list(B, H, S, rho) for rho in DENSITIES}
         if si == 0 and args.sweep:
-            rows, best, best_skip = sweep_configs(q, k, v, skip, lists[0.5], log)
+            rows, best, best_skip = sweep_configs(q, k, v, skip, lists, log)
             result["sweep"] = rows
             if best is not None:
-                keep = {kk: best[kk] for kk in ("BLOCK_N", "num_warps", "num_stages", "tma", "ws") if kk in best}
-                skip.CONFIGS[(128, 128)] = keep
-                log(f"using dense/skip config {keep}")
-            result["config"] = dict(skip.CONFIGS[(128, 128)])
+                skip.CONFIGS[(128, 128)] = best
+            if best_skip is not None:
+                skip.SKIP_CONFIGS[(128, 128)] = best_skip
+            log(f"using dense config {best}, skip config {best_skip}")
+        result["config"] = dict(dense=dict(skip.CONFIGS[(128, 128)]), skip=dict(skip.SKIP_CONFIGS[(128, 128)]))
 
         def rec(name, density, fn, out=None):
             try:

@@ -105,6 +105,18 @@ def test_skip_two_calls_interp(dtype, tile, D):
 
 
 @cpu_only
+def test_skip_many_tiles_interp():
+    """More than 32 k-tiles per row (several keep-bit words), Sq != Sk, partial last k-tile."""
+    dtype, tile, D = torch.float16, (32, 16), 64
+    thr = lattice_threshold(D)
+    q, k, v, assign = structured_qkv(1, 64, 600, 2, 1, D, dtype, tile, seed=7, clusters=3)
+    nxt = check_skip(q, k, v, None, thr, tile=tile, dtype=dtype)
+    assert nxt.density().item() < 0.9
+    q, k, v, _ = structured_qkv(1, 64, 600, 2, 1, D, dtype, tile, seed=8, assign=assign)
+    check_skip(q, k, v, nxt, thr, tile=tile, dtype=dtype)
+
+
+@cpu_only
 def test_skip_must_do_strided_interp():
     B, S, Hq, Hk, D, tile = 2, 200, 2, 1, 64, (64, 64)
     dtype = torch.float16
@@ -247,15 +259,15 @@ def test_skip_step_gpu_graph_compile():
     assert gb.current(1).equal(eager.current(1))
 
     # torch.compile: 5 calls, no recompilation.
-    import torch._dynamo
-    torch._dynamo.reset()
+    from torch import _dynamo
+    _dynamo.reset()
     cb = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))
 
     def f(q, k, v):
         return stateful.skip_step(q, k, v, cb, thr, 1) * 2
 
     cf = torch.compile(f, fullgraph=True)
-    with torch._dynamo.config.patch(error_on_recompile=True):
+    with _dynamo.config.patch(error_on_recompile=True):
         for call in range(5):
             q, k, v, _ = _step_inputs(S, D, dtype, 50 + call, assign, tile)
             cf(q, k, v)

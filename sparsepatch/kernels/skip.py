@@ -28,14 +28,22 @@ from . import reference
 from .reference import LOG2E, check_qkv, check_threshold
 from .skiplist import DEFAULT_TILE, SkipList, check_tile, num_tiles
 
-__all__ = ["supports", "supports_tile", "attention", "skip_attention", "skip_step", "CONFIGS"]
+__all__ = ["supports", "supports_tile", "attention", "skip_attention", "skip_step", "CONFIGS", "SKIP_CONFIGS"]
 
 LN2 = 0.6931471805599453
 CHUNK = 32  # visited tiles per keep-bit word
+CHUNK_N = CHUNK
 
 # Launch configs, keyed by (head_dim, BLOCK_M): BLOCK_N, num_warps, num_stages, use_tma.
 # Chosen from benchmarks/bench_skip.py sweeps on an H100 (see benchmarks/notes_skip.md).
 CONFIGS = {
+    (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ws=True),
+    (128, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
+    (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True),
+    (64, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
+}
+# The skip loop (indirect k-tile index per iteration) has its own best settings.
+SKIP_CONFIGS = {
     (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False),
     (128, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
     (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False),
@@ -115,7 +123,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 TILE_N: tl.constexpr, SKIP: tl.constexpr, STATEFUL: tl.constexpr, HAS_FORCED: tl.constexpr,
                 LAST_PARTIAL: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
-                WARP_SPEC: tl.constexpr):
+                WARP_SPEC: tl.constexpr, NWORDS: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hq
@@ -175,21 +183,24 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         if HAS_FORCED:
             frow = (tl.load(FROW + pid_m) != 0).to(tl.int32)
         offs_c = tl.arange(0, CHUNK)
+        widx = tl.arange(0, NWORDS)
         out_cnt = tl.full([], 0, tl.int32)
+        # One flat, software-pipelined loop over the listed tiles; per-row keep bits go into word it // 32.
+        bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
+        for it in tl.range(0, n_plain, warp_specialize=WARP_SPEC):
+            j = tl.load(idx_in + it)
+            if STATEFUL:
+                j = tl.where(warm, it, j)
+            m_before = m_i
+            acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, j, offs_n, rows, Sk,
+                                        qk_scale, stride_ks, stride_vs, TILE_N, BLOCK_N, False, USE_TMA)
+            hit = (((tmax - m_before) > threshold) & row_ok).to(tl.int32) << (it & 31)
+            bits = bits | tl.where((widx == (it >> 5))[None, :], hit[:, None], 0)
+        # One cross-row OR reduction for all tiles, then compact the kept indices into the next list.
+        words = tl.reduce(bits, 0, _or)
         for c0 in range(0, n_plain, CHUNK):
             c1 = tl.minimum(c0 + CHUNK, n_plain)
-            bits = tl.zeros([BLOCK_M], tl.int32)
-            for it in range(c0, c1):
-                j = tl.load(idx_in + it)
-                if STATEFUL:
-                    j = tl.where(warm, it, j)
-                m_before = m_i
-                acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, j, offs_n, rows, Sk,
-                                            qk_scale, stride_ks, stride_vs, TILE_N, BLOCK_N, False, USE_TMA)
-                hit = ((tmax - m_before) > threshold) & row_ok
-                bits = bits | (hit.to(tl.int32) << (it - c0))
-            # One cross-row reduction per CHUNK visited tiles, then compact the kept indices into the next list.
-            word = tl.reduce(bits, 0, _or)
+            word = tl.sum(tl.where(widx == (c0 >> 5), words, 0), 0)
             inb = offs_c < (c1 - c0)
             jv = tl.load(idx_in + c0 + offs_c, mask=inb, other=0)
             if STATEFUL:
@@ -306,7 +317,8 @@ def _check_inputs(q, k, v):
 
 
 def _config(D, block_m, tn=None):
-    cfg = dict(CONFIGS.get((D, block_m)) or CONFIGS[(D, 64 if block_m <= 64 else 128)])
+    table = CONFIGS if tn is None else SKIP_CONFIGS
+    cfg = dict(table.get((D, block_m)) or table[(D, 64 if block_m <= 64 else 128)])
     bn = cfg["BLOCK_N"]
     if tn is not None:
         while tn % bn:
@@ -342,7 +354,8 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
         scale * LOG2E, threshold, Sk - Sq,
         HEAD_DIM=D, BLOCK_M=block_m, TILE_M=tm, BLOCK_N=cfg["BLOCK_N"], TILE_N=tn, SKIP=skip, STATEFUL=stateful,
         HAS_FORCED=frow is not None, LAST_PARTIAL=bool(skip and Sk % tn), CAUSAL=causal, WRITE_LSE=lse is not None,
-        USE_TMA=use_tma, WARP_SPEC=bool(cfg.get("ws", False)) and not skip,
+        USE_TMA=use_tma, WARP_SPEC=bool(cfg.get("ws", False)),
+        NWORDS=max(1, triton.next_power_of_2(num_tiles(Tk, CHUNK_N))) if skip else 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -391,10 +404,7 @@ def _union(counts, indices, frow, fcol):
 # Custom ops
 # ----------------------------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("sparsepatch::skip_fwd", mutates_args=())
-def _skip_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor,
-              threshold: float, scale: float, tm: int, tn: int, must_do_flat: list[int],
-              return_lse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _skip_fwd_impl(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_flat, return_lse):
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
     Tq, Tk = num_tiles(Sq, tm), num_tiles(Sk, tn)
@@ -417,6 +427,13 @@ def _skip_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.T
     return out, next_counts, next_indices, lse
 
 
+@torch.library.custom_op("sparsepatch::skip_fwd", mutates_args=())
+def _skip_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor,
+              threshold: float, scale: float, tm: int, tn: int, must_do_flat: list[int],
+              return_lse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _skip_fwd_impl(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_flat, return_lse)
+
+
 @_skip_fwd.register_fake
 def _(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_flat, return_lse):
     B, Sq, Hq, D = q.shape
@@ -430,9 +447,7 @@ def _dense_block_m(Sq):
     return 64 if Sq <= 64 else 128
 
 
-@torch.library.custom_op("sparsepatch::dense_fwd", mutates_args=())
-def _dense_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-               return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _dense_fwd_impl(q, k, v, causal, scale, return_lse):
     B, Sq, Hq, D = q.shape
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if return_lse else None
@@ -443,6 +458,12 @@ def _dense_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
     if lse is None:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, lse
+
+
+@torch.library.custom_op("sparsepatch::dense_fwd", mutates_args=())
+def _dense_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+               return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _dense_fwd_impl(q, k, v, causal, scale, return_lse)
 
 
 @_dense_fwd.register_fake
@@ -462,7 +483,9 @@ def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = F
     """
     _check_inputs(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = _dense_fwd(q, k, v, bool(causal), scale, bool(return_lse))
+    # Eager calls skip the custom-op dispatch (tens of us of host time); compiled graphs see the op.
+    fwd = _dense_fwd if torch.compiler.is_compiling() else _dense_fwd_impl
+    out, lse = fwd(q, k, v, bool(causal), scale, bool(return_lse))
     return (out, lse) if return_lse else out
 
 
@@ -488,7 +511,8 @@ def skip_attention(q, k, v, skip_list: SkipList | None = None, threshold: float 
     if must_do:
         reference.must_do_tiles(must_do, Sq, Sk, (tm, tn))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    out, nc, ni, lse = _skip_fwd(q, k, v, skip_list.counts, skip_list.indices, threshold, scale, tm, tn,
+    fwd = _skip_fwd if torch.compiler.is_compiling() else _skip_fwd_impl
+    out, nc, ni, lse = fwd(q, k, v, skip_list.counts, skip_list.indices, threshold, scale, tm, tn,
                                  must_do_flat, bool(return_lse))
     nxt = SkipList(nc, ni, (tm, tn), Sq, Sk)
     return (out, nxt, lse) if return_lse else (out, nxt)
