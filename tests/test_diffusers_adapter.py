@@ -224,3 +224,42 @@ def test_default_recipe_and_stats_shape(wan):
     finally:
         handle.remove()
     assert sp.handle_of(wan) is None
+
+
+def test_model_cpu_offload_hooks_survive_patch_and_unpatch():
+    pipe = tiny_wan_pipeline(head_dim=32, attention_gain=100.0)
+    pipe.set_progress_bar_config(disable=True)
+    dense = _frames(pipe, **wan_kwargs(steps=2))
+    pipe.enable_model_cpu_offload(device="cpu")          # accelerate hooks wrap forward; we never touch forward
+    handle = sp.patch(pipe, sp.SkipConfig(threshold=-3.0, tile=(16, 16)))
+    try:
+        _frames(pipe, **wan_kwargs(steps=2))
+        assert handle.stats()["calls"] == 2 * 2 * 2
+    finally:
+        sp.unpatch(pipe)
+    assert hasattr(pipe.transformer, "_hf_hook")
+    assert torch.equal(_frames(pipe, **wan_kwargs(steps=2)), dense)
+
+
+def test_compiled_transformer_does_not_recompile_after_step_1():
+    import torch._dynamo as dynamo
+    dynamo.reset()
+    pipe = tiny_wan_pipeline(head_dim=32, attention_gain=100.0)
+    model = pipe.transformer
+    handle = sp.patch(pipe, sp.SkipConfig(threshold=-3.0, tile=(16, 16)))
+    compiled = torch.compile(model, backend="eager")
+    g = torch.Generator().manual_seed(0)
+    x, text = torch.randn(1, 4, 3, 12, 12, generator=g), torch.randn(1, 16, 16, generator=g)
+    try:
+        with torch.no_grad():
+            for step in range(5):
+                with dynamo.config.patch(error_on_recompile=step >= 2):
+                    for branch in ("cond", "uncond"):
+                        with model.cache_context(branch):
+                            compiled(x + 0.01 * step, timestep=torch.tensor([900 - 100 * step]),
+                                     encoder_hidden_states=text)
+        density = handle.stats()["density"]["transformer.blocks.0.attn1"]["cond"]
+        assert len(density) == 5 and density[-1] < 1.0     # the lists advanced inside the compiled graph
+    finally:
+        sp.unpatch(pipe)
+        dynamo.reset()
