@@ -130,6 +130,20 @@ def test_dense_backward_fp32(Sq, Sk, causal):
 
 
 @cpu_only
+@pytest.mark.parametrize("skip_mode,causal", [(True, False), (False, True)])
+def test_atomic_dq_variant(skip_mode, causal):
+    """cfg atomic=True: dq accumulated by the dK/dV kernel with fp32 atomics (no dQ kernel)."""
+    Sq, Sk = 150, 200
+    q, k, v, do = make_inputs(1, Sq, Sk, 4, 2, 64, torch.float32, seed=16)
+    lst = SkipList.from_mask(random_mask(1, 4, 3, 4, 0.4, seed=17), (64, 64), Sq, Sk) if skip_mode else None
+    out, lse, *want = ref_grads(q, k, v, do, lst, causal=causal)
+    cfg = dict(bwd.CONFIGS[64], atomic=True, M1=32)
+    got = bwd._backward_impl(q, k, v, out, lse, do, None, lst.counts if lst else None, lst.indices if lst else None,
+                             64, 64, 1 / 8, causal, cfg)
+    check(got, want, 1e-3)
+
+
+@cpu_only
 def test_strided_qkv_and_scale():
     q, k, v, do = make_inputs(1, 150, 150, 2, 2, 64, torch.float32, seed=5, strided=True)
     assert not q.is_contiguous()

@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 # Launch configs keyed by head dim: BLOCK sizes of the dK/dV kernel (keys per program N1, query sub-block M1) and
 # of the dQ kernel (queries per program M2, key sub-block N2). Block sizes shrink to divide the skip tile.
+# atomic=True: the dK/dV kernel also accumulates dq with fp32 atomics (5 matmuls instead of 7, no dQ kernel).
 CONFIGS = {
     128: dict(M1=64, N1=128, w1=8, s1=2, M2=128, N2=64, w2=8, s2=2),
     64: dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3),
@@ -158,9 +159,11 @@ def _prep_kernel(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_os, stride_oh,
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, Q, DO, LSE2, DELTA, start_m, offs_m, offs_d, cols, Sq, stride_qs, stride_ds,
-                qk_scale, causal_off, MASK: tl.constexpr, CAUSAL: tl.constexpr):
-    """Add the contribution of queries [start_m, start_m + BLOCK_M) of one head to dk, dv (BLOCK_N, D)."""
+def _dkdv_block(dk, dv, k, v, Q, DO, LSE2, DELTA, DQA, start_m, offs_m, offs_d, cols, Sq, stride_qs, stride_ds,
+                stride_as, qk_scale, scale, causal_off, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                DQ_ATOMIC: tl.constexpr):
+    """Add the contribution of queries [start_m, start_m + BLOCK_M) of one head to dk, dv (BLOCK_N, D);
+    with DQ_ATOMIC also atomically add this block's dq (BLOCK_M, D) into the fp32 buffer DQA."""
     rows = start_m + offs_m
     if MASK:
         ok = rows < Sq
@@ -180,17 +183,26 @@ def _dkdv_block(dk, dv, k, v, Q, DO, LSE2, DELTA, start_m, offs_m, offs_d, cols,
     dv = tl.dot(pT.to(do.dtype), do, dv)
     dpT = tl.dot(v, tl.trans(do))
     dsT = pT * (dpT - delta[None, :])
-    dk = tl.dot(dsT.to(q.dtype), q, dk)
+    dsT16 = dsT.to(q.dtype)
+    dk = tl.dot(dsT16, q, dk)
+    if DQ_ATOMIC:
+        dq = tl.dot(tl.trans(dsT16), k) * scale
+        dq_ptrs = DQA + rows[:, None] * stride_as + offs_d[None, :]
+        if MASK:
+            tl.atomic_add(dq_ptrs, dq, mask=(rows < Sq)[:, None], sem="relaxed")
+        else:
+            tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
+def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
-                 stride_dvh, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, scale, qk_scale, causal_off,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr,
-                 TILE_N: tl.constexpr, SKIP: tl.constexpr, CAUSAL: tl.constexpr, Q_PARTIAL: tl.constexpr):
+                 stride_dvh, stride_ab, stride_as, stride_ah, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, scale, qk_scale,
+                 causal_off, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 TILE_M: tl.constexpr, TILE_N: tl.constexpr, SKIP: tl.constexpr, CAUSAL: tl.constexpr,
+                 Q_PARTIAL: tl.constexpr, DQ_ATOMIC: tl.constexpr):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // Hk).to(tl.int64)
@@ -214,6 +226,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
         row_base = (b * Hq + h) * Sq
         lse_base = LSE2 + row_base
         dl_base = DELTA + row_base
+        dqa_base = DQA + b * stride_ab + h * stride_ah
         if SKIP:
             j = start_n // TILE_N
             trow = (b * Hq + h) * Tk + j
@@ -226,14 +239,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
             for it in range(0, n_plain):
                 i = tl.load(idx + it)
                 for s in tl.static_range(TILE_M // BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base,
                                          i * TILE_M + s * BLOCK_M, offs_m, offs_d, cols, Sq, stride_qs, stride_ds,
-                                         qk_scale, 0, False, False)
+                                         stride_as, qk_scale, scale, 0, False, False, DQ_ATOMIC)
             for it in range(n_plain, cnt):
                 for s in tl.static_range(TILE_M // BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base,
                                          (Tq - 1) * TILE_M + s * BLOCK_M, offs_m, offs_d, cols, Sq, stride_qs,
-                                         stride_ds, qk_scale, 0, True, False)
+                                         stride_ds, stride_as, qk_scale, scale, 0, True, False, DQ_ATOMIC)
         else:
             if CAUSAL:
                 # Query row r sees key c iff c <= r + causal_off. Rows below lo see none of this block; blocks
@@ -246,14 +259,17 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
                 mid = 0
             full = Sq // BLOCK_M * BLOCK_M
             for start_m in range(lo, mid, BLOCK_M):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m, offs_m, offs_d,
-                                     cols, Sq, stride_qs, stride_ds, qk_scale, causal_off, True, CAUSAL)
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base, start_m, offs_m,
+                                     offs_d, cols, Sq, stride_qs, stride_ds, stride_as, qk_scale, scale, causal_off,
+                                     True, CAUSAL, DQ_ATOMIC)
             for start_m in range(mid, full, BLOCK_M):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m, offs_m, offs_d,
-                                     cols, Sq, stride_qs, stride_ds, qk_scale, causal_off, False, False)
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base, start_m, offs_m,
+                                     offs_d, cols, Sq, stride_qs, stride_ds, stride_as, qk_scale, scale, causal_off,
+                                     False, False, DQ_ATOMIC)
             for start_m in range(tl.maximum(mid, full), Sq, BLOCK_M):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m, offs_m, offs_d,
-                                     cols, Sq, stride_qs, stride_ds, qk_scale, causal_off, True, CAUSAL)
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base, start_m, offs_m,
+                                     offs_d, cols, Sq, stride_qs, stride_ds, stride_as, qk_scale, scale, causal_off,
+                                     True, CAUSAL, DQ_ATOMIC)
     dk = dk * scale
     tl.store(DK + b * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
@@ -425,14 +441,19 @@ def _backward_impl(q, k, v, out, lse, dout, dlse, counts, indices, tm, tn, scale
         Tq = Tk = 1
         m1, n1, m2, n2 = cfg["M1"], cfg["N1"], cfg["M2"], cfg["N2"]
         tm, tn = m2, n1
+    atomic = bool(cfg.get("atomic", False))
+    dqa = torch.zeros((B, Sq, Hq, D), dtype=torch.float32, device=dev) if atomic else dq
     _dkdv_kernel[(triton.cdiv(Sk, n1), B * Hk)](
-        q, k, v, dout, lse2, delta, dk, dv, counts_t, indices_t,
+        q, k, v, dout, lse2, delta, dk, dv, dqa, counts_t, indices_t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        dqa.stride(0), dqa.stride(1), dqa.stride(2),
         Sq, Sk, Hq, Hk, Hq // Hk, Tq, Tk, scale, qk_scale, causal_off,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, TILE_M=tm, TILE_N=tn, SKIP=skip, CAUSAL=bool(causal),
-        Q_PARTIAL=bool(skip and Sq % tm), num_warps=cfg["w1"], num_stages=cfg["s1"])
+        Q_PARTIAL=bool(skip and Sq % tm), DQ_ATOMIC=atomic, num_warps=cfg["w1"], num_stages=cfg["s1"])
+    if atomic:
+        return dqa.to(q.dtype), dk, dv
     _dq_kernel[(triton.cdiv(Sq, m2), B * Hq)](
         q, k, v, dout, lse2, delta, dq, counts, indices,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
