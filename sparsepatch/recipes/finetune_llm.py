@@ -3,6 +3,7 @@
     python -m sparsepatch.recipes.finetune_llm --config dense --max-steps 100
     accelerate launch --cpu --num_processes 1 -m sparsepatch.recipes.finetune_llm --max-steps 2
     accelerate launch --multi_gpu --num_processes 2 -m sparsepatch.recipes.finetune_llm --model-size small
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m sparsepatch.recipes.finetune_llm   # DDP on CPU (gloo)
 
 Model: `LlamaForCausalLM` built from a config (`--model-size tiny|small`, random weights, vocab 259 = 256 bytes +
 BOS/EOS/PAD) or loaded from a local `save_pretrained` directory with `--model-path` (its vocabulary must cover

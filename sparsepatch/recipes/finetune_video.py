@@ -3,6 +3,7 @@
     python -m sparsepatch.recipes.finetune_video --config skip-train --max-steps 100
     accelerate launch --cpu --num_processes 1 -m sparsepatch.recipes.finetune_video --max-steps 2
     accelerate launch --multi_gpu --num_processes 2 -m sparsepatch.recipes.finetune_video --model-size small
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m sparsepatch.recipes.finetune_video   # DDP on CPU (gloo)
 
 Objective (rectified flow): for a clean latent clip x0, noise n ~ N(0, I) and t ~ U(0, 1),
 x_t = (1 - t) x0 + t n; the transformer, called with timestep 1000 t, predicts the velocity n - x0; loss = MSE.
