@@ -124,9 +124,13 @@ def _decode_unit_kernel(Q, Kt, Vt, S, G, O, scale, H,
 
 
 def _decode_config(BH: int, K: int, V: int) -> tuple[int, int]:
-    """(BV, num_warps) for the decode kernel; measured on H100 (benchmarks/notes_lightning.md): a (128, 64) fp32
-    tile per 2-warp program streamed best at B = 1, 64 and 256."""
-    BV = min(triton.next_power_of_2(V), max(16, 8192 // triton.next_power_of_2(K)))
+    """(BV, num_warps) for the decode kernel, from the H100 sweep (benchmarks/notes_lightning.md): (K, 64) fp32
+    tiles per 2-warp program stream best at B*H >= 1K; a grid under one wave (B=1, H=64) does better with (K, 16)
+    tiles on 1 warp (4.8 vs 6.0 us per CUDA-graph step)."""
+    bk = triton.next_power_of_2(K)
+    BV = min(triton.next_power_of_2(V), max(16, 8192 // bk))
+    if BH * triton.cdiv(V, BV) <= 132 and bk <= 256:
+        return min(16, triton.next_power_of_2(V)), 1
     return BV, 2
 
 
