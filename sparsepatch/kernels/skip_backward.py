@@ -248,25 +248,26 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
                                          (Tq - 1) * TILE_M + s * BLOCK_M, offs_m, offs_d, cols, Sq, stride_qs,
                                          stride_ds, stride_as, qk_scale, scale, 0, True, False, DQ_ATOMIC)
         else:
+            full = Sq // BLOCK_M * BLOCK_M
             if CAUSAL:
                 # Query row r sees key c iff c <= r + causal_off. Rows below lo see none of this block; blocks
                 # starting before mid straddle the diagonal and need the causal mask.
                 lo = tl.maximum(start_n - causal_off, 0) // BLOCK_M * BLOCK_M
                 mid = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - causal_off, 0), Sq)
                 mid = tl.maximum((mid + BLOCK_M - 1) // BLOCK_M * BLOCK_M, lo)
+                for start_m in range(lo, mid, BLOCK_M):
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base, start_m,
+                                         offs_m, offs_d, cols, Sq, stride_qs, stride_ds, stride_as, qk_scale, scale,
+                                         causal_off, True, True, DQ_ATOMIC)
+                tail = tl.maximum(mid, full)
             else:
-                lo = 0
                 mid = 0
-            full = Sq // BLOCK_M * BLOCK_M
-            for start_m in range(lo, mid, BLOCK_M):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base, start_m, offs_m,
-                                     offs_d, cols, Sq, stride_qs, stride_ds, stride_as, qk_scale, scale, causal_off,
-                                     True, CAUSAL, DQ_ATOMIC)
+                tail = full
             for start_m in range(mid, full, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base, start_m, offs_m,
                                      offs_d, cols, Sq, stride_qs, stride_ds, stride_as, qk_scale, scale, causal_off,
                                      False, False, DQ_ATOMIC)
-            for start_m in range(tl.maximum(mid, full), Sq, BLOCK_M):
+            for start_m in range(tail, Sq, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base, start_m, offs_m,
                                      offs_d, cols, Sq, stride_qs, stride_ds, stride_as, qk_scale, scale, causal_off,
                                      True, CAUSAL, DQ_ATOMIC)
