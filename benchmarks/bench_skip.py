@@ -96,6 +96,13 @@ def sweep_configs(q, k, v, skip, lists, log):
         dict(BLOCK_N=128, num_warps=8, num_stages=2, tma=True),
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ws=True),
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False, ws=True),
+        dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False, prefetch_j=True),
+        dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True),
+        dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ws=True, prefetch_j=True),
+        # ablations (never picked): no keep test / list indices ignored / both
+        dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ablate_keep=True),
+        dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ablate_direct_j=True),
+        dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ablate_keep=True, ablate_direct_j=True),
     ]
     saved = dict(skip.CONFIGS[(128, 128)]), dict(skip.SKIP_CONFIGS[(128, 128)])
     B, S, H, D = q.shape
@@ -130,8 +137,9 @@ def sweep_configs(q, k, v, skip, lists, log):
             log(f"sweep {row}")
             rows.append(row)
     skip.CONFIGS[(128, 128)], skip.SKIP_CONFIGS[(128, 128)] = saved
-    ok = [r for r in rows if "ms" in r and r["max_err"] < 2e-2 and r.get("same_next_list", True)]
-    keys = ("BLOCK_N", "num_warps", "num_stages", "tma", "ws")
+    ok = [r for r in rows if "ms" in r and r["max_err"] < 2e-2 and r.get("same_next_list", True)
+          and not any(kk.startswith("ablate") for kk in r)]
+    keys = ("BLOCK_N", "num_warps", "num_stages", "tma", "ws", "prefetch_j")
     pick = {}
     for kind in ("dense", "skip"):
         cand = [r for r in ok if r["kind"] == kind]

@@ -123,7 +123,8 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 TILE_N: tl.constexpr, SKIP: tl.constexpr, STATEFUL: tl.constexpr, HAS_FORCED: tl.constexpr,
                 LAST_PARTIAL: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
-                WARP_SPEC: tl.constexpr, NWORDS: tl.constexpr):
+                WARP_SPEC: tl.constexpr, NWORDS: tl.constexpr, PREFETCH_J: tl.constexpr = False,
+                DIRECT_J: tl.constexpr = False, NO_KEEP: tl.constexpr = False):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hq
@@ -187,15 +188,23 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         out_cnt = tl.full([], 0, tl.int32)
         # One flat, software-pipelined loop over the listed tiles; per-row keep bits go into word it // 32.
         bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
+        j_next = tl.load(idx_in)
         for it in tl.range(0, n_plain, warp_specialize=WARP_SPEC):
-            j = tl.load(idx_in + it)
+            if PREFETCH_J:  # the index of the next visited tile is loaded one iteration ahead
+                j = j_next
+                j_next = tl.load(idx_in + tl.minimum(it + 1, Tk - 1))
+            elif DIRECT_J:  # ablation only (benchmarks): ignore the list's indices
+                j = it
+            else:
+                j = tl.load(idx_in + it)
             if STATEFUL:
                 j = tl.where(warm, it, j)
             m_before = m_i
             acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, j, offs_n, rows, Sk,
                                         qk_scale, stride_ks, stride_vs, TILE_N, BLOCK_N, False, USE_TMA)
-            hit = (((tmax - m_before) > threshold) & row_ok).to(tl.int32) << (it & 31)
-            bits = bits | tl.where((widx == (it >> 5))[None, :], hit[:, None], 0)
+            if not NO_KEEP:  # NO_KEEP: ablation only (benchmarks)
+                hit = (((tmax - m_before) > threshold) & row_ok).to(tl.int32) << (it & 31)
+                bits = bits | tl.where((widx == (it >> 5))[None, :], hit[:, None], 0)
         # One cross-row OR reduction for all tiles, then compact the kept indices into the next list.
         words = tl.reduce(bits, 0, _or)
         for c0 in range(0, n_plain, CHUNK):
@@ -356,6 +365,8 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
         HAS_FORCED=frow is not None, LAST_PARTIAL=bool(skip and Sk % tn), CAUSAL=causal, WRITE_LSE=lse is not None,
         USE_TMA=use_tma, WARP_SPEC=bool(cfg.get("ws", False)),
         NWORDS=max(1, triton.next_power_of_2(num_tiles(Tk, CHUNK_N))) if skip else 1,
+        PREFETCH_J=bool(cfg.get("prefetch_j", False)), DIRECT_J=bool(cfg.get("ablate_direct_j", False)),
+        NO_KEEP=bool(cfg.get("ablate_keep", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
