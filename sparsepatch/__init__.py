@@ -8,9 +8,21 @@
 """
 from . import kernels
 from .config import DenseConfig, LightningConfig, NSAConfig, SkipConfig
-from .patcher import PatchHandle, handle_of, patch, unpatch
+from . import patcher, recipes
+from .patcher import PatchHandle, handle_of, unpatch
 from .validate import ValidationReport, validate
 
 __version__ = "0.1.0"
+
+
+def patch(pipe_or_model, config=None) -> PatchHandle:
+    """Swap the attention of a diffusers pipeline/model or a transformers model for sparsepatch kernels.
+
+    config None picks the recipe for the model class (sparsepatch.recipes). Returns a PatchHandle; `unpatch`
+    (or `handle.remove()`) restores the model bit-exactly. Patching an already patched object raises ValueError.
+    """
+    if config is None:
+        config = recipes.default_config(pipe_or_model)
+    return patcher.patch(pipe_or_model, config)
 __all__ = ["patch", "unpatch", "handle_of", "PatchHandle", "SkipConfig", "DenseConfig", "NSAConfig",
            "LightningConfig", "validate", "ValidationReport", "kernels"]

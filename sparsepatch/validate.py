@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import kernels
-from .patcher import handle_of, patch, unpatch
+from .patcher import handle_of, unpatch
 
 
 @dataclass
@@ -202,6 +202,7 @@ def validate(pipe_or_model, config=None, *, seed: int = 0, measure_speed: bool =
     dense_out, dense_s = _timed_call(pipe_or_model, _fresh_kwargs(call_kwargs, generator_states), seed,
                                      steps and steps["dense"])
 
+    from . import patch
     handle = patch(pipe_or_model, config)
     attention_cos = defaultdict(lambda: defaultdict(list))
 

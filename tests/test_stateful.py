@@ -65,3 +65,25 @@ def test_differentiable_step_matches_op_and_gives_sparse_gradients():
     ref, _ = reference.skip_attention(q_ref, k, v, read_list, -4.0)
     ref.square().sum().backward()
     assert (q.grad - q_ref.grad).abs().max() < 1e-5          # the gradient of the sparse forward
+
+
+def test_backward_skip_keeps_forward_value_and_drops_negligible_tiles_from_the_gradient():
+    from sparsepatch.kernels.stateful import skip_step_differentiable
+    q, k, v = video_like_qkv(frames=4, height=8, width=8, dim=32)
+    exact = SkipListBuffers.create(1, 2, 256, 256, (32, 32), "cpu")
+    approx = SkipListBuffers.create(1, 2, 256, 256, (32, 32), "cpu")
+    grads = []
+    for buffers, flag in ((exact, False), (approx, True)):
+        qq = q.clone().requires_grad_()
+        out = skip_step_differentiable(qq, k, v, buffers, -3.0, 0, backward_skip=flag)
+        out.square().sum().backward()
+        grads.append((out.detach(), qq.grad))
+    assert torch.equal(grads[0][0], grads[1][0])                       # same forward value
+    kept = exact.current(0)
+    assert kept.density() < 0.9
+    q_ref = q.clone().requires_grad_()
+    ref_kept, _ = reference.skip_attention(q_ref, k, v, kept, -3.0)
+    (2 * grads[0][0] * ref_kept).sum().backward()                      # d/dq of sum(out^2) through kept tiles
+    assert (grads[1][1] - q_ref.grad).abs().max() < 1e-5
+    cos = torch.nn.functional.cosine_similarity(grads[0][1].flatten(), grads[1][1].flatten(), dim=0)
+    assert 0.9 < cos < 1.0                                             # approximate, and close

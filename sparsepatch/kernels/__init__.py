@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from . import reference
+from . import lightning_reference, reference
 from .skiplist import DEFAULT_TILE, SkipList
 
 logger = logging.getLogger(__name__)
@@ -55,11 +55,17 @@ def nsa_attention(*args, **kwargs):
     raise NotImplementedError("nsa_attention has not landed yet (issue 5: Native Sparse Attention)")
 
 
-def lightning_decode(*args, **kwargs):
-    """Lightning attention decode step (issue 6)."""
-    raise NotImplementedError("lightning_decode has not landed yet (issue 6: lightning attention)")
+def lightning_decode(q, k, v, state, decay, *, scale=None, out=None, state_layout: str = "bhkv"):
+    """One lightning-attention decode step; updates the fp32 `state` in place. See `lightning_reference`."""
+    tri = _triton_module("lightning")
+    impl = tri if _use_triton(tri, q) else lightning_reference
+    return impl.lightning_decode(q, k, v, state, decay, scale=scale, out=out, state_layout=state_layout)
 
 
-def lightning_prefill(*args, **kwargs):
-    """Lightning attention chunked prefill (issue 6)."""
-    raise NotImplementedError("lightning_prefill has not landed yet (issue 6: lightning attention)")
+def lightning_prefill(q, k, v, decay, *, scale=None, initial_state=None, cu_seqlens=None,
+                      state_layout: str = "bhkv"):
+    """Chunked lightning-attention prefill -> (o (B, T, H, V), final state fp32). See `lightning_reference`."""
+    tri = _triton_module("lightning")
+    impl = tri if _use_triton(tri, q) else lightning_reference
+    return impl.lightning_prefill(q, k, v, decay, scale=scale, initial_state=initial_state,
+                                  cu_seqlens=cu_seqlens, state_layout=state_layout)

@@ -120,10 +120,13 @@ def skip_step(q, k, v, buffers: SkipListBuffers, threshold: float, warmup_steps:
 
 
 def skip_step_differentiable(q, k, v, buffers: SkipListBuffers, threshold: float, warmup_steps: int, *,
-                             scale=None, must_do=None) -> torch.Tensor:
+                             scale=None, must_do=None, backward_skip: bool = False) -> torch.Tensor:
     """`skip_step` for training: the same lists and state updates, run eagerly so autograd sees the attention.
 
-    The gradient is that of the sparse forward (only the computed tiles contribute).
+    backward_skip False: the gradient is exactly that of the sparse forward (only the computed tiles contribute).
+    backward_skip True (SkipConfig(backward=True)): the forward value is unchanged, but the gradient is that of
+    attention over the tiles the forward KEPT (its next list) — the tiles it found negligible are skipped in the
+    backward too (an approximate gradient; `validate` reports its cos-sim vs dense).
     """
     from . import attention, skip_attention
     n = buffers.calls()
@@ -135,6 +138,10 @@ def skip_step_differentiable(q, k, v, buffers: SkipListBuffers, threshold: float
         read = (n - warmup_steps) % 2
         lst = SkipList(buffers.counts[read], buffers.indices[read], buffers.tile, q.shape[1], k.shape[1])
         out, nxt = skip_attention(q, k, v, lst, threshold, scale=scale, must_do=must_do)
+        if backward_skip:
+            # Straight-through: value of the listed-tile forward, gradient of the kept-tile attention.
+            kept, _ = skip_attention(q, k, v, nxt, threshold, scale=scale, must_do=must_do)
+            out = out.detach() + (kept - kept.detach())
         forced = reference.must_do_tiles(must_do, q.shape[1], k.shape[1], buffers.tile)
         computed = lst.to_mask() if forced is None else lst.to_mask() | forced.to(q.device)
         dens = computed.float().mean(dim=(1, 2, 3))

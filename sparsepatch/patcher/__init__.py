@@ -23,22 +23,25 @@ def _adapter_for(obj):
     )
 
 
+def recipe_keys(obj) -> list[str]:
+    """Names (model class, model_type) under which sparsepatch.recipes may hold a default config for obj."""
+    return _adapter_for(obj).recipe_keys(obj)
+
+
 def handle_of(obj) -> PatchHandle | None:
     """The live PatchHandle of a patched pipeline/model, or None."""
     return _HANDLES.get(obj)
 
 
-def patch(pipe_or_model, config=None) -> PatchHandle:
+def patch(pipe_or_model, config) -> PatchHandle:
     """Swap the attention of a diffusers pipeline/model or a transformers model for sparsepatch kernels.
 
-    config None picks the recipe for the model class (sparsepatch.recipes). Returns a PatchHandle; `unpatch` (or
+    `sparsepatch.patch` fills a None config from sparsepatch.recipes before calling this. Returns a PatchHandle; `unpatch` (or
     `handle.remove()`) restores the model bit-exactly. Patching an already patched object raises ValueError.
     """
     if pipe_or_model in _HANDLES:
         raise ValueError("pipe_or_model is already patched; call sp.unpatch(pipe_or_model) first")
     adapter = _adapter_for(pipe_or_model)
-    if config is None:
-        config = adapter.default_config(pipe_or_model)
     if not isinstance(config, _CONFIG_TYPES):
         raise ValueError(f"config must be one of {[c.__name__ for c in _CONFIG_TYPES]}, got {type(config).__name__}")
     for other in list(_HANDLES.values()):
@@ -61,4 +64,4 @@ def unpatch(pipe_or_model) -> None:
         handle.remove()
 
 
-__all__ = ["patch", "unpatch", "handle_of", "PatchHandle"]
+__all__ = ["patch", "unpatch", "handle_of", "recipe_keys", "PatchHandle"]

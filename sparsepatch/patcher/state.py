@@ -156,8 +156,11 @@ class PatchHandle:
             extra = [tuple(r) for r in (cfg.must_do or [])]
             ranges = (must_do or []) + extra
             training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            step_fn = skip_step_differentiable if training else skip_step
-            out = step_fn(q, k, v, buffers, cfg.threshold, cfg.warmup_steps, scale=scale, must_do=ranges)
+            if training:
+                out = skip_step_differentiable(q, k, v, buffers, cfg.threshold, cfg.warmup_steps, scale=scale,
+                                               must_do=ranges, backward_skip=cfg.backward)
+            else:
+                out = skip_step(q, k, v, buffers, cfg.threshold, cfg.warmup_steps, scale=scale, must_do=ranges)
         if self.probe is not None:
             self.probe(site, names, q, k, v, out, scale)
         return out

@@ -16,7 +16,8 @@ Decisions:
 - Attention dropout (training with attention_dropout > 0) raises NotImplementedError rather than falling back to
   SDPA: a silent fallback would train with a different kernel than the one the user asked for.
 - DenseConfig.layers is not consulted: every call routed through AttentionInterface is served (decoder-only LLMs
-  have self-attention only). NSAConfig / LightningConfig raise NotImplementedError until issues 5 / 6 wire them.
+  have self-attention only). LightningConfig re-routes MiniMax's lightning layers (transformers_lightning.py);
+  NSAConfig raises NotImplementedError until issue 5 wires it.
 - On CUDA, calls with a mask (padding, sliding-window layers, StaticCache decode) currently take the reference
   path, because the Triton dense kernel takes no mask.
 """
@@ -33,22 +34,14 @@ from ..config import DenseConfig, LightningConfig, NSAConfig, SkipConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTN_NAME", "is_transformers_model", "patch_model", "default_config", "attention_forward"]
+__all__ = ["ATTN_NAME", "is_transformers_model", "patch_model", "recipe_keys", "attention_forward"]
 
 #: Name under which the attention function (and its mask function) is registered in transformers.
 ATTN_NAME = "sparsepatch"
 
-# model_type -> recipe config factory used when `sp.patch(model)` gets no config. Only architectures whose
-# attention call site was checked against this adapter are listed (same call site as Llama: q/k/v (B, H, L, D),
-# mask from create_causal_mask / create_sliding_window_causal_mask, scaling=module.scaling).
-_RECIPES = {
-    "llama": DenseConfig,
-    "mistral": DenseConfig,
-    "qwen2": DenseConfig,
-    "qwen3": DenseConfig,
-    # MiniMax's lightning layers are not routed through AttentionInterface; issue 6 adds them.
-    "minimax": LightningConfig,
-}
+# model_types whose attention call site was checked against this adapter (same call site as Llama: q/k/v
+# (B, H, L, D), mask from create_causal_mask / create_sliding_window_causal_mask, scaling=module.scaling).
+TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # Attention-calling module -> (handle, qualified name). Weak keys: a deleted model must not be kept alive here.
 _PATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -75,19 +68,10 @@ def _check_model(model) -> None:
         raise ValueError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
 
 
-def default_config(model):
-    """The recipe config for `model`'s architecture (DenseConfig for Llama/Mistral/Qwen2/Qwen3).
-
-    Raises ValueError naming the class when the architecture has no recipe: pass a config explicitly then.
-    """
+def recipe_keys(model) -> list[str]:
+    """Names a recipe may be keyed by: the model class name, then its config's model_type."""
     _check_model(model)
-    model_type = getattr(model.config, "model_type", None)
-    if model_type not in _RECIPES:
-        raise ValueError(
-            f"model: no sparsepatch recipe for {type(model).__name__} (model_type={model_type!r}); supported "
-            f"model types: {sorted(_RECIPES)}. Pass a config explicitly, e.g. sp.patch(model, sp.DenseConfig())"
-        )
-    return _RECIPES[model_type]()
+    return [type(model).__name__, str(getattr(model.config, "model_type", None))]
 
 
 def _all_configs(model) -> list:
@@ -147,15 +131,20 @@ _MISSING = object()
 def patch_model(model, config, handle) -> None:
     """Switch `model` (a PreTrainedModel) to sparsepatch attention in place; register its undo on `handle`.
 
-    config: DenseConfig (NSAConfig / LightningConfig raise NotImplementedError until issues 5 / 6 land).
+    config: DenseConfig, or LightningConfig for MiniMax (NSAConfig raises NotImplementedError until issue 5).
     handle: the PatchHandle: `add_undo(fn)`, `record_call(layer_name, branch, density)`.
     """
     _check_model(model)
-    if isinstance(config, (NSAConfig, LightningConfig)):
-        issue = "5 (Native Sparse Attention)" if isinstance(config, NSAConfig) else "6 (lightning attention)"
+    if isinstance(config, LightningConfig):
+        # MiniMax's lightning layers do not go through AttentionInterface: they are re-routed module by module.
+        # Its softmax layers keep their implementation (patch them with DenseConfig on a separate model if wanted).
+        from .transformers_lightning import patch_lightning_layers
+        patch_lightning_layers(model, config, handle)
+        return
+    if isinstance(config, NSAConfig):
         raise NotImplementedError(
-            f"{type(config).__name__} is not supported for transformers models yet; it lands with issue {issue}. "
-            f"Use sp.DenseConfig() meanwhile")
+            "NSAConfig is not supported for transformers models yet; it lands with issue 5 (Native Sparse "
+            "Attention). Use sp.DenseConfig() meanwhile")
     if isinstance(config, SkipConfig):
         raise ValueError("config: SkipConfig keeps skip lists across diffusion denoising steps and has no meaning "
                          f"for {type(model).__name__}; use sp.DenseConfig() (or sp.NSAConfig once issue 5 lands)")
@@ -163,9 +152,9 @@ def patch_model(model, config, handle) -> None:
         raise ValueError(f"config must be a sparsepatch DenseConfig / NSAConfig / LightningConfig, "
                          f"got {type(config).__name__}")
     model_type = getattr(model.config, "model_type", None)
-    if model_type not in _RECIPES:
+    if model_type not in TESTED_MODEL_TYPES:
         logger.warning("sparsepatch: %s (model_type=%r) is not in the tested table %s; patching it through "
-                       "AttentionInterface anyway", type(model).__name__, model_type, sorted(_RECIPES))
+                       "AttentionInterface anyway", type(model).__name__, model_type, TESTED_MODEL_TYPES)
     can_set = getattr(type(model), "_can_set_attn_implementation", None)   # private API: absent -> try anyway
     if can_set is not None and not can_set():
         raise ValueError(f"model: {type(model).__name__} does not route attention through transformers' "

@@ -32,16 +32,9 @@ def _lightning_class():
 
 
 def _kernels(q: torch.Tensor):
-    """(decode, prefill) for q: the Triton kernels on CUDA when they take q, else the PyTorch reference."""
-    if q.is_cuda:
-        try:
-            from ..kernels import lightning as tri
-        except ImportError:
-            tri = None
-        if tri is not None and tri.supports(q):
-            return tri.lightning_decode, tri.lightning_prefill
-    from ..kernels import lightning_reference as ref
-    return ref.lightning_decode, ref.lightning_prefill
+    """(decode, prefill): the dispatchers pick Triton on CUDA and the PyTorch reference elsewhere."""
+    from .. import kernels
+    return kernels.lightning_decode, kernels.lightning_prefill
 
 
 def _make_forward(module, layer_name: str, handle, original):

@@ -6,7 +6,7 @@ dense warmup step, the step where the lists are least settled.
 """
 from __future__ import annotations
 
-from ..config import DenseConfig, SkipConfig
+from ..config import DenseConfig, LightningConfig, SkipConfig
 
 VIDEO_SKIP = dict(threshold=-5.0, warmup_steps=1, tile=(128, 128))
 
@@ -21,18 +21,27 @@ RECIPES: dict[str, tuple[type, dict]] = {
     "LTXVideoTransformer3DModel": (SkipConfig, VIDEO_SKIP),
     "MochiTransformer3DModel": (SkipConfig, VIDEO_SKIP),
     "FluxTransformer2DModel": (SkipConfig, dict(VIDEO_SKIP, threshold=-7.0)),
-    # transformers LLMs: the bundled dense kernel (NSA / lightning arrive with their issues)
-    "LlamaForCausalLM": (DenseConfig, {}),
-    "Qwen2ForCausalLM": (DenseConfig, {}),
-    "Qwen3ForCausalLM": (DenseConfig, {}),
-    "MistralForCausalLM": (DenseConfig, {}),
+    # transformers LLMs, by model_type (any head: ForCausalLM, base model, ...): attention call sites checked
+    # against the adapter (q/k/v (B, H, L, D), masks from create_causal_mask / sliding-window masks)
+    "llama": (DenseConfig, {}),
+    "mistral": (DenseConfig, {}),
+    "qwen2": (DenseConfig, {}),
+    "qwen3": (DenseConfig, {}),
+    "minimax": (LightningConfig, {}),     # lightning layers through the lightning kernels
 }
 
 
-def recipe_for(class_name: str):
-    """A fresh config for a model class name; ValueError naming the class when there is no recipe."""
-    if class_name not in RECIPES:
-        raise ValueError(f"pipe_or_model: no sparsepatch recipe for {class_name}; pass a config explicitly "
-                         f"(known: {sorted(RECIPES)})")
-    cls, kwargs = RECIPES[class_name]
-    return cls(**kwargs)
+def recipe_for(*keys: str):
+    """A fresh config for the first key (model class name or model_type) with a recipe; ValueError otherwise."""
+    for key in keys:
+        if key in RECIPES:
+            cls, kwargs = RECIPES[key]
+            return cls(**kwargs)
+    raise ValueError(f"pipe_or_model: no sparsepatch recipe for {list(keys)}; pass a config explicitly, e.g. "
+                     f"sp.patch(obj, sp.DenseConfig()) (known: {sorted(RECIPES)})")
+
+
+def default_config(pipe_or_model):
+    """The recipe config for a pipeline/model, chosen from its denoiser class or its transformers model_type."""
+    from ..patcher import recipe_keys
+    return recipe_for(*recipe_keys(pipe_or_model))
