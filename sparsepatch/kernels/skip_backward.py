@@ -51,10 +51,12 @@ logger = logging.getLogger(__name__)
 
 # Launch configs keyed by head dim: BLOCK sizes of the dK/dV kernel (keys per program N1, query sub-block M1) and
 # of the dQ kernel (queries per program M2, key sub-block N2). Block sizes shrink to divide the skip tile.
-# atomic=True: the dK/dV kernel also accumulates dq with fp32 atomics (5 matmuls instead of 7, no dQ kernel).
+# atomic=True: the dK/dV kernel also accumulates dq with fp32 atomics (5 matmuls instead of 7, no dQ kernel;
+# dq is then not bitwise deterministic). D=128 is the H100 sweep winner of benchmarks/bench_backward.py (47.5 ms
+# dense bwd at B1 H12 S32768; the deterministic atomic=False, s1=3 variant measured 47.7 ms). D=64 is unswept.
 CONFIGS = {
-    128: dict(M1=64, N1=128, w1=8, s1=2, M2=128, N2=64, w2=8, s2=2),
-    64: dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3),
+    128: dict(M1=64, N1=128, w1=8, s1=2, M2=128, N2=64, w2=8, s2=2, atomic=True),
+    64: dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, atomic=False),
 }
 
 
