@@ -22,10 +22,14 @@ Autograd wiring (done here, nothing to change in skip.py): importing this module
   dense_fwd(q, k, v, causal, scale, return_lse) -> (out, lse): saves q, k, v, out, lse.
 Backward = `sparsepatch::attention_bwd` (a custom op, so torch.compile traces it) with dlse folded into delta.
 If the forward ran with return_lse=False the saved lse is empty and backward RECOMPUTES it with one extra forward
-call (correct, ~1 forward slower): to avoid that, the forward entry should pass return_lse=True whenever
-`torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))` (one line in skip.attention/skip_attention).
-The module must be imported for the registration to happen: `from . import skip_backward` at the end of skip.py
-or in kernels/__init__.py (`_triton_module("skip_backward")` next to `_triton_module("skip")`).
+call (correct, ~1 forward slower). skip.attention / skip.skip_attention call the `_impl` functions directly in
+eager mode (bypassing the op), which bypasses autograd too. The change the forward entries need (both):
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    fwd = _skip_fwd if (torch.compiler.is_compiling() or needs_grad) else _skip_fwd_impl   # _dense_fwd likewise
+    out, nc, ni, lse = fwd(..., bool(return_lse) or needs_grad)       # lse saved for backward, no recompute
+    (return lse only if the caller asked for it)
+plus `from . import skip_backward  # noqa: F401` at the end of skip.py (or `_triton_module("skip_backward")` in
+kernels/__init__.py) so the registration runs.
 
 Training mode: `attention_backward(..., extra_skip=SkipList)` walks only the tiles of `extra_skip` (those the
 forward's keep test did not mark negligible; intersected with skip_list) — an approximate gradient.
