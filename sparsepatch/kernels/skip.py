@@ -44,10 +44,10 @@ CONFIGS = {
 }
 # The skip loop (indirect k-tile index per iteration) has its own best settings.
 SKIP_CONFIGS = {
-    (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False),
-    (128, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
-    (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False),
-    (64, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
+    (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True),
+    (128, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False, prefetch_j=True),
+    (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False, prefetch_j=True),
+    (64, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False, prefetch_j=True),
 }
 
 
