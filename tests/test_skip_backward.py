@@ -312,3 +312,22 @@ def test_gpu_autograd_skip_fwd():
     got = torch.autograd.grad(out, (qq, kk, vv), do)
     _, _, *want = chunked_ref_grads(q, k, v, do, lst)
     check(got, want, 2e-2)
+
+
+@cpu_only
+@needs_fwd
+def test_public_entries_are_differentiable():
+    """sparsepatch.kernels.skip.skip_attention / attention: gradient == autograd through the reference."""
+    from sparsepatch.kernels import skip
+    B, S, Hq, Hk, D = 1, 150, 4, 2, 64
+    q, k, v, do = make_inputs(B, S, S, Hq, Hk, D, torch.float32, seed=21)
+    lst = SkipList.from_mask(random_mask(B, Hq, 3, 3, 0.5, seed=22), (64, 64), S, S)
+    for fn, ref in ((lambda a, b, c: skip.skip_attention(a, b, c, lst, -5.0)[0],
+                     lambda a, b, c: reference.skip_attention(a, b, c, lst, -5.0)[0]),
+                    (lambda a, b, c: skip.attention(a, b, c, causal=True),
+                     lambda a, b, c: reference.attention(a, b, c, causal=True))):
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        got = torch.autograd.grad((fn(qq, kk, vv).double() * do.double()).sum(), (qq, kk, vv))
+        q2, k2, v2 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+        want = torch.autograd.grad((ref(q2, k2, v2) * do.double()).sum(), (q2, k2, v2))
+        check(got, want, 1e-3)

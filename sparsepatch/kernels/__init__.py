@@ -43,7 +43,7 @@ def skip_attention(q, k, v, skip_list=None, threshold: float = -5.0, *, scale=No
                    return_lse: bool = False, tile=DEFAULT_TILE, attn_mask=None):
     """Temporal skip-list attention; see `reference.skip_attention` for the exact semantics."""
     skip = _triton_module("skip")
-    if _use_triton(skip, q, attn_mask=attn_mask, causal=False):
+    if _use_triton(skip, q, attn_mask=attn_mask, causal=False, tile=tile if skip_list is None else skip_list.tile):
         return skip.skip_attention(q, k, v, skip_list, threshold, scale=scale, must_do=must_do,
                                    return_lse=return_lse, tile=tile)
     return reference.skip_attention(q, k, v, skip_list, threshold, scale=scale, must_do=must_do,

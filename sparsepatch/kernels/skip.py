@@ -487,6 +487,10 @@ def _(q, k, v, causal, scale, return_lse):
 # Public entries
 # ----------------------------------------------------------------------------------------------------------------
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = False):
     """Dense flash forward. q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) -> out (B, Sq, Hq, D) [, lse (B, Hq, Sq) fp32].
 
@@ -494,9 +498,11 @@ def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = F
     """
     _check_inputs(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    # Eager calls skip the custom-op dispatch (tens of us of host time); compiled graphs see the op.
-    fwd = _dense_fwd if torch.compiler.is_compiling() else _dense_fwd_impl
-    out, lse = fwd(q, k, v, bool(causal), scale, bool(return_lse))
+    # Eager inference calls skip the custom-op dispatch (tens of us of host time); compiled graphs and calls that
+    # need a gradient go through the op, whose autograd (skip_backward.py) needs the LSE.
+    needs_grad = _needs_grad(q, k, v)
+    fwd = _dense_fwd if (torch.compiler.is_compiling() or needs_grad) else _dense_fwd_impl
+    out, lse = fwd(q, k, v, bool(causal), scale, bool(return_lse) or needs_grad)
     return (out, lse) if return_lse else out
 
 
@@ -522,9 +528,10 @@ def skip_attention(q, k, v, skip_list: SkipList | None = None, threshold: float 
     if must_do:
         reference.must_do_tiles(must_do, Sq, Sk, (tm, tn))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    fwd = _skip_fwd if torch.compiler.is_compiling() else _skip_fwd_impl
+    needs_grad = _needs_grad(q, k, v)
+    fwd = _skip_fwd if (torch.compiler.is_compiling() or needs_grad) else _skip_fwd_impl
     out, nc, ni, lse = fwd(q, k, v, skip_list.counts, skip_list.indices, threshold, scale, tm, tn,
-                                 must_do_flat, bool(return_lse))
+                           must_do_flat, bool(return_lse) or needs_grad)
     nxt = SkipList(nc, ni, (tm, tn), Sq, Sk)
     return (out, nxt, lse) if return_lse else (out, nxt)
 
@@ -563,3 +570,7 @@ def skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, 
     density.index_copy_(0, at, torch.where((n < cap)[:, None], dens[None, :], old))
     step.add_(1)
     return out
+
+
+# Registers the autograd of sparsepatch::skip_fwd / dense_fwd (the backward kernels live in their own module).
+from . import skip_backward  # noqa: E402,F401

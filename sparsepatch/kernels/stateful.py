@@ -94,7 +94,7 @@ def _skip_step_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: tor
     if q.is_cuda:
         from . import _triton_module
         skip = _triton_module("skip")
-        if skip is not None and hasattr(skip, "skip_step") and skip.supports(q):
+        if skip is not None and hasattr(skip, "skip_step") and skip.supports(q, tile=(tm, tn)):
             return skip.skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
                                   must_do_flat).contiguous()
     return _skip_step_reference(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
