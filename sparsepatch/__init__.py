@@ -10,7 +10,7 @@ from . import kernels
 from .config import DenseConfig, LightningConfig, NSAConfig, SkipConfig
 from . import patcher, recipes
 from .patcher import PatchHandle, handle_of, unpatch
-from .validate import ValidationReport, validate
+from .validate import GradientReport, ValidationReport, validate, validate_gradients
 
 __version__ = "0.1.0"
 
@@ -25,4 +25,4 @@ def patch(pipe_or_model, config=None) -> PatchHandle:
         config = recipes.default_config(pipe_or_model)
     return patcher.patch(pipe_or_model, config)
 __all__ = ["patch", "unpatch", "handle_of", "PatchHandle", "SkipConfig", "DenseConfig", "NSAConfig",
-           "LightningConfig", "validate", "ValidationReport", "kernels"]
+           "LightningConfig", "validate", "ValidationReport", "validate_gradients", "GradientReport", "kernels"]

@@ -231,3 +231,113 @@ def validate(pipe_or_model, config=None, *, seed: int = 0, measure_speed: bool =
         density=copy.deepcopy(density), output_cos=cmp["cos"], output_psnr_db=cmp["psnr_db"],
         output_max_abs=cmp["max_abs"], dense_s=dense_s, patched_s=patched_s,
         extra={} if not steps else {"dense_step_s": steps["dense"], "patched_step_s": steps["patched"]})
+
+
+@dataclass
+class GradientReport:
+    """What `sp.validate_gradients` measured: the patched model's gradients against the dense model's.
+
+    attention_grad_cos: {layer: {"dq": cos, "dk": cos, "dv": cos}} of the attention inputs' gradients.
+    param_grad_cos: cos-sim of all parameter gradients flattened together; param_grad_cos_min: the worst single
+        parameter tensor (name in `worst_param`).
+    density: {layer: {branch: [per call]}} of the patched calls (the list-building calls included).
+    loss_dense / loss_patched: the scalar losses of the two backward passes.
+    """
+
+    config: str
+    attention_grad_cos: dict
+    param_grad_cos: float
+    param_grad_cos_min: float
+    worst_param: str
+    density: dict
+    loss_dense: float
+    loss_patched: float
+
+    def summary(self) -> str:
+        lines = [f"sparsepatch gradient validation — {self.config}",
+                 f"loss dense {self.loss_dense:.6f}  patched {self.loss_patched:.6f}",
+                 f"parameter grads: cos {self.param_grad_cos:.6f} (worst {self.param_grad_cos_min:.6f}: "
+                 f"{self.worst_param})",
+                 f"{'layer':<40} {'dq':>9} {'dk':>9} {'dv':>9}"]
+        for layer, cos in self.attention_grad_cos.items():
+            lines.append(f"{layer:<40} {cos['dq']:>9.5f} {cos['dk']:>9.5f} {cos['dv']:>9.5f}")
+        return "\n".join(lines)
+
+    def to_json(self, path=None) -> str:
+        text = json.dumps(asdict(self), indent=1, default=float)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+
+def _default_loss(out) -> torch.Tensor:
+    value = out
+    for attr in ("loss", "sample", "logits", "last_hidden_state"):
+        if getattr(out, attr, None) is not None:
+            value = getattr(out, attr)
+            break
+    if isinstance(value, (tuple, list)):
+        value = value[0]
+    return value if value.dim() == 0 else value.float().square().mean()
+
+
+def validate_gradients(model, config, *, loss_fn=None, list_passes: int | None = None, seed: int = 0,
+                       **inputs) -> GradientReport:
+    """Gradients of a patched model vs the dense model on the same inputs (training mode as users run it).
+
+    The patched model first runs `list_passes` no-grad forwards (default: warmup_steps + 1) so the skip lists are
+    built from these inputs, then one forward+backward that reads them — the lists a fine-tune step would use.
+    loss_fn(output) -> scalar; default: `output.loss` if present, else the mean square of the main output.
+    Returns a GradientReport (dQ/dK/dV cos-sim per attention layer, parameter-gradient cos-sim).
+    """
+    from . import DenseConfig, SkipConfig
+    from . import patch as sp_patch
+    if handle_of(model) is not None:
+        raise ValueError("model is already patched; validate_gradients() patches it itself — sp.unpatch it first")
+    if list_passes is None:
+        list_passes = config.warmup_steps + 1 if isinstance(config, SkipConfig) else 0
+    loss_fn = loss_fn or _default_loss
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def run(cfg, passes):
+        handle = sp_patch(model, cfg)
+        captured = {}
+
+        def probe(site, names, q, k, v, out, scale):
+            if q.requires_grad:
+                for t in (q, k, v):
+                    t.retain_grad()
+                captured[site.layer] = (q, k, v)
+        try:
+            with torch.no_grad():
+                for _ in range(passes):
+                    torch.manual_seed(seed)
+                    model(**inputs)
+            handle.probe = probe
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            loss = loss_fn(model(**inputs))
+            loss.backward()
+            density = handle.stats()["density"]
+        finally:
+            unpatch(model)
+        grads = {n: p.grad.detach().clone() for n, p in params if p.grad is not None}
+        attn = {layer: tuple(t.grad.detach().clone() for t in qkv) for layer, qkv in captured.items()
+                if qkv[0].grad is not None}
+        model.zero_grad(set_to_none=True)
+        return float(loss.detach()), grads, attn, density
+
+    loss_d, grads_d, attn_d, _ = run(DenseConfig(layers="self"), 0)
+    loss_p, grads_p, attn_p, density = run(config, list_passes)
+    per_param = {n: _cos(grads_d[n], grads_p[n]) for n in grads_d if n in grads_p}
+    flat_d = torch.cat([grads_d[n].flatten().double() for n in per_param])
+    flat_p = torch.cat([grads_p[n].flatten().double() for n in per_param])
+    worst = min(per_param, key=per_param.get) if per_param else ""
+    attention = {layer: {name: _cos(a, b) for name, a, b in zip(("dq", "dk", "dv"), attn_d[layer], attn_p[layer])}
+                 for layer in attn_d if layer in attn_p}
+    return GradientReport(
+        config=repr(config), attention_grad_cos=attention,
+        param_grad_cos=torch.nn.functional.cosine_similarity(flat_d, flat_p, dim=0).item() if per_param else 1.0,
+        param_grad_cos_min=per_param.get(worst, 1.0), worst_param=worst, density=copy.deepcopy(density),
+        loss_dense=loss_d, loss_patched=loss_p)

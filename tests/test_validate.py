@@ -55,3 +55,25 @@ def test_demo_cli_prints_the_table():
     table = [l for l in lines if l.strip()[:1].isdigit()]
     assert len(table) == 3
     assert "PSNR" in out.stdout and "density" in out.stdout
+
+
+def test_validate_gradients_exact_and_approximate():
+    from sparsepatch.testing import tiny_wan_pipeline
+    model = tiny_wan_pipeline(head_dim=32, attention_gain=100.0).transformer
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 4, 3, 16, 16, generator=g), timestep=torch.tensor([700]),
+                  encoder_hidden_states=torch.randn(1, 16, 16, generator=g))
+    keep_all = sp.validate_gradients(model, sp.SkipConfig(threshold=-1e9, tile=(16, 16)), **inputs)
+    assert keep_all.param_grad_cos > 1 - 1e-9 and keep_all.param_grad_cos_min > 1 - 1e-6
+    assert set(keep_all.attention_grad_cos) == {"blocks.0.attn1", "blocks.1.attn1"}
+    assert all(c > 1 - 1e-9 for layer in keep_all.attention_grad_cos.values() for c in layer.values())
+
+    exact = sp.validate_gradients(model, sp.SkipConfig(threshold=-2.0, tile=(16, 16)), **inputs)
+    approx = sp.validate_gradients(model, sp.SkipConfig(threshold=-2.0, tile=(16, 16), backward=True), **inputs)
+    density = exact.density["blocks.0.attn1"]["default"]
+    assert density[0] == 1.0 and density[-1] < 0.9                       # the grad pass read a pruned list
+    assert 0.9 < exact.param_grad_cos < 1.0 and 0.9 < approx.param_grad_cos < 1.0
+    assert exact.loss_patched == approx.loss_patched                      # backward=True changes only gradients
+    # lists built from these very inputs: the forward keeps every tile it reads, so backward=True drops nothing
+    assert approx.param_grad_cos == exact.param_grad_cos
+    assert sp.handle_of(model) is None and "dq" in approx.summary()
