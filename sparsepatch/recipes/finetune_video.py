@@ -54,6 +54,9 @@ MODEL_SIZES = {
     "tiny": dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, ffn_dim=32, text_dim=16, freq_dim=16),
     "small": dict(num_attention_heads=4, attention_head_dim=32, num_layers=4, ffn_dim=256, text_dim=64,
                   freq_dim=64),
+    # head_dim 64: the Triton kernels' size (with --mixed_precision bf16 the attention runs on them on a GPU)
+    "base": dict(num_attention_heads=4, attention_head_dim=64, num_layers=4, ffn_dim=1024, text_dim=64,
+                 freq_dim=64),
 }
 CONFIGS = ("dense", "skip", "skip-train")
 
