@@ -1,0 +1,632 @@
+"""Split-D dense flash attention (forward + backward) for head dims beyond 128, up to 1024 (FFPA-style tiling).
+
+Layout: q (B, Sq, Hq, D), k/v (B, Sk, Hk, D), any strides with unit stride on D; out (B, Sq, Hq, D) contiguous;
+LSE (B, Hq, Sq) fp32, natural log (-inf for rows that see no key). D a multiple of 32 in [32, 1024]; fp16/bf16 on
+CUDA (fp32 only under TRITON_INTERPRET=1); GQA Hq % Hk == 0; causal is bottom-right aligned (query i sees keys
+<= Sk - Sq + i), as in `reference.attention`; any Sq/Sk (rows/columns past the end are clamped on load, masked
+in the scores, never stored).
+
+Split-D, so no tile grows with D:
+  * S = Q K^T is accumulated over D in BLOCK_D chunks (Q and K chunks are (re)loaded per k-block; they live in
+    L2 / shared memory only as long as one chunk's matmul).
+  * The output is split into groups of NC chunks of DC columns (NC <= 8, held as separate named accumulators
+    acc0..acc7 so D need not be a power of two: 320 = 5 x 64). A program owns one (q-tile, output group); with
+    more than one group (D > ~512) each group re-walks the k-tiles and recomputes S (cost: one QK^T per group).
+Backward (FlashAttention-2 order, same split): `_prep_kernel` (delta = rowsum(dO * O) - dlse, lse2 = lse*log2e),
+then `_dkdv_kernel`, one program per (k-block, output group, batch, kv head) holding dK/dV chunks of its group
+(NCB <= 4 named chunks each), recomputing S^T and dP^T over the full D, and adding dQ for its own columns with
+fp32 atomics (so no separate dQ pass). GQA query heads of a kv head are looped inside the program.
+
+Ops: `sparsepatch::dense_splitd_fwd` (autograd attached with torch.library.register_autograd) and
+`sparsepatch::dense_splitd_bwd`, both with fake impls. `attention` calls the op body directly in eager inference.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import LOG2E, check_qkv
+
+__all__ = ["supports", "attention", "attention_backward", "FWD_CONFIGS", "BWD_CONFIGS", "fwd_config", "bwd_config",
+           "MAX_HEAD_DIM"]
+
+LN2 = 0.6931471805599453
+MAX_HEAD_DIM = 1024
+NC_MAX = 8    # forward output chunks per program
+NCB_MAX = 4   # backward dK (and dV) chunks per program
+
+# Forward launch configs keyed by head dim (H100 sweep in benchmarks/bench_dense.py, notes_dense.md).
+# BLOCK_D: QK^T contraction chunk; DC x NC: output columns per program (D / (DC * NC) groups).
+FWD_CONFIGS = {
+    320: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=5, num_warps=8, num_stages=2),
+    384: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=3, num_warps=8, num_stages=2),
+    512: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=4, num_warps=8, num_stages=2),
+    768: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=3, num_warps=8, num_stages=2),
+    1024: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=4, num_warps=8, num_stages=2),
+}
+BWD_CONFIGS = {}
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2_divisor(D: int, cap: int) -> int:
+    """Largest power of two <= cap dividing D (D is a multiple of 32)."""
+    b = cap
+    while D % b:
+        b //= 2
+    return b
+
+
+def fwd_config(D: int, Sq: int = 1 << 30) -> dict:
+    """Forward launch config for head dim D (table entry, else a generic split)."""
+    cfg = FWD_CONFIGS.get(D)
+    if cfg is None:
+        dc = _pow2_divisor(D, 128 if D > 256 else 64)
+        n = D // dc
+        groups = -(-n // (NC_MAX if D <= 512 else 4))
+        nc = -(-n // groups)
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=_pow2_divisor(D, 128), DC=dc, NC=nc, num_warps=8 if D > 128 else 4,
+                   num_stages=2)
+    cfg = dict(cfg)
+    if _interpret():
+        cfg.update(BLOCK_M=16 if Sq <= 16 else 32, BLOCK_N=16)
+    return cfg
+
+
+def bwd_config(D: int) -> dict:
+    cfg = BWD_CONFIGS.get(D)
+    if cfg is None:
+        dc = _pow2_divisor(D, 64)
+        n = D // dc
+        nc = min(NCB_MAX, n)
+        while n % nc and nc > 1 and -(-n // nc) == -(-n // (nc - 1)):
+            nc -= 1
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=_pow2_divisor(D, 64), DC=dc, NC=nc, num_warps=8, num_stages=2)
+    cfg = dict(cfg)
+    if _interpret():
+        cfg.update(BLOCK_M=16, BLOCK_N=16)
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _ld(base, rows, stride, d0, offs_d, D, MASK_D: tl.constexpr):
+    """(len(rows), len(offs_d)) tile at columns d0 + offs_d; rows are already clamped in range."""
+    cols = d0 + offs_d
+    ptrs = base + rows[:, None] * stride + cols[None, :]
+    if MASK_D:
+        x = tl.load(ptrs, mask=(cols < D)[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _scores(a_base, b_base, a_rows, b_rows, stride_a, stride_b, D, offs_bd, RA: tl.constexpr, RB: tl.constexpr,
+            BLOCK_D: tl.constexpr, NKD: tl.constexpr):
+    """A[a_rows] @ B[b_rows]^T over the whole head dim, in BLOCK_D chunks -> fp32 (RA, RB)."""
+    s = tl.zeros([RA, RB], tl.float32)
+    for kd in tl.static_range(NKD):
+        a = _ld(a_base, a_rows, stride_a, kd * BLOCK_D, offs_bd, D, False)
+        b = _ld(b_base, b_rows, stride_b, kd * BLOCK_D, offs_bd, D, False)
+        s = tl.dot(a, tl.trans(b), s)
+    return s
+
+
+@triton.jit
+def _pv(acc, alpha, p, v_base, cols, stride_vs, d0, offs_c, D, MASK_D: tl.constexpr):
+    v = _ld(v_base, cols, stride_vs, d0, offs_c, D, MASK_D)
+    return tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+
+
+@triton.jit
+def _fwd_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q_base, k_base, v_base, rows, rows_ld,
+              start_n, offs_n, offs_bd, offs_c, Sk, D, d_lo, causal_off, qk_scale, stride_qs, stride_ks, stride_vs,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
+              DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, MASK_N: tl.constexpr,
+              CAUSAL: tl.constexpr):
+    cols = start_n + offs_n
+    if MASK_N:
+        cols_ld = tl.minimum(cols, Sk - 1)
+    else:
+        cols_ld = cols
+    s = _scores(q_base, k_base, rows_ld, cols_ld, stride_qs, stride_ks, D, offs_bd, BLOCK_M, BLOCK_N, BLOCK_D, NKD)
+    if MASK_N:
+        valid = (cols < Sk)[None, :]
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None] + causal_off)
+        s = tl.where(valid, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = m_new
+        p = tl.math.exp2(s * qk_scale - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc0 = _pv(acc0, alpha, p, v_base, cols_ld, stride_vs, d_lo, offs_c, D, MASK_D)
+    if NC > 1:
+        acc1 = _pv(acc1, alpha, p, v_base, cols_ld, stride_vs, d_lo + DC, offs_c, D, MASK_D)
+    if NC > 2:
+        acc2 = _pv(acc2, alpha, p, v_base, cols_ld, stride_vs, d_lo + 2 * DC, offs_c, D, MASK_D)
+    if NC > 3:
+        acc3 = _pv(acc3, alpha, p, v_base, cols_ld, stride_vs, d_lo + 3 * DC, offs_c, D, MASK_D)
+    if NC > 4:
+        acc4 = _pv(acc4, alpha, p, v_base, cols_ld, stride_vs, d_lo + 4 * DC, offs_c, D, MASK_D)
+    if NC > 5:
+        acc5 = _pv(acc5, alpha, p, v_base, cols_ld, stride_vs, d_lo + 5 * DC, offs_c, D, MASK_D)
+    if NC > 6:
+        acc6 = _pv(acc6, alpha, p, v_base, cols_ld, stride_vs, d_lo + 6 * DC, offs_c, D, MASK_D)
+    if NC > 7:
+        acc7 = _pv(acc7, alpha, p, v_base, cols_ld, stride_vs, d_lo + 7 * DC, offs_c, D, MASK_D)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_new
+
+
+@triton.jit
+def _st(o_base, acc, inv_l, rows, row_ok, stride_os, d0, offs_c, D, MASK_D: tl.constexpr):
+    cols = d0 + offs_c
+    ptrs = o_base + rows[:, None] * stride_os + cols[None, :]
+    mask = row_ok[:, None]
+    if MASK_D:
+        mask = mask & (cols < D)[None, :]
+    tl.store(ptrs, (acc * inv_l[:, None]).to(o_base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE,
+                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, D, qk_scale, causal_off,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
+                DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                WRITE_LSE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # longest rows first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    g = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = (bh // Hq).to(tl.int64)
+    h = bh % Hq
+    hk = h // n_rep
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_bd = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, DC)
+    start_m = pid_m * BLOCK_M
+    rows = start_m + offs_m
+    row_ok = rows < Sq
+    rows_ld = tl.minimum(rows, Sq - 1)
+    d_lo = g * (NC * DC)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc0 = tl.zeros([BLOCK_M, DC], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, DC], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, DC], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, DC], tl.float32)
+    acc4 = tl.zeros([BLOCK_M, DC], tl.float32)
+    acc5 = tl.zeros([BLOCK_M, DC], tl.float32)
+    acc6 = tl.zeros([BLOCK_M, DC], tl.float32)
+    acc7 = tl.zeros([BLOCK_M, DC], tl.float32)
+
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(Sk, start_m + BLOCK_M + causal_off), 0)
+        hi_full = tl.minimum(tl.maximum(start_m + causal_off + 1, 0), hi) // BLOCK_N * BLOCK_N
+    else:
+        hi = Sk
+        hi_full = Sk // BLOCK_N * BLOCK_N
+    for start_n in range(0, hi_full, BLOCK_N):
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i = _fwd_step(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q_base, k_base, v_base, rows, rows_ld,
+            start_n, offs_n, offs_bd, offs_c, Sk, D, d_lo, causal_off, qk_scale, stride_qs, stride_ks, stride_vs,
+            BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, False, False)
+    for start_n in range(hi_full, hi, BLOCK_N):
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i = _fwd_step(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q_base, k_base, v_base, rows, rows_ld,
+            start_n, offs_n, offs_bd, offs_c, Sk, D, d_lo, causal_off, qk_scale, stride_qs, stride_ks, stride_vs,
+            BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    inv_l = 1.0 / l_safe
+    o_base = O + b * stride_ob + h * stride_oh
+    _st(o_base, acc0, inv_l, rows, row_ok, stride_os, d_lo, offs_c, D, MASK_D)
+    if NC > 1:
+        _st(o_base, acc1, inv_l, rows, row_ok, stride_os, d_lo + DC, offs_c, D, MASK_D)
+    if NC > 2:
+        _st(o_base, acc2, inv_l, rows, row_ok, stride_os, d_lo + 2 * DC, offs_c, D, MASK_D)
+    if NC > 3:
+        _st(o_base, acc3, inv_l, rows, row_ok, stride_os, d_lo + 3 * DC, offs_c, D, MASK_D)
+    if NC > 4:
+        _st(o_base, acc4, inv_l, rows, row_ok, stride_os, d_lo + 4 * DC, offs_c, D, MASK_D)
+    if NC > 5:
+        _st(o_base, acc5, inv_l, rows, row_ok, stride_os, d_lo + 5 * DC, offs_c, D, MASK_D)
+    if NC > 6:
+        _st(o_base, acc6, inv_l, rows, row_ok, stride_os, d_lo + 6 * DC, offs_c, D, MASK_D)
+    if NC > 7:
+        _st(o_base, acc7, inv_l, rows, row_ok, stride_os, d_lo + 7 * DC, offs_c, D, MASK_D)
+    if WRITE_LSE:
+        if g == 0:
+            lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2_C)
+            tl.store(LSE + (b * Hq + h) * Sq + rows, lse, mask=row_ok)
+
+
+LN2_C = tl.constexpr(LN2)
+
+
+@triton.jit
+def _prep_kernel(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
+                 Sq, Hq, D, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr, HAS_DLSE: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = bh % Hq
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < Sq
+    rows_ld = tl.minimum(rows, Sq - 1)
+    offs_d = tl.arange(0, BLOCK_D)
+    delta = tl.zeros([BLOCK], tl.float32)
+    for kd in tl.static_range(NKD):
+        o = _ld(O + b * stride_ob + h * stride_oh, rows_ld, stride_os, kd * BLOCK_D, offs_d, D, False)
+        do = _ld(DO + b * stride_db + h * stride_dh, rows_ld, stride_ds, kd * BLOCK_D, offs_d, D, False)
+        delta += tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    base = bh.to(tl.int64) * Sq + rows
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + base, mask=ok, other=0.0)
+    lse = tl.load(LSE + base, mask=ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(DELTA + base, delta, mask=ok)
+    tl.store(LSE2 + base, lse2, mask=ok)
+
+
+@triton.jit
+def _bwd_chunk(dk, dv, pT16, dsT16, q_base, do_base, k_base, dqa_base, rows_ld, row_ok, cols_ld, stride_qs,
+               stride_ds, stride_ks, stride_as, d0, offs_c, D, scale, MASK_D: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+    """One DC-column chunk: dv += P^T dO[:, c], dk += dS^T Q[:, c], and (atomic) dq[:, c] += dS K[:, c] * scale."""
+    do = _ld(do_base, rows_ld, stride_ds, d0, offs_c, D, MASK_D)
+    dv = tl.dot(pT16, do, dv)
+    q = _ld(q_base, rows_ld, stride_qs, d0, offs_c, D, MASK_D)
+    dk = tl.dot(dsT16, q, dk)
+    if DQ_ATOMIC:
+        k = _ld(k_base, cols_ld, stride_ks, d0, offs_c, D, MASK_D)
+        dq = tl.dot(tl.trans(dsT16), k) * scale
+        cols = d0 + offs_c
+        mask = row_ok[:, None]
+        if MASK_D:
+            mask = mask & (cols < D)[None, :]
+        tl.atomic_add(dqa_base + rows_ld[:, None] * stride_as + cols[None, :], dq, mask=mask, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _bwd_step(dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_base, k_base, v_base, do_base, lse_base, dl_base, dqa_base,
+              start_m, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
+              stride_qs, stride_ks, stride_vs, stride_ds, stride_as,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
+              DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+              K_PARTIAL: tl.constexpr):
+    rows = start_m + offs_m
+    row_ok = rows < Sq
+    if MASK:
+        rows_ld = tl.minimum(rows, Sq - 1)
+        lse2 = tl.load(lse_base + rows_ld)
+        lse2 = tl.where(row_ok, lse2, float("inf"))
+    else:
+        rows_ld = rows
+        lse2 = tl.load(lse_base + rows)
+    delta = tl.load(dl_base + rows_ld)
+    sT = _scores(k_base, q_base, cols_ld, rows_ld, stride_ks, stride_qs, D, offs_bd, BLOCK_N, BLOCK_M, BLOCK_D, NKD)
+    pT = tl.math.exp2(sT * qk_scale - lse2[None, :])
+    if CAUSAL:
+        pT = tl.where(cols[:, None] <= rows[None, :] + causal_off, pT, 0.0)
+    if K_PARTIAL:
+        pT = tl.where(col_ok[:, None], pT, 0.0)
+    dpT = _scores(v_base, do_base, cols_ld, rows_ld, stride_vs, stride_ds, D, offs_bd, BLOCK_N, BLOCK_M, BLOCK_D,
+                  NKD)
+    dsT = pT * (dpT - delta[None, :])
+    pT16 = pT.to(q_base.dtype.element_ty)
+    dsT16 = dsT.to(q_base.dtype.element_ty)
+    dk0, dv0 = _bwd_chunk(dk0, dv0, pT16, dsT16, q_base, do_base, k_base, dqa_base, rows_ld, row_ok, cols_ld,
+                          stride_qs, stride_ds, stride_ks, stride_as, d_lo, offs_c, D, scale, MASK_D, True)
+    if NC > 1:
+        dk1, dv1 = _bwd_chunk(dk1, dv1, pT16, dsT16, q_base, do_base, k_base, dqa_base, rows_ld, row_ok, cols_ld,
+                              stride_qs, stride_ds, stride_ks, stride_as, d_lo + DC, offs_c, D, scale, MASK_D, True)
+    if NC > 2:
+        dk2, dv2 = _bwd_chunk(dk2, dv2, pT16, dsT16, q_base, do_base, k_base, dqa_base, rows_ld, row_ok, cols_ld,
+                              stride_qs, stride_ds, stride_ks, stride_as, d_lo + 2 * DC, offs_c, D, scale, MASK_D,
+                              True)
+    if NC > 3:
+        dk3, dv3 = _bwd_chunk(dk3, dv3, pT16, dsT16, q_base, do_base, k_base, dqa_base, rows_ld, row_ok, cols_ld,
+                              stride_qs, stride_ds, stride_ks, stride_as, d_lo + 3 * DC, offs_c, D, scale, MASK_D,
+                              True)
+    return dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3
+
+
+@triton.jit
+def _st_kv(base, acc, cols, col_ok, stride, d0, offs_c, D, mul, MASK_D: tl.constexpr):
+    c = d0 + offs_c
+    mask = col_ok[:, None]
+    if MASK_D:
+        mask = mask & (c < D)[None, :]
+    tl.store(base + cols[:, None] * stride + c[None, :], (acc * mul).to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
+                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+                 stride_dvh, stride_ab, stride_as, stride_ah, Sq, Sk, Hq, Hk, n_rep, D, scale, qk_scale, causal_off,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
+                 DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, CAUSAL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    g = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = (bh // Hk).to(tl.int64)
+    hk = bh % Hk
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_bd = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, DC)
+    start_n = pid_n * BLOCK_N
+    cols = start_n + offs_n
+    col_ok = cols < Sk
+    cols_ld = tl.minimum(cols, Sk - 1)
+    d_lo = g * (NC * DC)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    dk0 = tl.zeros([BLOCK_N, DC], tl.float32)
+    dk1 = tl.zeros([BLOCK_N, DC], tl.float32)
+    dk2 = tl.zeros([BLOCK_N, DC], tl.float32)
+    dk3 = tl.zeros([BLOCK_N, DC], tl.float32)
+    dv0 = tl.zeros([BLOCK_N, DC], tl.float32)
+    dv1 = tl.zeros([BLOCK_N, DC], tl.float32)
+    dv2 = tl.zeros([BLOCK_N, DC], tl.float32)
+    dv3 = tl.zeros([BLOCK_N, DC], tl.float32)
+    full = Sq // BLOCK_M * BLOCK_M
+    if CAUSAL:
+        # Query row r sees key c iff c <= r + causal_off: rows below lo see none of this block; blocks starting
+        # before mid straddle the diagonal and need the mask.
+        lo = tl.maximum(start_n - causal_off, 0) // BLOCK_M * BLOCK_M
+        mid = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - causal_off, 0), Sq)
+        mid = tl.maximum((mid + BLOCK_M - 1) // BLOCK_M * BLOCK_M, lo)
+        tail = tl.maximum(mid, full)
+    else:
+        lo = 0
+        mid = 0
+        tail = full
+    for r in range(0, n_rep):
+        h = hk * n_rep + r
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_db + h * stride_dh
+        row_base = (b * Hq + h) * Sq
+        lse_base = LSE2 + row_base
+        dl_base = DELTA + row_base
+        dqa_base = DQA + b * stride_ab + h * stride_ah
+        for start_m in range(lo, mid, BLOCK_M):
+            dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
+                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_base, k_base, v_base, do_base, lse_base, dl_base, dqa_base,
+                start_m, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
+                stride_qs, stride_ks, stride_vs, stride_ds, stride_as,
+                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True)
+        for start_m in range(mid, full, BLOCK_M):
+            dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
+                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_base, k_base, v_base, do_base, lse_base, dl_base, dqa_base,
+                start_m, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
+                stride_qs, stride_ks, stride_vs, stride_ds, stride_as,
+                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, False, False, True)
+        for start_m in range(tail, Sq, BLOCK_M):
+            dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
+                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_base, k_base, v_base, do_base, lse_base, dl_base, dqa_base,
+                start_m, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
+                stride_qs, stride_ks, stride_vs, stride_ds, stride_as,
+                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True)
+    dk_base = DK + b * stride_dkb + hk * stride_dkh
+    dv_base = DV + b * stride_dvb + hk * stride_dvh
+    _st_kv(dk_base, dk0, cols, col_ok, stride_dks, d_lo, offs_c, D, scale, MASK_D)
+    _st_kv(dv_base, dv0, cols, col_ok, stride_dvs, d_lo, offs_c, D, 1.0, MASK_D)
+    if NC > 1:
+        _st_kv(dk_base, dk1, cols, col_ok, stride_dks, d_lo + DC, offs_c, D, scale, MASK_D)
+        _st_kv(dv_base, dv1, cols, col_ok, stride_dvs, d_lo + DC, offs_c, D, 1.0, MASK_D)
+    if NC > 2:
+        _st_kv(dk_base, dk2, cols, col_ok, stride_dks, d_lo + 2 * DC, offs_c, D, scale, MASK_D)
+        _st_kv(dv_base, dv2, cols, col_ok, stride_dvs, d_lo + 2 * DC, offs_c, D, 1.0, MASK_D)
+    if NC > 3:
+        _st_kv(dk_base, dk3, cols, col_ok, stride_dks, d_lo + 3 * DC, offs_c, D, scale, MASK_D)
+        _st_kv(dv_base, dv3, cols, col_ok, stride_dvs, d_lo + 3 * DC, offs_c, D, 1.0, MASK_D)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------------
+
+def supports(q, attn_mask=None, causal: bool = False) -> bool:
+    """True when this module's Triton kernels run q: 4-D, D a multiple of 32 in [32, 1024], no attn_mask,
+    fp16/bf16 CUDA tensors (fp16/fp32 under TRITON_INTERPRET=1)."""
+    if attn_mask is not None or q.dim() != 4:
+        return False
+    D = q.shape[-1]
+    if D % 32 or not 32 <= D <= MAX_HEAD_DIM:
+        return False
+    if _interpret():
+        return q.dtype in (torch.float16, torch.float32)
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _check_inputs(q, k, v):
+    dims = check_qkv(q, k, v)
+    D = q.shape[-1]
+    if D % 32 or not 32 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"q/k/v head dim must be a multiple of 32 in [32, {MAX_HEAD_DIM}] for the split-D kernel, "
+                         f"got {D} (use sparsepatch.kernels.attention to fall back to the reference)")
+    ok = (torch.float16, torch.float32) if _interpret() else (torch.float16, torch.bfloat16)
+    if q.dtype not in ok:
+        raise ValueError(f"q dtype must be one of {ok} for the split-D kernel, got {q.dtype}")
+    if not _interpret() and not q.is_cuda:
+        raise ValueError("q/k/v must be CUDA tensors for the split-D kernel (or set TRITON_INTERPRET=1)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride on the head dim, got strides {t.stride()}")
+    return dims
+
+
+def _groups(D, cfg):
+    width = cfg["DC"] * cfg["NC"]
+    return -(-D // width), (D % width) != 0 and True
+
+
+def _fwd_impl(q, k, v, causal, scale, return_lse, cfg=None):
+    B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, v)
+    cfg = fwd_config(D, Sq) if cfg is None else dict(cfg)
+    out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if return_lse else out.new_empty(
+        (0,), dtype=torch.float32)
+    if B * Sq * Hq == 0:
+        return out, lse
+    if Sk == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    n_g, mask_d = _groups(D, cfg)
+    bd = cfg["BLOCK_D"]
+    grid = (triton.cdiv(Sq, cfg["BLOCK_M"]), n_g, B * Hq)
+    _fwd_kernel[grid](
+        q, k, v, out, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        Sq, Sk, Hq, Hq // Hk, D, scale * LOG2E, Sk - Sq,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, DC=cfg["DC"], NC=cfg["NC"],
+        MASK_D=mask_d, CAUSAL=bool(causal), WRITE_LSE=bool(return_lse),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, lse
+
+
+def _unit(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _bwd_impl(q, k, v, out, lse, dout, dlse, causal, scale, cfg=None):
+    B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, v)
+    cfg = bwd_config(D) if cfg is None else dict(cfg)
+    q, k, v, out, dout = (_unit(t) for t in (q, k, v, out, dout))
+    dev = q.device
+    dqa = torch.zeros((B, Sq, Hq, D), dtype=torch.float32, device=dev)
+    dk = torch.zeros((B, Sk, Hk, D), dtype=k.dtype, device=dev)
+    dv = torch.zeros((B, Sk, Hk, D), dtype=v.dtype, device=dev)
+    if B * Sq * Hq * Sk == 0:
+        return dqa.to(q.dtype), dk, dv
+    delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
+    lse2 = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
+    lse = lse.contiguous()
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+    PB = 16 if _interpret() else 64
+    pbd = _pow2_divisor(D, 128)
+    _prep_kernel[(triton.cdiv(Sq, PB), B * Hq)](
+        out, dout, lse, dlse if dlse is not None else lse, delta, lse2,
+        out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        Sq, Hq, D, BLOCK=PB, BLOCK_D=pbd, NKD=D // pbd, HAS_DLSE=dlse is not None, num_warps=4)
+    n_g, mask_d = _groups(D, cfg)
+    bd = cfg["BLOCK_D"]
+    _dkdv_kernel[(triton.cdiv(Sk, cfg["BLOCK_N"]), n_g, B * Hk)](
+        q, k, v, dout, lse2, delta, dk, dv, dqa,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        dqa.stride(0), dqa.stride(1), dqa.stride(2),
+        Sq, Sk, Hq, Hk, Hq // Hk, D, scale, scale * LOG2E, Sk - Sq,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, DC=cfg["DC"], NC=cfg["NC"],
+        MASK_D=mask_d, CAUSAL=bool(causal), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dqa.to(q.dtype), dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Custom ops + autograd
+# ----------------------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("sparsepatch::dense_splitd_fwd", mutates_args=())
+def _dense_splitd_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                      return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_impl(q, k, v, causal, scale, return_lse)
+
+
+@_dense_splitd_fwd.register_fake
+def _(q, k, v, causal, scale, return_lse):
+    B, Sq, Hq, D = q.shape
+    return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq) if return_lse else (0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("sparsepatch::dense_splitd_bwd", mutates_args=())
+def _dense_splitd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                      dout: torch.Tensor, dlse: torch.Tensor | None, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_impl(q, k, v, out, lse, dout, dlse, causal, scale)
+
+
+@_dense_splitd_bwd.register_fake
+def _(q, k, v, out, lse, dout, dlse, causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, return_lse = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.params = (bool(causal), float(scale), bool(return_lse))
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    causal, scale, has_lse = ctx.params
+    if not has_lse:  # forward ran without the LSE: recompute it (one extra forward)
+        lse = torch.ops.sparsepatch.dense_splitd_fwd(q, k, v, causal, scale, True)[1]
+        dlse = None
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _dense_splitd_bwd(q, k, v, out, lse, dout, dlse, causal, scale)
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("sparsepatch::dense_splitd_fwd", _backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public entries
+# ----------------------------------------------------------------------------------------------------------------
+
+def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = False):
+    """Split-D dense flash attention. q (B, Sq, Hq, D), k/v (B, Sk, Hk, D), D % 32 == 0, D <= 1024
+    -> out (B, Sq, Hq, D) [, lse (B, Hq, Sq) fp32 natural log]. Differentiable in q, k, v (and through lse).
+
+    causal: bottom-right aligned (query i sees keys <= Sk - Sq + i), as in `reference.attention`.
+    """
+    _check_inputs(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    # Eager inference skips the custom-op dispatch; compiled graphs and calls needing a gradient go through the op
+    # (its autograd needs the LSE, so it is always kept then).
+    fwd = _dense_splitd_fwd if (torch.compiler.is_compiling() or needs_grad) else _fwd_impl
+    out, lse = fwd(q, k, v, bool(causal), scale, bool(return_lse) or needs_grad)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=None, dlse=None):
+    """Gradients (dq, dk, dv) of `attention` given its out and lse (B, Hq, Sq) fp32; dlse: optional upstream
+    gradient of lse. Returns tensors in the input dtype, dq (B, Sq, Hq, D), dk/dv (B, Sk, Hk, D)."""
+    B, Sq, Sk, Hq, Hk, D = _check_inputs(q, k, v)
+    if out.shape != q.shape or dout.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} and dout {tuple(dout.shape)} must have q's shape {tuple(q.shape)}")
+    if lse.shape != (B, Hq, Sq) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be fp32 (B, Hq, Sq) = {(B, Hq, Sq)}, got {lse.dtype} {tuple(lse.shape)}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    return _dense_splitd_bwd(q, k, v, out, lse, dout, dlse, bool(causal), scale)
