@@ -1,0 +1,227 @@
+"""Native Sparse Attention: reference semantics (CPU fp32/fp64), Triton vs reference (interpreter / GPU), adapter."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from sparsepatch.config import NSAConfig
+from sparsepatch.kernels import nsa_reference as ref
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not (CUDA or INTERPRET), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+gpu = pytest.mark.gpu
+
+CFG = NSAConfig(block_size=16, num_selected=3, window=24, compress_block=16, compress_stride=8)
+
+
+def rand(B, T, Hq, Hk, D, dtype=torch.float32, seed=0, S=None, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    S = T if S is None else S
+    q = torch.randn(B, T, Hq, D, generator=g)
+    k = torch.randn(B, S, Hk, D, generator=g)
+    v = torch.randn(B, S, Hk, D, generator=g)
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+
+
+def naive(q, k, v, cfg, gates=None, scale=None, w=None):
+    """Token-by-token NSA in fp64, written independently of the vectorised reference (causal, S == T)."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, T, Hq, D = q.shape
+    Hk = k.shape[2]
+    G = Hq // Hk
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    l, d, bs = cfg.compress_block, cfg.compress_stride, cfg.block_size
+    out = torch.zeros_like(q)
+
+    def attend(qv, keys, vals):
+        if keys.shape[0] == 0:
+            return torch.zeros_like(qv), None
+        p = torch.softmax(keys @ qv * scale, 0)
+        return p @ vals, p
+
+    for b in range(B):
+        for hk in range(Hk):
+            kc = [(k[b, c * d:c * d + l, hk] * (1 / l if w is None else w[0, hk, :, None].double())).sum(0)
+                  for c in range((T - l) // d + 1)] if T >= l else []
+            vc = [(v[b, c * d:c * d + l, hk] * (1 / l if w is None else w[1, hk, :, None].double())).sum(0)
+                  for c in range((T - l) // d + 1)] if T >= l else []
+            for t in range(T):
+                ncv = (t + 1 - l) // d + 1 if t + 1 >= l else 0
+                nb = t // bs + 1
+                imp = [0.0] * nb
+                o_c = {}
+                for h in range(hk * G, hk * G + G):
+                    o, p = attend(q[b, t, h], torch.stack(kc[:ncv]) if ncv else k.new_zeros(0, D),
+                                  torch.stack(vc[:ncv]) if ncv else k.new_zeros(0, D))
+                    o_c[h] = o
+                    if p is not None:
+                        for c in range(ncv):
+                            for j in range(nb):
+                                ov = min(c * d + l, (j + 1) * bs) - max(c * d, j * bs)
+                                if ov > 0:
+                                    imp[j] += float(p[c]) * ov
+                cand = sorted(range(nb), key=lambda j: (j != t // bs, j != 0, -imp[j], j))[:cfg.num_selected]
+                keys = sorted(s for j in cand for s in range(j * bs, min((j + 1) * bs, t + 1)))
+                wk = list(range(max(0, t - cfg.window + 1), t + 1))
+                for h in range(hk * G, hk * G + G):
+                    o_s, _ = attend(q[b, t, h], k[b, keys, hk], v[b, keys, hk])
+                    o_w, _ = attend(q[b, t, h], k[b, wk, hk], v[b, wk, hk])
+                    g = (1 / 3, 1 / 3, 1 / 3) if gates is None else gates[b, t, h].double()
+                    out[b, t, h] = g[0] * o_c[h] + g[1] * o_s + g[2] * o_w
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ reference
+def test_reference_matches_naive_loop():
+    q, k, v = rand(2, 53, 4, 2, 8, seed=1)
+    gates = torch.rand(2, 53, 4, 3, generator=torch.Generator().manual_seed(2))
+    w = torch.randn(2, 2, CFG.compress_block, generator=torch.Generator().manual_seed(3)) / 4
+    got = ref.nsa_attention(q, k, v, CFG, gates=gates, compress_weights=w, scale=0.3)
+    want = naive(q, k, v, CFG, gates, 0.3, w)
+    assert (got.double() - want).abs().max().item() < 1e-5
+
+
+def test_causality_exact():
+    q, k, v = rand(1, 90, 4, 2, 16, seed=3)
+    out = ref.nsa_attention(q, k, v, CFG)
+    for t in (0, 15, 23, 40, 71):
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        q2[:, t + 1:] = torch.randn_like(q2[:, t + 1:]) * 5
+        k2[:, t + 1:] = torch.randn_like(k2[:, t + 1:]) * 5
+        v2[:, t + 1:] = torch.randn_like(v2[:, t + 1:]) * 5
+        out2 = ref.nsa_attention(q2, k2, v2, CFG)
+        assert torch.equal(out[:, :t + 1], out2[:, :t + 1]), t
+
+
+def test_no_leak_from_incomplete_compressed_blocks():
+    cfg = NSAConfig(block_size=16, num_selected=1, window=1, compress_block=16, compress_stride=8)
+    q, k, v = rand(1, 40, 2, 1, 8, seed=4)
+    only_cmp = torch.zeros(1, 40, 2, 3)
+    only_cmp[..., 0] = 1.0
+    out = ref.nsa_attention(q, k, v, cfg, gates=only_cmp)
+    # Query t = 20 sees compressed blocks ending at 15 only (block 1 = [8, 24) is incomplete at t = 20).
+    t = 20
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 16:t + 1] += 3.0
+    v2[:, 16:t + 1] += 3.0
+    out2 = ref.nsa_attention(q, k2, v2, cfg, gates=only_cmp)
+    assert torch.equal(out[:, t], out2[:, t])
+    assert not torch.equal(out[:, 23], out2[:, 23])            # block [8, 24) complete at t = 23
+    assert torch.equal(out[:, :15], torch.zeros_like(out[:, :15]))  # no complete block before t = 15
+    # and the exact value at t = 20: softmax over the single mean-pooled block [0, 16)
+    kc, vc = k[0, :16, 0].double().mean(0), v[0, :16, 0].double().mean(0)
+    assert torch.allclose(out[0, t, 0].double(), vc, atol=1e-6)
+    assert kc.shape == vc.shape
+
+
+def test_decode_consistency_with_cache():
+    q, k, v = rand(2, 70, 8, 2, 16, seed=5)
+    w = torch.randn(2, 2, CFG.compress_block, generator=torch.Generator().manual_seed(6)) / 4
+    full = ref.nsa_attention(q, k, v, CFG, compress_weights=w)
+    cache = ref.NSACache()
+    pre = ref.nsa_attention(q[:, :60], k[:, :60], v[:, :60], CFG, cache=cache, compress_weights=w)
+    torch.testing.assert_close(pre, full[:, :60], rtol=0, atol=1e-6)
+    for t in range(60, 70):
+        step = ref.nsa_attention(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], CFG, cache=cache, compress_weights=w)
+        torch.testing.assert_close(step[:, 0], full[:, t], rtol=0, atol=1e-6)
+    assert cache.k_cmp.shape[1] == ref.num_compressed(70, CFG)
+    # external-kv mode (the transformers adapter): full k/v each call, compressed blocks added incrementally
+    c2 = ref.NSACache(store_kv=False)
+    ref.nsa_attention(q[:, :60], k[:, :60], v[:, :60], CFG, cache=c2, compress_weights=w)
+    step = ref.nsa_attention(q[:, 60:61], k[:, :61], v[:, :61], CFG, cache=c2, compress_weights=w)
+    torch.testing.assert_close(step[:, 0], full[:, 60], rtol=0, atol=1e-6)
+
+
+def test_varlen_equals_per_sequence():
+    lens = [37, 1, 64, 20]
+    q, k, v = rand(1, sum(lens), 4, 2, 8, seed=7)
+    gates = torch.rand(1, sum(lens), 4, 3, generator=torch.Generator().manual_seed(8))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    out = ref.nsa_attention(q, k, v, CFG, gates=gates, cu_seqlens=cu)
+    a = 0
+    for n in lens:
+        one = ref.nsa_attention(q[:, a:a + n], k[:, a:a + n], v[:, a:a + n], CFG, gates=gates[:, a:a + n])
+        assert torch.equal(out[:, a:a + n], one)
+        a += n
+
+
+@pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
+def test_gqa_groups_match_naive(G):
+    q, k, v = rand(1, 40, 2 * G, 2, 8, seed=G)
+    got = ref.nsa_attention(q, k, v, CFG)
+    want = naive(q, k, v, CFG)
+    assert (got.double() - want).abs().max().item() < 1e-5
+
+
+def test_selection_always_has_first_and_local_blocks():
+    q, k, v = rand(1, 100, 4, 2, 8, seed=9)
+    _, idx = ref.nsa_attention(q, k, v, CFG, return_indices=True)
+    t = torch.arange(100)
+    for hk in range(2):
+        sel = idx[0, :, hk]
+        assert bool((sel == 0).any(-1).all())
+        assert bool((sel == (t // 16)[:, None]).any(-1).all())
+        assert bool(((sel <= (t // 16)[:, None])).all())         # nothing from the future
+        nvalid = (sel >= 0).sum(-1)
+        assert torch.equal(nvalid, torch.clamp(t // 16 + 1, max=3))
+
+
+def test_non_causal_sees_everything():
+    q, k, v = rand(1, 48, 2, 1, 8, seed=10)
+    out, idx = ref.nsa_attention(q, k, v, CFG, causal=False, return_indices=True)
+    assert out.shape == q.shape and bool((idx >= 0).all())
+    # the first query's output depends on the last keys (not causal)
+    k2 = k.clone()
+    k2[:, -5:] += 2
+    assert not torch.equal(ref.nsa_attention(q, k2, v, CFG, causal=False)[:, 0], out[:, 0])
+
+
+def test_gradients_finite_and_nonzero():
+    q, k, v = rand(1, 48, 4, 2, 8, seed=11)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    gl = torch.zeros(1, 48, 4, 3).requires_grad_(True)
+    w = torch.full((2, 2, CFG.compress_block), 1 / CFG.compress_block).requires_grad_(True)
+    out = ref.nsa_attention(q, k, v, CFG, gates=torch.sigmoid(gl), compress_weights=w)
+    out.square().sum().backward()
+    for name, t in (("q", q), ("k", k), ("v", v), ("gates", gl), ("compress_weights", w)):
+        assert torch.isfinite(t.grad).all(), name
+        assert t.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("bad, word", [
+    (dict(config=None), "config"),
+    (dict(gates=torch.rand(1, 8, 4, 2)), "gates"),
+    (dict(gates="x"), "gates"),
+    (dict(cu_seqlens=torch.tensor([0, 3, 5])), "cu_seqlens"),
+    (dict(cu_seqlens=torch.tensor([0.0, 8.0])), "cu_seqlens"),
+    (dict(causal="yes"), "causal"),
+    (dict(cache=object()), "cache"),
+    (dict(compress_weights=torch.rand(2, 2, 5)), "compress_weights"),
+    (dict(k=torch.randn(1, 8, 3, 8), v=torch.randn(1, 8, 3, 8)), "heads"),
+    (dict(q=torch.randn(1, 8, 4)), "q"),
+    (dict(k=torch.randn(1, 4, 2, 8), v=torch.randn(1, 4, 2, 8)), "k length"),
+])
+def test_hostile_inputs_raise(bad, word):
+    q, k, v = rand(1, 8, 4, 2, 8)
+    kw = dict(q=q, k=k, v=v, config=CFG)
+    kw.update(bad)
+    with pytest.raises(ValueError, match=word):
+        ref.nsa_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), kw.pop("config"), **kw)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="block_size"):
+        NSAConfig(block_size=0)
+    with pytest.raises(ValueError, match="gates"):
+        NSAConfig(gates="sometimes")
+
+
+def test_density():
+    assert ref.nsa_density(CFG, 10) > 0.99
+    cfg = NSAConfig()
+    assert 0.05 < ref.nsa_density(cfg, 65536) < 0.25
