@@ -276,16 +276,14 @@ CHUNK = tl.constexpr(CHUNK)
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
 
-_ALLOCATOR_SET = False
+def _tma_scratch(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _ensure_allocator():
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        def alloc(size, alignment, stream):
-            return torch.empty(size, dtype=torch.int8, device="cuda")
-        triton.set_allocator(alloc)
-        _ALLOCATOR_SET = True
+    # Triton keeps the allocator in a ContextVar: a flag set once would miss other threads (the autograd engine
+    # runs CUDA backward on its own thread, and the forward may be recomputed there), so set it on every launch.
+    triton.set_allocator(_tma_scratch)
 
 
 def supports_tile(tile) -> bool:
