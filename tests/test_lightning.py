@@ -418,3 +418,21 @@ def test_gpu_minimax_patched_generate():
     assert rel(logits, base_logits) < 1e-2                       # tf32 dot products in prefill
     assert handle.calls[("model.layers.0.self_attn", "decode")] == 7
     assert torch.equal(_logits(model, ids), base_logits)
+
+
+def test_decay_check_is_not_fooled_by_reused_memory_or_in_place_writes():
+    """The once-per-tensor decay check must re-check a new tensor at a reused address and an edited tensor."""
+    q, k, v, decay, h0 = inputs(2, 1, 3, 8, 8)
+    st = torch.zeros(2, 3, 8, 8)
+    ref.lightning_decode(q, k, v, st, decay)
+    decay.neg_()                                   # in-place write: version changes
+    with pytest.raises(ValueError, match="decay"):
+        ref.lightning_decode(q, k, v, st, decay)
+    for _ in range(20):                            # fresh tensors, possibly at the address of freed ones
+        good = torch.rand(3)
+        ref.lightning_decode(q, k, v, st, good)
+        del good
+        bad = -torch.rand(3) - 0.1
+        with pytest.raises(ValueError, match="decay"):
+            ref.lightning_decode(q, k, v, st, bad)
+        del bad

@@ -16,22 +16,25 @@ or (B, H, V, K) with state_layout="bhvk" (V-first, the transposed matrix). Math 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
 STATE_LAYOUTS = ("bhkv", "bhvk")
 CHUNK = 64  # prefill chunk length (tokens) of the reference and of the Triton kernel
 
-# (device, data_ptr, version, numel) of decay tensors already checked for >= 0, so the hot decode path syncs once.
-_checked_decay: set = set()
+# id(decay) -> (weakref to it, its version when checked): decay tensors already checked for >= 0, so the hot
+# decode path syncs once per tensor. Keyed by the live object (not its data pointer, which the caching allocator
+# reuses for new tensors) and invalidated by in-place writes (the version counter).
+_checked_decay: dict = {}
 
 
 def _check_decay_values(decay: torch.Tensor) -> None:
     """decay >= 0 and finite. Syncs a CUDA tensor once per (tensor, version); skipped under graph capture/compile."""
     if torch.compiler.is_compiling():
         return
-    key = (decay.data_ptr(), decay._version, decay.is_cuda)
-    if key in _checked_decay or decay.numel() == 0:
+    seen = _checked_decay.get(id(decay))
+    if (seen is not None and seen[0]() is decay and seen[1] == decay._version) or decay.numel() == 0:
         return
     if decay.is_cuda and torch.cuda.is_current_stream_capturing():
         return
@@ -41,7 +44,7 @@ def _check_decay_values(decay: torch.Tensor) -> None:
                          f"per token), got min {decay.min().item()}")
     if len(_checked_decay) > 256:
         _checked_decay.clear()
-    _checked_decay.add(key)
+    _checked_decay[id(decay)] = (weakref.ref(decay), decay._version)
 
 
 def check_state_layout(state_layout: str) -> bool:
