@@ -225,3 +225,88 @@ def test_density():
     assert ref.nsa_density(CFG, 10) > 0.99
     cfg = NSAConfig()
     assert 0.05 < ref.nsa_density(cfg, 65536) < 0.25
+
+
+# ------------------------------------------------------------------------------------------------ Triton
+def _tri():
+    from sparsepatch.kernels import nsa
+    return nsa
+
+
+def _compare(out, idx, want, widx, atol):
+    assert torch.equal(idx.long().cpu(), widx.cpu()), "selected blocks differ from the reference"
+    err = (out.float() - want.float()).abs().max().item()
+    assert err < atol, err
+
+
+@needs_triton
+@pytest.mark.parametrize("G, Hk, dtype", [(1, 2, torch.float32), (4, 1, torch.float32), (16, 1, torch.float32),
+                                          (2, 1, torch.float16), (3, 1, torch.float32)])
+def test_triton_matches_reference(G, Hk, dtype):
+    dev = "cuda" if CUDA and not INTERPRET else "cpu"
+    q, k, v = rand(1, 40, G * Hk, Hk, 32, dtype=dtype, seed=20 + G, device=dev)
+    gates = torch.rand(1, 40, G * Hk, 3, generator=torch.Generator().manual_seed(G)).to(dev)
+    out, idx = _tri().nsa_attention(q, k, v, CFG, gates=gates, return_indices=True)
+    want, widx = ref.nsa_attention(q, k, v, CFG, gates=gates, return_indices=True)
+    _compare(out, idx, want, widx, 2e-5 if dtype == torch.float32 else 4e-3)
+
+
+@needs_triton
+def test_triton_decode_varlen_and_weights():
+    nsa = _tri()
+    dev = "cuda" if CUDA and not INTERPRET else "cpu"
+    q, k, v = rand(1, 41, 4, 2, 16, seed=30, device=dev)
+    w = (torch.randn(2, 2, CFG.compress_block, generator=torch.Generator().manual_seed(31)) / 4).to(dev)
+    c1, c2 = ref.NSACache(), ref.NSACache()
+    a = nsa.nsa_attention(q[:, :40], k[:, :40], v[:, :40], CFG, cache=c1, compress_weights=w)
+    b = ref.nsa_attention(q[:, :40], k[:, :40], v[:, :40], CFG, cache=c2, compress_weights=w)
+    assert (a - b).abs().max().item() < 2e-5
+    a = nsa.nsa_attention(q[:, 40:], k[:, 40:], v[:, 40:], CFG, cache=c1, compress_weights=w)
+    b = ref.nsa_attention(q[:, 40:], k[:, 40:], v[:, 40:], CFG, cache=c2, compress_weights=w)
+    assert (a - b).abs().max().item() < 2e-5
+    cu = torch.tensor([0, 17, 41], dtype=torch.int32)
+    a, ia = nsa.nsa_attention(q, k, v, CFG, cu_seqlens=cu, return_indices=True)
+    b, ib = ref.nsa_attention(q, k, v, CFG, cu_seqlens=cu, return_indices=True)
+    _compare(a, ia, b, ib, 2e-5)
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA and not INTERPRET, reason="CPU recompute path only")
+def test_triton_grad_recomputes_through_reference_on_cpu():
+    q, k, v = rand(1, 20, 2, 1, 16, seed=32)
+    q.requires_grad_(True)
+    _tri().nsa_attention(q, k, v, CFG).sum().backward()
+    assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+
+
+@gpu
+@pytest.mark.parametrize("G, Hk", [(16, 2), (4, 4), (1, 8)])
+@pytest.mark.parametrize("T", [1000, 4096])
+def test_gpu_bf16_matches_reference(G, Hk, T):
+    from sparsepatch.kernels import nsa
+    cfg = NSAConfig()
+    q, k, v = rand(1, T, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=T + G, device="cuda")
+    gates = torch.rand(1, T, G * Hk, 3, device="cuda")
+    out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    same = (idx.long() == widx).all(-1)                            # (B, T, Hk): near-ties may flip in bf16
+    assert same.float().mean().item() > 0.995
+    rows = same.all(-1)[0]                                          # tokens whose every KV head agrees
+    err = (out[0, rows].float() - want[0, rows].float()).abs().max().item()
+    assert err < 2e-2, err
+    with pytest.raises(NotImplementedError):
+        nsa.nsa_attention(q.requires_grad_(True), k, v, cfg)
+
+
+@gpu
+def test_gpu_decode_matches_reference():
+    from sparsepatch.kernels import nsa
+    cfg = NSAConfig()
+    q, k, v = rand(2, 3001, 32, 8, 128, dtype=torch.bfloat16, seed=3, device="cuda")
+    c1, c2 = ref.NSACache(), ref.NSACache()
+    nsa.nsa_attention(q[:, :3000], k[:, :3000], v[:, :3000], cfg, cache=c1)
+    ref.nsa_attention(q[:, :3000], k[:, :3000], v[:, :3000], cfg, cache=c2)
+    a, ia = nsa.nsa_attention(q[:, 3000:], k[:, 3000:], v[:, 3000:], cfg, cache=c1, return_indices=True)
+    b, ib = ref.nsa_attention(q[:, 3000:], k[:, 3000:], v[:, 3000:], cfg, cache=c2, return_indices=True)
+    assert torch.equal(ia.long(), ib)
+    assert (a.float() - b.float()).abs().max().item() < 2e-2

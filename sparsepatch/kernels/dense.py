@@ -99,8 +99,12 @@ def bwd_config(D: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _ld(base, rows, stride, d0, offs_d, D, MASK_D: tl.constexpr):
-    """(len(rows), len(offs_d)) tile at columns d0 + offs_d; rows are already clamped in range."""
+def _ld(desc, base, row0, rows, stride, d0, offs_d, D, MASK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """(len(rows), len(offs_d)) tile at rows row0.., columns d0 + offs_d. TMA: the descriptor's block, zero-filled
+    out of bounds; else pointers with `rows` already clamped in range (no materialised pointer tensors with TMA,
+    which matters: loop-invariant Q pointers hoisted by the compiler cost ~32 registers per chunk)."""
+    if USE_TMA:
+        return desc.load([row0, d0])
     cols = d0 + offs_d
     ptrs = base + rows[:, None] * stride + cols[None, :]
     if MASK_D:
@@ -111,35 +115,38 @@ def _ld(base, rows, stride, d0, offs_d, D, MASK_D: tl.constexpr):
 
 
 @triton.jit
-def _scores(a_base, b_base, a_rows, b_rows, stride_a, stride_b, D, offs_bd, RA: tl.constexpr, RB: tl.constexpr,
-            BLOCK_D: tl.constexpr, NKD: tl.constexpr):
+def _scores(a_desc, b_desc, a_base, b_base, a0, b0, a_rows, b_rows, stride_a, stride_b, D, offs_bd,
+            RA: tl.constexpr, RB: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr, USE_TMA: tl.constexpr):
     """A[a_rows] @ B[b_rows]^T over the whole head dim, in BLOCK_D chunks -> fp32 (RA, RB)."""
     s = tl.zeros([RA, RB], tl.float32)
     for kd in tl.static_range(NKD):
-        a = _ld(a_base, a_rows, stride_a, kd * BLOCK_D, offs_bd, D, False)
-        b = _ld(b_base, b_rows, stride_b, kd * BLOCK_D, offs_bd, D, False)
+        a = _ld(a_desc, a_base, a0, a_rows, stride_a, kd * BLOCK_D, offs_bd, D, False, USE_TMA)
+        b = _ld(b_desc, b_base, b0, b_rows, stride_b, kd * BLOCK_D, offs_bd, D, False, USE_TMA)
         s = tl.dot(a, tl.trans(b), s)
     return s
 
 
 @triton.jit
-def _pv(acc, alpha, p, v_base, cols, stride_vs, d0, offs_c, D, MASK_D: tl.constexpr):
-    v = _ld(v_base, cols, stride_vs, d0, offs_c, D, MASK_D)
+def _pv(acc, alpha, p, v_desc, v_base, start_n, cols, stride_vs, d0, offs_c, D, MASK_D: tl.constexpr,
+        USE_TMA: tl.constexpr):
+    v = _ld(v_desc, v_base, start_n, cols, stride_vs, d0, offs_c, D, MASK_D, USE_TMA)
     return tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
 
 
 @triton.jit
-def _fwd_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q_base, k_base, v_base, rows, rows_ld,
+def _fwd_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q_desc, k_desc, v_desc, q_base, k_base,
+              v_base, start_m, rows, rows_ld,
               start_n, offs_n, offs_bd, offs_c, Sk, D, d_lo, causal_off, qk_scale, stride_qs, stride_ks, stride_vs,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
               DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, MASK_N: tl.constexpr,
-              CAUSAL: tl.constexpr):
+              CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
     cols = start_n + offs_n
     if MASK_N:
         cols_ld = tl.minimum(cols, Sk - 1)
     else:
         cols_ld = cols
-    s = _scores(q_base, k_base, rows_ld, cols_ld, stride_qs, stride_ks, D, offs_bd, BLOCK_M, BLOCK_N, BLOCK_D, NKD)
+    s = _scores(q_desc, k_desc, q_base, k_base, start_m, start_n, rows_ld, cols_ld, stride_qs, stride_ks, D, offs_bd,
+                BLOCK_M, BLOCK_N, BLOCK_D, NKD, USE_TMA)
     if MASK_N:
         valid = (cols < Sk)[None, :]
         if CAUSAL:
@@ -154,21 +161,21 @@ def _fwd_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q_base, 
         p = tl.math.exp2(s * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc0 = _pv(acc0, alpha, p, v_base, cols_ld, stride_vs, d_lo, offs_c, D, MASK_D)
+    acc0 = _pv(acc0, alpha, p, v_desc, v_base, start_n, cols_ld, stride_vs, d_lo, offs_c, D, MASK_D, USE_TMA)
     if NC > 1:
-        acc1 = _pv(acc1, alpha, p, v_base, cols_ld, stride_vs, d_lo + DC, offs_c, D, MASK_D)
+        acc1 = _pv(acc1, alpha, p, v_desc, v_base, start_n, cols_ld, stride_vs, d_lo + DC, offs_c, D, MASK_D, USE_TMA)
     if NC > 2:
-        acc2 = _pv(acc2, alpha, p, v_base, cols_ld, stride_vs, d_lo + 2 * DC, offs_c, D, MASK_D)
+        acc2 = _pv(acc2, alpha, p, v_desc, v_base, start_n, cols_ld, stride_vs, d_lo + 2 * DC, offs_c, D, MASK_D, USE_TMA)
     if NC > 3:
-        acc3 = _pv(acc3, alpha, p, v_base, cols_ld, stride_vs, d_lo + 3 * DC, offs_c, D, MASK_D)
+        acc3 = _pv(acc3, alpha, p, v_desc, v_base, start_n, cols_ld, stride_vs, d_lo + 3 * DC, offs_c, D, MASK_D, USE_TMA)
     if NC > 4:
-        acc4 = _pv(acc4, alpha, p, v_base, cols_ld, stride_vs, d_lo + 4 * DC, offs_c, D, MASK_D)
+        acc4 = _pv(acc4, alpha, p, v_desc, v_base, start_n, cols_ld, stride_vs, d_lo + 4 * DC, offs_c, D, MASK_D, USE_TMA)
     if NC > 5:
-        acc5 = _pv(acc5, alpha, p, v_base, cols_ld, stride_vs, d_lo + 5 * DC, offs_c, D, MASK_D)
+        acc5 = _pv(acc5, alpha, p, v_desc, v_base, start_n, cols_ld, stride_vs, d_lo + 5 * DC, offs_c, D, MASK_D, USE_TMA)
     if NC > 6:
-        acc6 = _pv(acc6, alpha, p, v_base, cols_ld, stride_vs, d_lo + 6 * DC, offs_c, D, MASK_D)
+        acc6 = _pv(acc6, alpha, p, v_desc, v_base, start_n, cols_ld, stride_vs, d_lo + 6 * DC, offs_c, D, MASK_D, USE_TMA)
     if NC > 7:
-        acc7 = _pv(acc7, alpha, p, v_base, cols_ld, stride_vs, d_lo + 7 * DC, offs_c, D, MASK_D)
+        acc7 = _pv(acc7, alpha, p, v_desc, v_base, start_n, cols_ld, stride_vs, d_lo + 7 * DC, offs_c, D, MASK_D, USE_TMA)
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_new
 
 
@@ -188,7 +195,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, D, qk_scale, causal_off,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
                 DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                WRITE_LSE: tl.constexpr):
+                WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -209,6 +216,14 @@ def _fwd_kernel(Q, K, V, O, LSE,
     q_base = Q + b * stride_qb + h * stride_qh
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
+    if USE_TMA:  # BLOCK_D == DC with TMA (one box shape per tensor)
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[Sq, D], strides=[stride_qs, 1], block_shape=[BLOCK_M, DC])
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, D], strides=[stride_ks, 1], block_shape=[BLOCK_N, DC])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[Sk, D], strides=[stride_vs, 1], block_shape=[BLOCK_N, DC])
+    else:
+        q_desc = q_base
+        k_desc = k_base
+        v_desc = v_base
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -229,14 +244,16 @@ def _fwd_kernel(Q, K, V, O, LSE,
         hi_full = Sk // BLOCK_N * BLOCK_N
     for start_n in range(0, hi_full, BLOCK_N):
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i = _fwd_step(
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q_base, k_base, v_base, rows, rows_ld,
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q_desc, k_desc, v_desc, q_base, k_base, v_base,
+            start_m, rows, rows_ld,
             start_n, offs_n, offs_bd, offs_c, Sk, D, d_lo, causal_off, qk_scale, stride_qs, stride_ks, stride_vs,
-            BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, False, False)
+            BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, False, False, USE_TMA)
     for start_n in range(hi_full, hi, BLOCK_N):
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i = _fwd_step(
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q_base, k_base, v_base, rows, rows_ld,
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q_desc, k_desc, v_desc, q_base, k_base, v_base,
+            start_m, rows, rows_ld,
             start_n, offs_n, offs_bd, offs_c, Sk, D, d_lo, causal_off, qk_scale, stride_qs, stride_ks, stride_vs,
-            BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL)
+            BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, USE_TMA)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     inv_l = 1.0 / l_safe
@@ -278,8 +295,9 @@ def _prep_kernel(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_os, stride_oh,
     offs_d = tl.arange(0, BLOCK_D)
     delta = tl.zeros([BLOCK], tl.float32)
     for kd in tl.static_range(NKD):
-        o = _ld(O + b * stride_ob + h * stride_oh, rows_ld, stride_os, kd * BLOCK_D, offs_d, D, False)
-        do = _ld(DO + b * stride_db + h * stride_dh, rows_ld, stride_ds, kd * BLOCK_D, offs_d, D, False)
+        o = _ld(O, O + b * stride_ob + h * stride_oh, 0, rows_ld, stride_os, kd * BLOCK_D, offs_d, D, False, False)
+        do = _ld(DO, DO + b * stride_db + h * stride_dh, 0, rows_ld, stride_ds, kd * BLOCK_D, offs_d, D, False,
+                 False)
         delta += tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     base = bh.to(tl.int64) * Sq + rows
     if HAS_DLSE:
@@ -291,31 +309,31 @@ def _prep_kernel(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_os, stride_oh,
 
 
 @triton.jit
-def _bwd_chunk(dk, dv, pT16, dsT16, q_base, do_base, k_base, dqa_base, rows_ld, row_ok, cols_ld, stride_qs,
-               stride_ds, stride_ks, stride_as, d0, offs_c, D, scale, MASK_D: tl.constexpr, DQ_ATOMIC: tl.constexpr):
-    """One DC-column chunk: dv += P^T dO[:, c], dk += dS^T Q[:, c], and (atomic) dq[:, c] += dS K[:, c] * scale."""
-    do = _ld(do_base, rows_ld, stride_ds, d0, offs_c, D, MASK_D)
+def _bwd_chunk(dk, dv, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base, start_m, start_n,
+               rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as, d0, offs_c, D, scale,
+               MASK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """One DC-column chunk: dv += P^T dO[:, c], dk += dS^T Q[:, c], and dq[:, c] += dS K[:, c] * scale (atomic)."""
+    do = _ld(do_desc, do_base, start_m, rows_ld, stride_ds, d0, offs_c, D, MASK_D, USE_TMA)
     dv = tl.dot(pT16, do, dv)
-    q = _ld(q_base, rows_ld, stride_qs, d0, offs_c, D, MASK_D)
+    q = _ld(q_desc, q_base, start_m, rows_ld, stride_qs, d0, offs_c, D, MASK_D, USE_TMA)
     dk = tl.dot(dsT16, q, dk)
-    if DQ_ATOMIC:
-        k = _ld(k_base, cols_ld, stride_ks, d0, offs_c, D, MASK_D)
-        dq = tl.dot(tl.trans(dsT16), k) * scale
-        cols = d0 + offs_c
-        mask = row_ok[:, None]
-        if MASK_D:
-            mask = mask & (cols < D)[None, :]
-        tl.atomic_add(dqa_base + rows_ld[:, None] * stride_as + cols[None, :], dq, mask=mask, sem="relaxed")
+    k = _ld(k_desc, k_base, start_n, cols_ld, stride_ks, d0, offs_c, D, MASK_D, USE_TMA)
+    dq = tl.dot(tl.trans(dsT16), k) * scale
+    cols = d0 + offs_c
+    mask = row_ok[:, None]
+    if MASK_D:
+        mask = mask & (cols < D)[None, :]
+    tl.atomic_add(dqa_base + rows_ld[:, None] * stride_as + cols[None, :], dq, mask=mask, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _bwd_step(dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_base, k_base, v_base, do_base, lse_base, dl_base, dqa_base,
-              start_m, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
-              stride_qs, stride_ks, stride_vs, stride_ds, stride_as,
+def _bwd_step(dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
+              do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok,
+              Sq, D, d_lo, causal_off, qk_scale, scale, stride_qs, stride_ks, stride_vs, stride_ds, stride_as,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
               DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-              K_PARTIAL: tl.constexpr):
+              K_PARTIAL: tl.constexpr, USE_TMA: tl.constexpr):
     rows = start_m + offs_m
     row_ok = rows < Sq
     if MASK:
@@ -326,30 +344,33 @@ def _bwd_step(dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_base, k_base, v_base, do
         rows_ld = rows
         lse2 = tl.load(lse_base + rows)
     delta = tl.load(dl_base + rows_ld)
-    sT = _scores(k_base, q_base, cols_ld, rows_ld, stride_ks, stride_qs, D, offs_bd, BLOCK_N, BLOCK_M, BLOCK_D, NKD)
+    sT = _scores(k_desc, q_desc, k_base, q_base, start_n, start_m, cols_ld, rows_ld, stride_ks, stride_qs, D,
+                 offs_bd, BLOCK_N, BLOCK_M, BLOCK_D, NKD, USE_TMA)
     pT = tl.math.exp2(sT * qk_scale - lse2[None, :])
     if CAUSAL:
         pT = tl.where(cols[:, None] <= rows[None, :] + causal_off, pT, 0.0)
     if K_PARTIAL:
         pT = tl.where(col_ok[:, None], pT, 0.0)
-    dpT = _scores(v_base, do_base, cols_ld, rows_ld, stride_vs, stride_ds, D, offs_bd, BLOCK_N, BLOCK_M, BLOCK_D,
-                  NKD)
+    dpT = _scores(v_desc, do_desc, v_base, do_base, start_n, start_m, cols_ld, rows_ld, stride_vs, stride_ds, D,
+                  offs_bd, BLOCK_N, BLOCK_M, BLOCK_D, NKD, USE_TMA)
     dsT = pT * (dpT - delta[None, :])
     pT16 = pT.to(q_base.dtype.element_ty)
     dsT16 = dsT.to(q_base.dtype.element_ty)
-    dk0, dv0 = _bwd_chunk(dk0, dv0, pT16, dsT16, q_base, do_base, k_base, dqa_base, rows_ld, row_ok, cols_ld,
-                          stride_qs, stride_ds, stride_ks, stride_as, d_lo, offs_c, D, scale, MASK_D, True)
+    dk0, dv0 = _bwd_chunk(dk0, dv0, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base, start_m,
+                          start_n, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as, d_lo, offs_c,
+                          D, scale, MASK_D, USE_TMA)
     if NC > 1:
-        dk1, dv1 = _bwd_chunk(dk1, dv1, pT16, dsT16, q_base, do_base, k_base, dqa_base, rows_ld, row_ok, cols_ld,
-                              stride_qs, stride_ds, stride_ks, stride_as, d_lo + DC, offs_c, D, scale, MASK_D, True)
+        dk1, dv1 = _bwd_chunk(dk1, dv1, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base,
+                              start_m, start_n, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as,
+                              d_lo + DC, offs_c, D, scale, MASK_D, USE_TMA)
     if NC > 2:
-        dk2, dv2 = _bwd_chunk(dk2, dv2, pT16, dsT16, q_base, do_base, k_base, dqa_base, rows_ld, row_ok, cols_ld,
-                              stride_qs, stride_ds, stride_ks, stride_as, d_lo + 2 * DC, offs_c, D, scale, MASK_D,
-                              True)
+        dk2, dv2 = _bwd_chunk(dk2, dv2, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base,
+                              start_m, start_n, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as,
+                              d_lo + 2 * DC, offs_c, D, scale, MASK_D, USE_TMA)
     if NC > 3:
-        dk3, dv3 = _bwd_chunk(dk3, dv3, pT16, dsT16, q_base, do_base, k_base, dqa_base, rows_ld, row_ok, cols_ld,
-                              stride_qs, stride_ds, stride_ks, stride_as, d_lo + 3 * DC, offs_c, D, scale, MASK_D,
-                              True)
+        dk3, dv3 = _bwd_chunk(dk3, dv3, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base,
+                              start_m, start_n, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as,
+                              d_lo + 3 * DC, offs_c, D, scale, MASK_D, USE_TMA)
     return dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3
 
 
@@ -368,7 +389,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
                  stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
                  stride_dvh, stride_ab, stride_as, stride_ah, Sq, Sk, Hq, Hk, n_rep, D, scale, qk_scale, causal_off,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
-                 DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, CAUSAL: tl.constexpr):
+                 DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                 USE_TMA: tl.constexpr):
     pid_n = tl.program_id(0)
     g = tl.program_id(1)
     bh = tl.program_id(2)
@@ -385,6 +407,12 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
     d_lo = g * (NC * DC)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
+    if USE_TMA:
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, D], strides=[stride_ks, 1], block_shape=[BLOCK_N, DC])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[Sk, D], strides=[stride_vs, 1], block_shape=[BLOCK_N, DC])
+    else:
+        k_desc = k_base
+        v_desc = v_base
     dk0 = tl.zeros([BLOCK_N, DC], tl.float32)
     dk1 = tl.zeros([BLOCK_N, DC], tl.float32)
     dk2 = tl.zeros([BLOCK_N, DC], tl.float32)
@@ -413,24 +441,32 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
         lse_base = LSE2 + row_base
         dl_base = DELTA + row_base
         dqa_base = DQA + b * stride_ab + h * stride_ah
+        if USE_TMA:
+            q_desc = tl.make_tensor_descriptor(q_base, shape=[Sq, D], strides=[stride_qs, 1],
+                                               block_shape=[BLOCK_M, DC])
+            do_desc = tl.make_tensor_descriptor(do_base, shape=[Sq, D], strides=[stride_ds, 1],
+                                                block_shape=[BLOCK_M, DC])
+        else:
+            q_desc = q_base
+            do_desc = do_base
         for start_m in range(lo, mid, BLOCK_M):
             dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
-                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_base, k_base, v_base, do_base, lse_base, dl_base, dqa_base,
-                start_m, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
+                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
+                do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
                 stride_qs, stride_ks, stride_vs, stride_ds, stride_as,
-                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True)
+                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True, USE_TMA)
         for start_m in range(mid, full, BLOCK_M):
             dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
-                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_base, k_base, v_base, do_base, lse_base, dl_base, dqa_base,
-                start_m, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
+                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
+                do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
                 stride_qs, stride_ks, stride_vs, stride_ds, stride_as,
-                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, False, False, True)
+                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, False, False, True, USE_TMA)
         for start_m in range(tail, Sq, BLOCK_M):
             dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
-                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_base, k_base, v_base, do_base, lse_base, dl_base, dqa_base,
-                start_m, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
+                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
+                do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
                 stride_qs, stride_ks, stride_vs, stride_ds, stride_as,
-                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True)
+                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True, USE_TMA)
     dk_base = DK + b * stride_dkb + hk * stride_dkh
     dv_base = DV + b * stride_dvb + hk * stride_dvh
     _st_kv(dk_base, dk0, cols, col_ok, stride_dks, d_lo, offs_c, D, scale, MASK_D)

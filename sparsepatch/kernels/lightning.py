@@ -124,7 +124,7 @@ def _decode_unit_kernel(Q, Kt, Vt, S, G, O, scale, H,
 
 
 def _decode_config(BH: int, K: int, V: int) -> tuple[int, int]:
-    """(BV, num_warps) for the decode kernel, from the H100 sweep (benchmarks/notes_lightning.md): (K, 64) fp32
+    """(BV, num_warps) for the decode kernel, from the H100 sweep (benchmarks/NOTES.md): (K, 64) fp32
     tiles per 2-warp program stream best at B*H >= 1K; a grid under one wave (B=1, H=64) does better with (K, 16)
     tiles on 1 warp (4.8 vs 6.0 us per CUDA-graph step)."""
     bk = triton.next_power_of_2(K)
@@ -276,7 +276,7 @@ def _prefill_kernel(Q, Kt, Vt, G, H0, HT, O, CU, scale, T, H,
 
 
 def _prefill_config(N: int, H: int, K: int, V: int) -> tuple[int, int, int]:
-    """(BV, num_warps, num_stages) for the prefill kernel; measured on H100 (benchmarks/notes_lightning.md)."""
+    """(BV, num_warps, num_stages) for the prefill kernel; measured on H100 (benchmarks/NOTES.md)."""
     BV = min(32, max(16, triton.next_power_of_2(V)))
     return BV, 4, 3
 

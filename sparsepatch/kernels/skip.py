@@ -35,7 +35,7 @@ CHUNK = 32  # visited tiles per keep-bit word
 CHUNK_N = CHUNK
 
 # Launch configs, keyed by (head_dim, BLOCK_M): BLOCK_N, num_warps, num_stages, use_tma.
-# Chosen from benchmarks/bench_skip.py sweeps on an H100 (see benchmarks/notes_skip.md).
+# Chosen from benchmarks/bench_skip.py sweeps on an H100 (see benchmarks/NOTES.md).
 CONFIGS = {
     (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ws=True),
     (128, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
