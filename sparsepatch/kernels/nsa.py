@@ -1,0 +1,449 @@
+"""Native Sparse Attention forward in Triton: the same function (same selected blocks) as `nsa_reference`.
+
+Four kernels per call (plus mean/weighted pooling of k/v in PyTorch, `nsa_reference.compress_kv`):
+
+1. `_cmp_kernel`  compressed-branch attention. One program = a tile of BT consecutive query tokens x the G query
+   heads of one KV head (rows = BT * GP, GP = next_pow2(G); GQA heads share every k/v load, and MHA gets BT = 64
+   tokens per tile, so it is not padded). Pass 1: online softmax -> o_cmp (fp32) and the row LSE. Pass 2
+   (selection scores): the same q.k tiles again, p = exp2(s - lse), summed over the group's heads, mapped to
+   selection blocks with the overlap weights w(c, j) (each compressed block overlaps at most two selection blocks
+   when compress_block <= block_size): the first part is written to IMP_A[j], the spill into block j+1 to
+   IMP_B[j+1] (fp32 (B, Hk, T, n_b + 1) scratch).
+2. `_topk_kernel` one program per (token, KV head): score = IMP_A + IMP_B over the visible blocks, local block
+   +inf, block 0 3e38, then num_selected arg-max rounds with ties to the lower index (as the reference); indices
+   written ascending, -1 padded.
+3. `_slc_kernel`  selected-block attention, one program per (token, KV head), rows = the group's heads (padded
+   to >= 16 for tl.dot); causal mask in the local block; writes g_cmp * o_cmp + g_slc * o_slc (fp32).
+4. `_swa_kernel`  sliding-window attention on the same tiles as (1); adds g_swa * o_swa and stores the output.
+
+Supported (else `supports` is False and the dispatcher uses the reference): causal=True, head dim 16..256 power
+of two, block_size % compress_stride == 0 with block_size / compress_stride a power of two <= 64, compress_block
+<= block_size, fp16/bf16 on CUDA (fp16/fp32 under TRITON_INTERPRET=1). Varlen runs one launch set per sequence.
+Backward: none in Triton. With grad enabled on CPU tensors (interpreter) the call recomputes through the reference
+(autograd of the reference); on CUDA it raises NotImplementedError.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import nsa_reference as ref
+from .nsa_reference import FORCE_FIRST, NSACache, compress_kv
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["nsa_attention", "supports", "supports_config", "NSACache"]
+
+LOG2E = 1.4426950408889634
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _online(acc, l_i, m_i, s, v):
+    """One online-softmax step in log2 units; s already scaled and masked (-inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB,
+                sqb, sqs, sqh, skb, sks, skh, sob, sos, soh,
+                T, n_c, q_off, Hq, Hk, G, NBP, qk_scale,
+                CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
+                HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
+                SELECT: tl.constexpr):
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    b64 = b.to(tl.int64)
+    M: tl.constexpr = BT * GP
+    t0 = pid_t * BT
+    r = tl.arange(0, M)
+    tok = t0 + r // GP
+    g = r % GP
+    row_ok = (tok < T) & (g < G)
+    head = hk * G + g
+    qpos = tok + q_off
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + b64 * sqb + tok[:, None].to(tl.int64) * sqs + head[:, None] * sqh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    nvis = tl.where(qpos + 1 >= CB, (qpos + 1 - CB) // CS + 1, 0)
+    nvis = tl.minimum(nvis, n_c)
+    maxpos = tl.minimum(t0 + BT, T) - 1 + q_off
+    hi = tl.where(maxpos + 1 >= CB, (maxpos + 1 - CB) // CS + 1, 0)
+    hi = tl.minimum(hi, n_c)
+    kbase = KC + b64 * skb + hk * skh
+    vbase = VC + b64 * skb + hk * skh
+
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, HEAD_DIM], tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        c = start + offs_n
+        kv_ok = c < hi
+        k = tl.load(kbase + c[:, None].to(tl.int64) * sks + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+        v = tl.load(vbase + c[:, None].to(tl.int64) * sks + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(c[None, :] < nvis[:, None], s, float("-inf"))
+        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    tl.store(OC + b64 * sob + tok[:, None].to(tl.int64) * sos + head[:, None] * soh + offs_d[None, :], o,
+             mask=row_ok[:, None])
+
+    if SELECT:
+        NB: tl.constexpr = BLOCK_N // R
+        lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(l_safe))   # +inf: p = 0 for empty rows
+        tt = t0 + tl.arange(0, BT)
+        jj = tl.arange(0, NB)
+        maxcur = maxpos // BS
+        cr = offs_n % R
+        w1 = tl.minimum(CB, BS - cr * CS).to(tl.float32)
+        w2 = CB - w1
+        imp_row = IMPA + ((b64 * Hk + hk) * T + tt[:, None].to(tl.int64)) * NBP
+        impb_row = IMPB + ((b64 * Hk + hk) * T + tt[:, None].to(tl.int64)) * NBP
+        for j0 in range(0, maxcur + 1, NB):
+            c = j0 * R + offs_n
+            kv_ok = c < hi
+            k = tl.load(kbase + c[:, None].to(tl.int64) * sks + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            p = tl.math.exp2(s - lse[:, None])
+            p = tl.where((c[None, :] < nvis[:, None]) & row_ok[:, None], p, 0.0)
+            ph = tl.sum(tl.reshape(p, (BT, GP, BLOCK_N)), 1)                         # (BT, BLOCK_N)
+            a = tl.sum(tl.reshape(ph * w1[None, :], (BT, NB, R)), 2)                  # (BT, NB)
+            bsp = tl.sum(tl.reshape(ph * w2[None, :], (BT, NB, R)), 2)
+            j = j0 + jj
+            t_ok = (tt < T)[:, None]
+            tl.store(imp_row + j[None, :], a, mask=t_ok & (j < NBP)[None, :])
+            tl.store(impb_row + (j + 1)[None, :], bsp, mask=t_ok & (j + 1 < NBP)[None, :])
+
+
+@triton.jit
+def _topk_kernel(IMPA, IMPB, IDX, T, Hk, NBP, n_b, q_off, s_ib, s_it, s_ih,
+                 BS: tl.constexpr, NSEL: tl.constexpr, NBLK: tl.constexpr, NSELP: tl.constexpr):
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    b64 = b.to(tl.int64)
+    cur = (t + q_off) // BS
+    cur = tl.minimum(cur, n_b - 1)
+    j = tl.arange(0, NBLK)
+    row = ((b64 * Hk + hk) * T + t) * NBP
+    vis = j <= cur
+    sa = tl.load(IMPA + row + j, mask=vis, other=0.0)
+    sb = tl.load(IMPB + row + j, mask=vis & (j >= 1), other=0.0)
+    score = sa + sb
+    score = tl.where(j == 0, FORCE_FIRST_C, score)
+    score = tl.where(j == cur, float("inf"), score)
+    score = tl.where(vis, score, float("-inf"))
+    chosen = tl.zeros([NBLK], tl.int32)
+    for _ in tl.static_range(NSEL):
+        m = tl.max(score, 0)
+        pick = tl.min(tl.where(score == m, j, NBLK), 0)
+        chosen = tl.where((j == pick) & (score > float("-inf")), 1, chosen)
+        score = tl.where(j == pick, float("-inf"), score)
+    pos = tl.cumsum(chosen, 0) - 1
+    base = IDX + b64 * s_ib + t.to(tl.int64) * s_it + hk * s_ih
+    tl.store(base + pos, j, mask=chosen != 0)
+    cnt = tl.sum(chosen, 0)
+    sl = tl.arange(0, NSELP)
+    tl.store(base + sl, tl.full([NSELP], -1, tl.int32), mask=(sl >= cnt) & (sl < NSEL))
+
+
+@triton.jit
+def _slc_kernel(Q, K, V, IDX, OC, GATES, PART,
+                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, s_ib, s_it, s_ih,
+                sgb, sgs, sgh, sgc,
+                T, S, q_off, Hk, G, qk_scale,
+                BS: tl.constexpr, BSP: tl.constexpr, NSEL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                GP: tl.constexpr, HAS_GATES: tl.constexpr):
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    b64 = b.to(tl.int64)
+    t64 = t.to(tl.int64)
+    g = tl.arange(0, GP)
+    g_ok = g < G
+    head = hk * G + g
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BSP)
+    qpos = t + q_off
+    q = tl.load(Q + b64 * sqb + t64 * sqs + head[:, None] * sqh + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    kbase = K + b64 * skb + hk * skh
+    vbase = V + b64 * svb + hk * svh
+    ibase = IDX + b64 * s_ib + t64 * s_it + hk * s_ih
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, HEAD_DIM], tl.float32)
+    for i in range(NSEL):
+        jb = tl.load(ibase + i)
+        if jb >= 0:
+            key = jb * BS + offs_n
+            ok = (offs_n < BS) & (key < S) & (key <= qpos)
+            k = tl.load(kbase + key[:, None].to(tl.int64) * sks + offs_d[None, :], mask=ok[:, None], other=0.0)
+            v = tl.load(vbase + key[:, None].to(tl.int64) * svs + offs_d[None, :], mask=ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    orow = b64 * sob + t64 * sos + head[:, None] * soh + offs_d[None, :]
+    oc = tl.load(OC + orow, mask=g_ok[:, None], other=0.0)
+    if HAS_GATES:
+        gb = GATES + b64 * sgb + t64 * sgs + head * sgh
+        g0 = tl.load(gb, mask=g_ok, other=0.0).to(tl.float32)
+        g1 = tl.load(gb + sgc, mask=g_ok, other=0.0).to(tl.float32)
+        part = g0[:, None] * oc + g1[:, None] * o
+    else:
+        part = (oc + o) * (1.0 / 3.0)
+    tl.store(PART + orow, part, mask=g_ok[:, None])
+
+
+@triton.jit
+def _swa_kernel(Q, K, V, PART, GATES, OUT,
+                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, spb, sps, sph, sgb, sgs, sgh, sgc, sob, sos, soh,
+                T, S, q_off, Hk, G, qk_scale, window,
+                HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
+                HAS_GATES: tl.constexpr):
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    b64 = b.to(tl.int64)
+    M: tl.constexpr = BT * GP
+    t0 = pid_t * BT
+    r = tl.arange(0, M)
+    tok = t0 + r // GP
+    g = r % GP
+    row_ok = (tok < T) & (g < G)
+    head = hk * G + g
+    qpos = tok + q_off
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    tok64 = tok[:, None].to(tl.int64)
+    q = tl.load(Q + b64 * sqb + tok64 * sqs + head[:, None] * sqh + offs_d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    minpos = t0 + q_off
+    maxpos = tl.minimum(t0 + BT, T) - 1 + q_off
+    lo = tl.maximum(minpos - window + 1, 0) // BLOCK_N * BLOCK_N
+    hi = maxpos + 1
+    kbase = K + b64 * skb + hk * skh
+    vbase = V + b64 * svb + hk * svh
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, HEAD_DIM], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        key = start + offs_n
+        kv_ok = key < hi
+        k = tl.load(kbase + key[:, None].to(tl.int64) * sks + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+        v = tl.load(vbase + key[:, None].to(tl.int64) * svs + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        ok = (key[None, :] <= qpos[:, None]) & (key[None, :] > qpos[:, None] - window)
+        s = tl.where(ok, s, float("-inf"))
+        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    part = tl.load(PART + b64 * spb + tok64 * sps + head[:, None] * sph + offs_d[None, :], mask=row_ok[:, None],
+                   other=0.0)
+    if HAS_GATES:
+        g2 = tl.load(GATES + b64 * sgb + tok.to(tl.int64) * sgs + head * sgh + 2 * sgc, mask=row_ok,
+                     other=0.0).to(tl.float32)
+        res = part + g2[:, None] * o
+    else:
+        res = part + o * (1.0 / 3.0)
+    tl.store(OUT + b64 * sob + tok64 * sos + head[:, None] * soh + offs_d[None, :], res.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
+
+# ---------------------------------------------------------------------------------------------------------- host
+# Launch settings (H100, bf16, D=128); rows per tile for the tile kernels, warps per kernel.
+TILE_ROWS = 64
+CMP_BLOCK_N = 64
+SWA_BLOCK_N = 64
+NUM_WARPS = dict(cmp=4, swa=4, slc=4, topk=4)
+NUM_STAGES = dict(cmp=2, swa=2, slc=2)
+
+
+def supports_config(config) -> bool:
+    bs, l, d = config.block_size, config.compress_block, config.compress_stride
+    if bs % d or l > bs:
+        return False
+    R = bs // d
+    return R <= CMP_BLOCK_N and (R & (R - 1)) == 0
+
+
+def supports(q, config=None, causal: bool = True, **kw) -> bool:
+    """True when the Triton kernels run these inputs (else the dispatcher uses the reference)."""
+    if not causal or q.dim() != 4:
+        return False
+    D = q.shape[-1]
+    if D < 16 or D > 256 or D & (D - 1):
+        return False
+    if config is not None and not supports_config(config):
+        return False
+    if _interpret():
+        return q.dtype in (torch.float16, torch.float32)
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _tiles(G):
+    GP = triton.next_power_of_2(G)
+    BT = max(1, TILE_ROWS // GP)
+    return GP, BT
+
+
+def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config):
+    """Triton forward for one batch of equal-length sequences; queries are the last T of S positions."""
+    B, T, Hq, D = q.shape
+    S, Hk = k.shape[1], k.shape[2]
+    G = Hq // Hk
+    bs, l, d, nsel = config.block_size, config.compress_block, config.compress_stride, config.num_selected
+    n_c = k_cmp.shape[1]
+    n_b = -(-S // bs)
+    NBP = n_b + 1
+    q_off = S - T
+    dev = q.device
+    qk_scale = scale * LOG2E
+    GP, BT = _tiles(G)
+    k_cmp = k_cmp.contiguous()
+    v_cmp = v_cmp.contiguous()
+    if n_c == 0:
+        k_cmp = v_cmp = q.new_zeros((B, 1, Hk, D))
+    o_cmp = torch.empty((B, T, Hq, D), dtype=torch.float32, device=dev)
+    imp_a = torch.empty((B, Hk, T, NBP), dtype=torch.float32, device=dev)
+    imp_b = torch.empty((B, Hk, T, NBP), dtype=torch.float32, device=dev)
+    grid_tile = (triton.cdiv(T, BT), B * Hk)
+    _cmp_kernel[grid_tile](
+        q, k_cmp, v_cmp, o_cmp, imp_a, imp_b,
+        q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
+        o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2),
+        T, n_c, q_off, Hq, Hk, G, NBP, qk_scale,
+        CB=l, CS=d, BS=bs, R=bs // d, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=CMP_BLOCK_N, SELECT=True,
+        num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
+    idx = torch.empty((B, T, Hk, nsel), dtype=torch.int32, device=dev)
+    _topk_kernel[(T, B * Hk)](
+        imp_a, imp_b, idx, T, Hk, NBP, n_b, q_off, idx.stride(0), idx.stride(1), idx.stride(2),
+        BS=bs, NSEL=nsel, NBLK=max(16, triton.next_power_of_2(n_b)), NSELP=max(16, triton.next_power_of_2(nsel)),
+        num_warps=NUM_WARPS["topk"])
+    part = o_cmp  # g_cmp * o_cmp + g_slc * o_slc is written in place of o_cmp (each program reads its own rows)
+    gt = gates if gates is not None else o_cmp
+    GP2 = max(16, GP)
+    _slc_kernel[(T, B * Hk)](
+        q, k, v, idx, o_cmp, gt, part,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2),
+        idx.stride(0), idx.stride(1), idx.stride(2),
+        gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0,
+        T, S, q_off, Hk, G, qk_scale,
+        BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D, GP=GP2,
+        HAS_GATES=gates is not None, num_warps=NUM_WARPS["slc"], num_stages=NUM_STAGES["slc"])
+    out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
+    _swa_kernel[grid_tile](
+        q, k, v, part, gt, out,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), part.stride(0), part.stride(1), part.stride(2),
+        gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0,
+        out.stride(0), out.stride(1), out.stride(2),
+        T, S, q_off, Hk, G, qk_scale, config.window,
+        HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=SWA_BLOCK_N, HAS_GATES=gates is not None,
+        num_warps=NUM_WARPS["swa"], num_stages=NUM_STAGES["swa"])
+    return out, idx
+
+
+# ---------------------------------------------------------------------------------------------------------- op
+@torch.library.custom_op("sparsepatch::nsa_fwd", mutates_args=())
+def _nsa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
+             gates: torch.Tensor | None, scale: float, block_size: int, num_selected: int, window: int,
+             compress_block: int, compress_stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..config import NSAConfig
+    cfg = NSAConfig(block_size, num_selected, window, compress_block, compress_stride)
+    return _forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg)
+
+
+@_nsa_fwd.register_fake
+def _(q, k, v, k_cmp, v_cmp, gates, scale, block_size, num_selected, window, compress_block, compress_stride):
+    B, T, Hq, D = q.shape
+    return q.new_empty((B, T, Hq, D)), q.new_empty((B, T, k.shape[2], num_selected), dtype=torch.int32)
+
+
+def _run(q, k, v, k_cmp, v_cmp, gates, scale, cfg):
+    if torch.compiler.is_compiling():
+        return _nsa_fwd(q, k, v, k_cmp, v_cmp, gates, scale, cfg.block_size, cfg.num_selected, cfg.window,
+                        cfg.compress_block, cfg.compress_stride)
+    return _forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg)   # eager: skip the op dispatch
+
+
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = True, cache=None,
+                  compress_weights=None, *, scale=None, return_indices: bool = False):
+    """Native Sparse Attention on the Triton kernels; same signature and function as `nsa_reference`.
+
+    Returns out (B, T, Hq, D) [, indices int32 (B, T, Hk, num_selected) ascending, -1 padded].
+    Inputs the kernels do not run (causal=False, unsupported config / head dim / dtype) fall back to the
+    reference with a logged warning. Gradients: reference recompute on CPU; NotImplementedError on CUDA.
+    """
+    offs = ref._check_common(q, k, v, config, gates, cu_seqlens, causal, cache, compress_weights)
+    kw = dict(gates=gates, cu_seqlens=cu_seqlens, causal=causal, cache=cache, compress_weights=compress_weights,
+              scale=scale, return_indices=return_indices)
+    if _needs_grad(q, k, v, gates, compress_weights):
+        if q.is_cuda:
+            raise NotImplementedError("sparsepatch NSA has no Triton backward yet: call it under torch.no_grad() "
+                                      "on CUDA, or use sparsepatch.kernels.nsa_reference.nsa_attention (CPU/any "
+                                      "device, differentiable)")
+        return ref.nsa_attention(q, k, v, config, **kw)
+    if not supports(q, config=config, causal=causal):
+        logger.warning("sparsepatch NSA: Triton kernels do not run these inputs (causal=%s, dtype=%s, D=%d, "
+                       "config=%s); using the PyTorch reference", causal, q.dtype, q.shape[-1], config)
+        return ref.nsa_attention(q, k, v, config, **kw)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride on the head dim, got strides {tuple(t.stride())}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if gates is not None:
+        gates = gates.to(torch.float32) if gates.dtype not in (torch.float16, torch.bfloat16, torch.float32) \
+            else gates
+    if cache is not None:
+        k, v, k_cmp, v_cmp = cache.update(k, v, config, compress_weights,
+                                          restart=(k.shape[1] == q.shape[1] and not cache.store_kv))
+        if k.shape[1] < q.shape[1]:
+            raise ValueError(f"cache holds {k.shape[1]} tokens, fewer than the {q.shape[1]} queries")
+        out, idx = _run(q, k, v, k_cmp, v_cmp, gates, scale, config)
+    elif offs is None:
+        k_cmp, v_cmp = compress_kv(k, v, config, compress_weights)
+        out, idx = _run(q, k, v, k_cmp, v_cmp, gates, scale, config)
+    else:
+        outs, idxs = [], []
+        for a, b in zip(offs, offs[1:]):
+            if b == a:
+                continue
+            ks, vs = k[:, a:b], v[:, a:b]
+            k_cmp, v_cmp = compress_kv(ks, vs, config, compress_weights)
+            o, i = _run(q[:, a:b], ks, vs, k_cmp, v_cmp, None if gates is None else gates[:, a:b], scale, config)
+            outs.append(o)
+            idxs.append(i)
+        out, idx = torch.cat(outs, 1), torch.cat(idxs, 1)
+    return (out, idx) if return_indices else out
