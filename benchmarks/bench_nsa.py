@@ -105,8 +105,8 @@ def main(argv=None):
 
     if args.sweep:
         best = None
-        for rows in (64, 128):
-            for w in (4, 8):
+        for rows, w in ((64, 4), (128, 4), (128, 8)):
+            if True:
                 nsa.TILE_ROWS, nsa.NUM_WARPS["cmp"], nsa.NUM_WARPS["swa"] = rows, w, w
                 for HQ, H in ((64, 4), (16, 16)):
                     q = torch.randn(1, 32768, HQ, D, device="cuda", dtype=torch.bfloat16)
