@@ -22,7 +22,7 @@ demo: $(VENV)/.ready
 
 # Triton kernels are tested on CPU through the interpreter; CUDA tests are skipped without a GPU.
 test: $(VENV)/.ready
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -x --durations=10
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=10
 
 test-gpu:
 	python3 -m pytest -q -m gpu
