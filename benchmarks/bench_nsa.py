@@ -46,6 +46,12 @@ def load_fla():
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def _err(exc):
+    import traceback
+    return (f"{type(exc).__name__}: {exc} | " + " <- ".join(
+        f"{f.filename.split('/')[-1]}:{f.lineno}" for f in traceback.extract_tb(exc.__traceback__)[-4:]))[:400]
+
+
 def cudnn_causal(q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     G = q.shape[2] // k.shape[2]
@@ -105,23 +111,24 @@ def main(argv=None):
 
     if args.sweep:
         best = None
-        for rows, w in ((64, 4), (128, 4), (128, 8)):
+        for w, st in ((4, 3), (2, 3), (4, 2)):
             if True:
-                nsa.TILE_ROWS, nsa.NUM_WARPS["cmp"], nsa.NUM_WARPS["swa"] = rows, w, w
+                nsa.NUM_WARPS["slc"], nsa.NUM_STAGES["slc"] = w, st
+                rows = st
                 for HQ, H in ((64, 4), (16, 16)):
                     q = torch.randn(1, 32768, HQ, D, device="cuda", dtype=torch.bfloat16)
                     k = torch.randn(1, 32768, H, D, device="cuda", dtype=torch.bfloat16)
                     v = torch.randn_like(k)
                     with torch.no_grad():
                         ms = _bench(lambda: nsa.nsa_attention(q, k, v, cfg), rep=60)
-                    res["sweep"].append(dict(rows=rows, warps=w, HQ=HQ, H=H, ms=round(ms, 3)))
+                    res["sweep"].append(dict(rows=rows, warps=w,  # rows = slc num_stages here HQ=HQ, H=H, ms=round(ms, 3)))
                     print("sweep", res["sweep"][-1], flush=True)
         tot = {}
         for r in res["sweep"]:
             tot[(r["rows"], r["warps"])] = tot.get((r["rows"], r["warps"]), 0) + r["ms"]
         best = min(tot, key=tot.get)
-        nsa.TILE_ROWS, nsa.NUM_WARPS["cmp"], nsa.NUM_WARPS["swa"] = best[0], best[1], best[1]
-        res["chosen"] = dict(rows=best[0], warps=best[1])
+        nsa.NUM_STAGES["slc"], nsa.NUM_WARPS["slc"] = best[0], best[1]
+        res["chosen"] = dict(slc_stages=best[0], slc_warps=best[1])
         print("chosen", res["chosen"], flush=True)
 
     for HQ, H in HEADS:
@@ -143,7 +150,7 @@ def main(argv=None):
                         row["fla_ms"] = _bench(lambda: parallel_nsa(q, k, v, g, g, g, block_counts=16, block_size=64,
                                                                     window_size=512), rep=100)
                     except Exception as exc:  # noqa: BLE001
-                        row["fla_error"] = f"{type(exc).__name__}: {exc}"[:200]
+                        row["fla_error"] = _err(exc)
             row["ours_ms_per_qhead"] = row["ours_ms"] / HQ
             if "cudnn_ms" in row:
                 row["speedup_vs_cudnn"] = row["cudnn_ms"] / row["ours_ms"]

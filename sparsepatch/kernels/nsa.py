@@ -154,12 +154,16 @@ def _topk_kernel(IMPA, IMPB, IDX, T, Hk, NBP, n_b, q_off, s_ib, s_it, s_ih,
     score = tl.where(j == 0, FORCE_FIRST_C, score)
     score = tl.where(j == cur, float("inf"), score)
     score = tl.where(vis, score, float("-inf"))
+    # One max per round over a packed int64 key: high word = fp32 bits of the score (monotone for scores >= 0,
+    # -inf sorts below them), low word = NBLK - 1 - j (ties go to the lower block index).
+    bits = score.to(tl.int32, bitcast=True).to(tl.int64)
+    key = (bits << 32) | (NBLK - 1 - j).to(tl.int64)
     chosen = tl.zeros([NBLK], tl.int32)
     for _ in tl.static_range(NSEL):
-        m = tl.max(score, 0)
-        pick = tl.min(tl.where(score == m, j, NBLK), 0)
+        kmax = tl.max(key, 0)
+        pick = NBLK - 1 - (kmax & 0xFFFFFFFF).to(tl.int32)
         chosen = tl.where((j == pick) & (score > float("-inf")), 1, chosen)
-        score = tl.where(j == pick, float("-inf"), score)
+        key = tl.where(j == pick, -9223372036854775807, key)
     pos = tl.cumsum(chosen, 0) - 1
     base = IDX + b64 * s_ib + t.to(tl.int64) * s_it + hk * s_ih
     tl.store(base + pos, j, mask=chosen != 0)
@@ -174,7 +178,7 @@ def _slc_kernel(Q, K, V, IDX, OC, GATES, PART,
                 sgb, sgs, sgh, sgc,
                 T, S, q_off, Hk, G, qk_scale,
                 BS: tl.constexpr, BSP: tl.constexpr, NSEL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                GP: tl.constexpr, HAS_GATES: tl.constexpr):
+                GP: tl.constexpr, HAS_GATES: tl.constexpr, SLC_STAGES: tl.constexpr):
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -194,16 +198,17 @@ def _slc_kernel(Q, K, V, IDX, OC, GATES, PART,
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, HEAD_DIM], tl.float32)
-    for i in range(NSEL):
+    # No branch on padding (-1) entries: their loads are fully masked, so the loop stays software-pipelined.
+    for i in tl.range(0, NSEL, num_stages=SLC_STAGES):
         jb = tl.load(ibase + i)
-        if jb >= 0:
-            key = jb * BS + offs_n
-            ok = (offs_n < BS) & (key < S) & (key <= qpos)
-            k = tl.load(kbase + key[:, None].to(tl.int64) * sks + offs_d[None, :], mask=ok[:, None], other=0.0)
-            v = tl.load(vbase + key[:, None].to(tl.int64) * svs + offs_d[None, :], mask=ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(ok[None, :], s, float("-inf"))
-            acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+        key = tl.maximum(jb, 0) * BS + offs_n
+        lim = S * (jb >= 0).to(tl.int32)                       # padding entry: every key masked
+        ok = (offs_n < BS) & (key < lim) & (key <= qpos)
+        k = tl.load(kbase + key[:, None].to(tl.int64) * sks + offs_d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(vbase + key[:, None].to(tl.int64) * svs + offs_d[None, :], mask=ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     orow = b64 * sob + t64 * sos + head[:, None] * soh + offs_d[None, :]
@@ -282,7 +287,7 @@ TILE_ROWS = 64
 CMP_BLOCK_N = 64
 SWA_BLOCK_N = 64
 NUM_WARPS = dict(cmp=4, swa=4, slc=4, topk=4)
-NUM_STAGES = dict(cmp=2, swa=2, slc=2)
+NUM_STAGES = dict(cmp=2, swa=2, slc=3)
 
 
 def supports_config(config) -> bool:
@@ -357,7 +362,8 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config):
         gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0,
         T, S, q_off, Hk, G, qk_scale,
         BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D, GP=GP2,
-        HAS_GATES=gates is not None, num_warps=NUM_WARPS["slc"], num_stages=NUM_STAGES["slc"])
+        HAS_GATES=gates is not None, SLC_STAGES=NUM_STAGES["slc"], num_warps=NUM_WARPS["slc"],
+        num_stages=NUM_STAGES["slc"])
     out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
     _swa_kernel[grid_tile](
         q, k, v, part, gt, out,
