@@ -121,11 +121,11 @@ def main(argv=None):
                     v = torch.randn_like(k)
                     with torch.no_grad():
                         ms = _bench(lambda: nsa.nsa_attention(q, k, v, cfg), rep=60)
-                    res["sweep"].append(dict(rows=rows, warps=w,  # rows = slc num_stages here HQ=HQ, H=H, ms=round(ms, 3)))
+                    res["sweep"].append(dict(stages=rows, warps=w, HQ=HQ, H=H, ms=round(ms, 3)))
                     print("sweep", res["sweep"][-1], flush=True)
         tot = {}
         for r in res["sweep"]:
-            tot[(r["rows"], r["warps"])] = tot.get((r["rows"], r["warps"]), 0) + r["ms"]
+            tot[(r["stages"], r["warps"])] = tot.get((r["stages"], r["warps"]), 0) + r["ms"]
         best = min(tot, key=tot.get)
         nsa.NUM_STAGES["slc"], nsa.NUM_WARPS["slc"] = best[0], best[1]
         res["chosen"] = dict(slc_stages=best[0], slc_warps=best[1])
