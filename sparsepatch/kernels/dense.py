@@ -43,12 +43,12 @@ NCB_MAX = 4   # backward dK (and dV) chunks per program
 # BLOCK_D: QK^T contraction chunk; DC x NC: output columns per program (D / (DC * NC) groups).
 FWD_CONFIGS = {
     320: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=5, num_warps=8, num_stages=2),
-    384: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=3, num_warps=8, num_stages=2),
-    512: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=4, num_warps=8, num_stages=2),
-    768: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=3, num_warps=8, num_stages=2),
-    1024: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=4, num_warps=8, num_stages=2),
+    384: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=6, num_warps=8, num_stages=2),
+    512: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=8, num_warps=8, num_stages=2),
+    768: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=6, num_warps=8, num_stages=2),
+    1024: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=8, num_warps=8, num_stages=2),
 }
-BWD_CONFIGS = {}
+BWD_CONFIGS = {}  # generic: BLOCK 64 x 64, DC 64, NC <= 4 chunks per group (bwd_config)
 
 
 def _interpret() -> bool:
@@ -84,7 +84,7 @@ def bwd_config(D: int) -> dict:
     if cfg is None:
         dc = _pow2_divisor(D, 64)
         n = D // dc
-        nc = min(NCB_MAX, n)
+        nc = min(2, n)
         while n % nc and nc > 1 and -(-n // nc) == -(-n // (nc - 1)):
             nc -= 1
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=_pow2_divisor(D, 64), DC=dc, NC=nc, num_warps=8, num_stages=2)
@@ -136,16 +136,20 @@ def _pv(acc, alpha, p, v_desc, v_base, start_n, cols, stride_vs, d0, offs_c, D, 
 @triton.jit
 def _fwd_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q_desc, k_desc, v_desc, q_base, k_base,
               v_base, start_m, rows, rows_ld,
-              start_n, offs_n, offs_bd, offs_c, Sk, D, d_lo, causal_off, qk_scale, stride_qs, stride_ks, stride_vs,
+              start_n, offs_n, offs_bd, offs_c, Sk, D, d_lo, causal_off, qk_scale, stride_qs, stride_ks, stride_vs, zero,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
               DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, MASK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
+              CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, PIN: tl.constexpr):
     cols = start_n + offs_n
     if MASK_N:
         cols_ld = tl.minimum(cols, Sk - 1)
     else:
         cols_ld = cols
-    s = _scores(q_desc, k_desc, q_base, k_base, start_m, start_n, rows_ld, cols_ld, stride_qs, stride_ks, D, offs_bd,
+    if PIN:  # an opaque loop-variant coordinate keeps the compiler from hoisting all Q chunks into registers
+        q_row0 = start_m + start_n * zero
+    else:
+        q_row0 = start_m
+    s = _scores(q_desc, k_desc, q_base, k_base, q_row0, start_n, rows_ld, cols_ld, stride_qs, stride_ks, D, offs_bd,
                 BLOCK_M, BLOCK_N, BLOCK_D, NKD, USE_TMA)
     if MASK_N:
         valid = (cols < Sk)[None, :]
@@ -192,10 +196,10 @@ def _st(o_base, acc, inv_l, rows, row_ok, stride_os, d0, offs_c, D, MASK_D: tl.c
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, D, qk_scale, causal_off,
+                stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, D, qk_scale, causal_off, zero,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
                 DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr):
+                WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr, PIN: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -247,13 +251,13 @@ def _fwd_kernel(Q, K, V, O, LSE,
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q_desc, k_desc, v_desc, q_base, k_base, v_base,
             start_m, rows, rows_ld,
             start_n, offs_n, offs_bd, offs_c, Sk, D, d_lo, causal_off, qk_scale, stride_qs, stride_ks, stride_vs,
-            BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, False, False, USE_TMA)
+            zero, BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, False, False, USE_TMA, PIN)
     for start_n in range(hi_full, hi, BLOCK_N):
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i = _fwd_step(
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q_desc, k_desc, v_desc, q_base, k_base, v_base,
             start_m, rows, rows_ld,
             start_n, offs_n, offs_bd, offs_c, Sk, D, d_lo, causal_off, qk_scale, stride_qs, stride_ks, stride_vs,
-            BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, USE_TMA)
+            zero, BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, USE_TMA, PIN)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     inv_l = 1.0 / l_safe
@@ -330,10 +334,10 @@ def _bwd_chunk(dk, dv, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_
 @triton.jit
 def _bwd_step(dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
               do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok,
-              Sq, D, d_lo, causal_off, qk_scale, scale, stride_qs, stride_ks, stride_vs, stride_ds, stride_as,
+              Sq, D, d_lo, causal_off, qk_scale, scale, stride_qs, stride_ks, stride_vs, stride_ds, stride_as, zero,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
               DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-              K_PARTIAL: tl.constexpr, USE_TMA: tl.constexpr):
+              K_PARTIAL: tl.constexpr, USE_TMA: tl.constexpr, PIN: tl.constexpr):
     rows = start_m + offs_m
     row_ok = rows < Sq
     if MASK:
@@ -344,32 +348,36 @@ def _bwd_step(dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do
         rows_ld = rows
         lse2 = tl.load(lse_base + rows)
     delta = tl.load(dl_base + rows_ld)
-    sT = _scores(k_desc, q_desc, k_base, q_base, start_n, start_m, cols_ld, rows_ld, stride_ks, stride_qs, D,
+    if PIN:  # opaque loop-variant coordinate: K/V chunks are re-read per q-block, not hoisted into registers
+        k_row0 = start_n + start_m * zero
+    else:
+        k_row0 = start_n
+    sT = _scores(k_desc, q_desc, k_base, q_base, k_row0, start_m, cols_ld, rows_ld, stride_ks, stride_qs, D,
                  offs_bd, BLOCK_N, BLOCK_M, BLOCK_D, NKD, USE_TMA)
     pT = tl.math.exp2(sT * qk_scale - lse2[None, :])
     if CAUSAL:
         pT = tl.where(cols[:, None] <= rows[None, :] + causal_off, pT, 0.0)
     if K_PARTIAL:
         pT = tl.where(col_ok[:, None], pT, 0.0)
-    dpT = _scores(v_desc, do_desc, v_base, do_base, start_n, start_m, cols_ld, rows_ld, stride_vs, stride_ds, D,
+    dpT = _scores(v_desc, do_desc, v_base, do_base, k_row0, start_m, cols_ld, rows_ld, stride_vs, stride_ds, D,
                   offs_bd, BLOCK_N, BLOCK_M, BLOCK_D, NKD, USE_TMA)
     dsT = pT * (dpT - delta[None, :])
     pT16 = pT.to(q_base.dtype.element_ty)
     dsT16 = dsT.to(q_base.dtype.element_ty)
     dk0, dv0 = _bwd_chunk(dk0, dv0, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base, start_m,
-                          start_n, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as, d_lo, offs_c,
+                          k_row0, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as, d_lo, offs_c,
                           D, scale, MASK_D, USE_TMA)
     if NC > 1:
         dk1, dv1 = _bwd_chunk(dk1, dv1, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base,
-                              start_m, start_n, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as,
+                              start_m, k_row0, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as,
                               d_lo + DC, offs_c, D, scale, MASK_D, USE_TMA)
     if NC > 2:
         dk2, dv2 = _bwd_chunk(dk2, dv2, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base,
-                              start_m, start_n, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as,
+                              start_m, k_row0, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as,
                               d_lo + 2 * DC, offs_c, D, scale, MASK_D, USE_TMA)
     if NC > 3:
         dk3, dv3 = _bwd_chunk(dk3, dv3, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base,
-                              start_m, start_n, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as,
+                              start_m, k_row0, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as,
                               d_lo + 3 * DC, offs_c, D, scale, MASK_D, USE_TMA)
     return dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3
 
@@ -387,10 +395,10 @@ def _st_kv(base, acc, cols, col_ok, stride, d0, offs_c, D, mul, MASK_D: tl.const
 def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
-                 stride_dvh, stride_ab, stride_as, stride_ah, Sq, Sk, Hq, Hk, n_rep, D, scale, qk_scale, causal_off,
+                 stride_dvh, stride_ab, stride_as, stride_ah, Sq, Sk, Hq, Hk, n_rep, D, scale, qk_scale, causal_off, zero,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
                  DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                 USE_TMA: tl.constexpr):
+                 USE_TMA: tl.constexpr, PIN: tl.constexpr):
     pid_n = tl.program_id(0)
     g = tl.program_id(1)
     bh = tl.program_id(2)
@@ -453,20 +461,20 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
             dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
                 dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
                 do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
-                stride_qs, stride_ks, stride_vs, stride_ds, stride_as,
-                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True, USE_TMA)
+                stride_qs, stride_ks, stride_vs, stride_ds, stride_as, zero,
+                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True, USE_TMA, PIN)
         for start_m in range(mid, full, BLOCK_M):
             dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
                 dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
                 do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
-                stride_qs, stride_ks, stride_vs, stride_ds, stride_as,
-                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, False, False, True, USE_TMA)
+                stride_qs, stride_ks, stride_vs, stride_ds, stride_as, zero,
+                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, False, False, True, USE_TMA, PIN)
         for start_m in range(tail, Sq, BLOCK_M):
             dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
                 dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
                 do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
-                stride_qs, stride_ks, stride_vs, stride_ds, stride_as,
-                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True, USE_TMA)
+                stride_qs, stride_ks, stride_vs, stride_ds, stride_as, zero,
+                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True, USE_TMA, PIN)
     dk_base = DK + b * stride_dkb + hk * stride_dkh
     dv_base = DV + b * stride_dvb + hk * stride_dvh
     _st_kv(dk_base, dk0, cols, col_ok, stride_dks, d_lo, offs_c, D, scale, MASK_D)
@@ -516,6 +524,33 @@ def _check_inputs(q, k, v):
     return dims
 
 
+_ALLOCATOR_SET = False
+
+
+def _ensure_allocator():
+    """Device-side TMA descriptors need a global scratch allocator."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        def alloc(size, alignment, stream):
+            return torch.empty(size, dtype=torch.int8, device="cuda")
+        triton.set_allocator(alloc)
+        _ALLOCATOR_SET = True
+
+
+def _use_tma(cfg, *ts) -> bool:
+    """TMA loads when available (Hopper+), BLOCK_D == DC, and every (batch, head) base/row stride is 16-B aligned."""
+    if _interpret() or not cfg.get("tma", True) or cfg["BLOCK_D"] != cfg["DC"]:
+        return False
+    if not hasattr(tl, "make_tensor_descriptor") or torch.cuda.get_device_capability(ts[0].device)[0] < 9:
+        return False
+    for t in ts:
+        es = t.element_size()
+        if t.data_ptr() % 16 or any((t.stride(i) * es) % 16 for i in (0, 1, 2)):
+            return False
+    _ensure_allocator()
+    return True
+
+
 def _groups(D, cfg):
     width = cfg["DC"] * cfg["NC"]
     return -(-D // width), (D % width) != 0 and True
@@ -540,9 +575,10 @@ def _fwd_impl(q, k, v, causal, scale, return_lse, cfg=None):
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        Sq, Sk, Hq, Hq // Hk, D, scale * LOG2E, Sk - Sq,
+        Sq, Sk, Hq, Hq // Hk, D, scale * LOG2E, Sk - Sq, 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, DC=cfg["DC"], NC=cfg["NC"],
-        MASK_D=mask_d, CAUSAL=bool(causal), WRITE_LSE=bool(return_lse),
+        MASK_D=mask_d, CAUSAL=bool(causal), WRITE_LSE=bool(return_lse), USE_TMA=_use_tma(cfg, q, k, v),
+        PIN=bool(cfg.get("pin", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
@@ -580,9 +616,11 @@ def _bwd_impl(q, k, v, out, lse, dout, dlse, causal, scale, cfg=None):
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         dqa.stride(0), dqa.stride(1), dqa.stride(2),
-        Sq, Sk, Hq, Hk, Hq // Hk, D, scale, scale * LOG2E, Sk - Sq,
+        Sq, Sk, Hq, Hk, Hq // Hk, D, scale, scale * LOG2E, Sk - Sq, 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, DC=cfg["DC"], NC=cfg["NC"],
-        MASK_D=mask_d, CAUSAL=bool(causal), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        MASK_D=mask_d, CAUSAL=bool(causal), USE_TMA=_use_tma(cfg, q, k, v, dout), PIN=bool(cfg.get("pin", True)),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return dqa.to(q.dtype), dk, dv
 
 

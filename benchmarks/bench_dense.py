@@ -1,0 +1,200 @@
+"""Split-D dense flash attention (sparsepatch.kernels.dense) vs SDPA backends, head dims 128..1024.
+
+B1 H48 S8192 fp16 by default, forward and forward+backward; TFLOP/s counts 4*B*H*Sq*Sk*D per forward (non-causal)
+and 2.5x that per backward. Peers in the same process on the same inputs: SDPA efficient, math, flash, cuDNN
+(where they run). `--sweep` also times alternative launch configs (forward at D 512/1024, backward at D 512).
+Writes benchmarks/results/<gpu>-dense.json (and $OUT/<gpu>-dense.json when $OUT is set).
+
+    python benchmarks/bench_dense.py [--dims 128,256,320,384,512,768,1024] [--seq 8192] [--heads 48] [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+FWD_SWEEP = {
+    512: [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=4, num_warps=8, num_stages=2),
+          dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=8, num_warps=8, num_stages=3),
+          dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, DC=128, NC=2, num_warps=8, num_stages=2)],
+    1024: [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=4, num_warps=8, num_stages=2),
+           dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=2, num_warps=4, num_stages=2)],
+    320: [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=64, DC=64, NC=5, num_warps=8, num_stages=2)],
+}
+BWD_SWEEP = {
+    512: [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=64, DC=64, NC=2, num_warps=8, num_stages=2),
+          dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=4, num_warps=8, num_stages=2),
+          dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=1, num_warps=4, num_stages=2)],
+}
+
+
+def _gpu_name():
+    n = torch.cuda.get_device_name().lower()
+    return "h100" if "h100" in n else "h200" if "h200" in n else n.replace(" ", "-")
+
+
+def _bench(fn, rep=40):
+    import triton
+    try:
+        return float(triton.testing.do_bench(fn, warmup=5, rep=rep))
+    except Exception as exc:  # noqa: BLE001 (a peer that does not run this shape)
+        msg = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return msg
+
+
+def _sdpa(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    be = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+          "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def run(q, k, v):
+        with sdpa_kernel([be]):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return run
+
+
+def _time_pair(attn, q, k, v, do, with_bwd=True):
+    """(fwd ms, fwd+bwd ms) of attn(q, k, v) on (B, S, H, D) tensors."""
+    with torch.no_grad():
+        f = _bench(lambda: attn(q, k, v))
+    fb = None
+    if with_bwd and not isinstance(f, str):
+        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+        def step():
+            o = attn(qg, kg, vg)
+            torch.autograd.grad(o, (qg, kg, vg), do if o.shape == do.shape else do.transpose(1, 2))
+        fb = _bench(step)
+    return f, fb
+
+
+def _prewarm(dims, H, S, sweep):
+    """Compile every kernel config in parallel processes (Triton's disk cache is shared) to save wall time."""
+    import multiprocessing as mp
+    tasks = []
+    for D in dims:
+        tasks.append((D, H, None, None))
+        if sweep:
+            tasks += [(D, H, c, None) for c in FWD_SWEEP.get(D, [])]
+            tasks += [(D, H, None, c) for c in BWD_SWEEP.get(D, [])]
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(min(8, len(tasks))) as pool:
+        for r in pool.imap_unordered(_warm_one, tasks):
+            print("prewarm", r, flush=True)
+
+
+def _warm_one(task):
+    D, H, fcfg, bcfg = task
+    t0 = time.time()
+    try:
+        from sparsepatch.kernels import dense
+        q, k, v = (torch.randn(1, 128, H, D, device="cuda", dtype=torch.float16) for _ in range(3))
+        if fcfg is not None:
+            dense._fwd_impl(q, k, v, False, D ** -0.5, True, cfg=fcfg)
+        elif bcfg is not None:
+            o, lse = dense._fwd_impl(q, k, v, False, D ** -0.5, True)
+            dense._bwd_impl(q, k, v, o, lse, torch.randn_like(o), None, False, D ** -0.5, cfg=bcfg)
+        else:
+            o, lse = dense._fwd_impl(q, k, v, False, D ** -0.5, True)
+            dense._bwd_impl(q, k, v, o, lse, torch.randn_like(o), None, False, D ** -0.5)
+        torch.cuda.synchronize()
+        return (D, "ok", round(time.time() - t0, 1))
+    except Exception as exc:  # noqa: BLE001
+        return (D, f"error {str(exc)[:200]}", round(time.time() - t0, 1))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dims", default="128,256,320,384,512,768,1024")
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=48)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--peers", default="efficient,math,flash,cudnn")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-prewarm", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from sparsepatch.kernels import dense
+
+    dims = [int(x) for x in args.dims.split(",")]
+    B, S, H = args.batch, args.seq, args.heads
+    dt = torch.float16
+    if not args.no_prewarm:
+        _prewarm(dims, H, S, args.sweep)
+    gpu = _gpu_name()
+    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shape=dict(B=B, S=S, H=H), dtype="fp16",
+               flops="fwd 4*B*H*S*S*D, bwd 2.5x fwd", rows=[], sweep=[])
+    out_dirs = [os.path.join(ROOT, "benchmarks", "results")] + ([os.environ["OUT"]] if os.environ.get("OUT") else [])
+    if args.out:
+        out_dirs.append(args.out)
+
+    def dump():
+        for d in out_dirs:
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"{gpu}-dense.json"), "w") as f:
+                json.dump(res, f, indent=1)
+
+    for D in dims:
+        torch.manual_seed(0)
+        q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=dt) for _ in range(4))
+        fl = 4 * B * H * S * S * D
+        row = dict(D=D)
+        ours = lambda q_, k_, v_: dense.attention(q_, k_, v_)  # noqa: E731
+        row["ours_fwd_ms"], row["ours_fwdbwd_ms"] = _time_pair(ours, q, k, v, do)
+        for peer in args.peers.split(","):
+            if peer == "math" and D > 512:
+                f, fb = _time_pair(_sdpa(peer), q, k, v, do, with_bwd=False)
+            else:
+                f, fb = _time_pair(_sdpa(peer), q, k, v, do)
+            row[f"{peer}_fwd_ms"], row[f"{peer}_fwdbwd_ms"] = f, fb
+        for key in list(row):
+            if key.endswith("_ms") and isinstance(row[key], float):
+                mult = 3.5 if "fwdbwd" in key else 1.0
+                row[key.replace("_ms", "_tflops")] = round(fl * mult / row[key] * 1e-9, 1)
+        for peer in args.peers.split(","):
+            for kind in ("fwd", "fwdbwd"):
+                a, b = row.get(f"ours_{kind}_ms"), row.get(f"{peer}_{kind}_ms")
+                if isinstance(a, float) and isinstance(b, float):
+                    row[f"x_vs_{peer}_{kind}"] = round(b / a, 2)
+        res["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        dump()
+        if args.sweep:
+            for c in FWD_SWEEP.get(D, []):
+                with torch.no_grad():
+                    t = _bench(lambda: dense._fwd_impl(q, k, v, False, D ** -0.5, False, cfg=c))
+                e = dict(D=D, kind="fwd", cfg=c, ms=t, tflops=round(fl / t * 1e-9, 1) if isinstance(t, float) else None)
+                res["sweep"].append(e)
+                print(json.dumps(e), flush=True)
+            if BWD_SWEEP.get(D):
+                o, lse = dense._fwd_impl(q, k, v, False, D ** -0.5, True)
+                for c in BWD_SWEEP[D]:
+                    t = _bench(lambda: dense._bwd_impl(q, k, v, o, lse, do, None, False, D ** -0.5, cfg=c))
+                    e = dict(D=D, kind="bwd", cfg=c, ms=t,
+                             tflops=round(2.5 * fl / t * 1e-9, 1) if isinstance(t, float) else None)
+                    res["sweep"].append(e)
+                    print(json.dumps(e), flush=True)
+                t = _bench(lambda: dense._bwd_impl(q, k, v, o, lse, do, None, False, D ** -0.5))
+                e = dict(D=D, kind="bwd", cfg="default", ms=t,
+                         tflops=round(2.5 * fl / t * 1e-9, 1) if isinstance(t, float) else None)
+                res["sweep"].append(e)
+                print(json.dumps(e), flush=True)
+            dump()
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
