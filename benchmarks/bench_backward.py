@@ -24,6 +24,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 B, H, S, D = 1, 12, 32768, 128
 DEVICE, DTYPE = "cuda", torch.bfloat16
@@ -46,14 +48,6 @@ DQ_VARIANTS = [
 ]
 
 
-def gpu_name() -> str:
-    name = torch.cuda.get_device_name().lower()
-    for short in ("h200", "h100", "a100", "b200", "l40", "a10"):
-        if short in name:
-            return short
-    return name.replace(" ", "-")
-
-
 def bench_ms(fn, rep=250):
     import triton
     if DEVICE == "cpu":          # --smoke: one timed call under the interpreter
@@ -64,19 +58,7 @@ def bench_ms(fn, rep=250):
 
 
 def random_list(Bn, Hn, Sn, density, tile=TILE, seed=0, device=None):
-    """Fixed random SkipList with round(density * Tk) tiles per row (at least 1), diagonal always included."""
-    from sparsepatch.kernels.skiplist import SkipList, num_tiles
-    tm, tn = tile
-    device = device or DEVICE
-    tq, tk = num_tiles(Sn, tm), num_tiles(Sn, tn)
-    g = torch.Generator(device=device).manual_seed(seed)
-    score = torch.rand(Bn, Hn, tq, tk, generator=g, device=device)
-    diag = (torch.arange(tq, device=device) * tm // tn).clamp(max=tk - 1)
-    score[:, :, torch.arange(tq, device=device), diag] = 2.0
-    n = max(1, round(density * tk))
-    top = score.topk(n, dim=-1).indices
-    mask = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)
-    return SkipList.from_mask(mask, tile, Sn, Sn)
+    return common.random_list(Bn, Hn, Sn, density, tile, seed, device or DEVICE)
 
 
 def _sync():
@@ -288,7 +270,7 @@ def main(argv=None):
     log(f"targets {res['targets']}")
     if args.smoke:
         return 0
-    name = f"{gpu_name()}-backward.json"
+    name = f"{common.gpu_name()}-backward.json"
     os.makedirs(args.out, exist_ok=True)
     for d in filter(None, (args.out, os.environ.get("OUT"))):
         with open(os.path.join(d, name), "w") as f:

@@ -22,38 +22,17 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import gpu_name, random_list  # noqa: E402
 
 SHAPES = [(1, 12, 32760, 128), (1, 40, 32760, 128), (1, 16, 4096, 128)]
 DENSITIES = [1.0, 0.5, 0.13, 0.05]
 TILE = (128, 128)
 
 
-def gpu_name() -> str:
-    name = torch.cuda.get_device_name().lower()
-    for short in ("h200", "h100", "a100", "b200", "l40", "a10"):
-        if short in name:
-            return short
-    return name.replace(" ", "-")
-
-
 def bench_ms(fn, rep=150):
     import triton
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
-
-
-def random_list(B, H, S, density, tile=TILE, seed=0, device="cuda"):
-    """Fixed random SkipList with round(density * Tk) tiles per row, diagonal always included."""
-    from sparsepatch.kernels.skiplist import SkipList, num_tiles
-    tm, tn = tile
-    tq, tk = num_tiles(S, tm), num_tiles(S, tn)
-    g = torch.Generator(device=device).manual_seed(seed)
-    score = torch.rand(B, H, tq, tk, generator=g, device=device)
-    diag = (torch.arange(tq, device=device) * tm // tn).clamp(max=tk - 1)
-    score[:, :, torch.arange(tq, device=device), diag] = 2.0
-    n = max(1, round(density * tk))
-    top = score.topk(n, dim=-1).indices
-    mask = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)
-    return SkipList.from_mask(mask, tile, S, S)
 
 
 def flex_peer(lst, S):

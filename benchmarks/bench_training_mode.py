@@ -22,6 +22,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import gpu_name  # noqa: E402
 
 
 def cos(a, b):
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
         rows.append(row)
     result = dict(workload=dict(seq=S, heads=args.heads, head_dim=128, dtype="bf16",
                                 device=torch.cuda.get_device_name()), rows=rows)
-    gpu = "h100" if "H100" in torch.cuda.get_device_name() else torch.cuda.get_device_name().split()[-1].lower()
+    gpu = gpu_name()
     text = json.dumps(result, indent=1)
     (ROOT / "benchmarks" / "results" / f"{gpu}-training-mode.json").write_text(text)
     if args.out:

@@ -37,7 +37,7 @@ def main(argv=None):
     from diffusers.models.transformers import transformer_wan
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from bench_skip import gpu_name, random_list
+    from common import gpu_name, random_list
     from sparsepatch.kernels import skip
 
     torch.manual_seed(0)

@@ -41,6 +41,7 @@ def bench(args) -> int:
         known = sorted(p.stem[len("bench_"):] for p in BENCHMARKS.glob("bench_*.py"))
         print(f"unknown benchmark {args.name!r}; available: {known}", file=sys.stderr)
         return 2
+    sys.path.insert(0, str(BENCHMARKS))   # the scripts share benchmarks/common.py
     spec = importlib.util.spec_from_file_location(f"bench_{args.name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
