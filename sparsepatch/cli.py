@@ -19,12 +19,16 @@ def demo(args) -> int:
     from sparsepatch.testing import tiny_wan_pipeline, wan_call_kwargs
     start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    pipe = tiny_wan_pipeline(head_dim=32, attention_gain=args.attention_gain).to(device)
+    # head_dim 64 + bf16 on a GPU: the shapes the Triton kernels serve (CPU runs the fp32 reference path).
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    pipe = tiny_wan_pipeline(head_dim=64, attention_gain=args.attention_gain).to(device, dtype)
     pipe.set_progress_bar_config(disable=True)
     kwargs = wan_call_kwargs(height=args.size, width=args.size, num_frames=args.frames, steps=args.steps)
     config = sp.SkipConfig(threshold=args.threshold, warmup_steps=args.warmup, tile=(args.tile, args.tile))
     print(f"sparsepatch demo: tiny WanPipeline (random weights, attention sharpened x{args.attention_gain}), "
-          f"{args.frames} frames {args.size}x{args.size}, {args.steps} steps, CFG cond+uncond, {device}")
+          f"{args.frames} frames {args.size}x{args.size}, {args.steps} steps, CFG cond+uncond, {device} {dtype}")
+    if device == "cpu":
+        print("(on CPU attention runs the plain-PyTorch reference: expect quality numbers, not a speed-up)")
     report = sp.validate(pipe, config, **kwargs)
     print(report.summary())
     if args.json:
