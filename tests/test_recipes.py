@@ -113,9 +113,12 @@ def test_llm_dense_checkpoint(tmp_path):
         assert torch.equal(trained(ids).logits, loaded(ids).logits)
 
 
-def test_llm_nsa_names_issue_5():
-    with pytest.raises(NotImplementedError, match="issue 5"):
-        finetune_llm.main(["--config", "nsa", "--max-steps", "1", "--log-every", "0"])
+def test_llm_nsa_trains_learned_gates_and_saves_a_plain_model(tmp_path):
+    res = finetune_llm.main(["--config", "nsa", "--max-steps", "3", "--log-every", "0", "--seq-len", "64",
+                             "--output-dir", str(tmp_path / "nsa")])
+    assert all(math.isfinite(x) for x in res["losses"]) and res["attention_calls"] > 0
+    trained = res["model"]
+    assert not any("nsa_gate" in n for n, _ in trained.named_parameters())   # gates removed on unpatch
 
 
 def test_accelerate_launch_video(tmp_path):

@@ -9,12 +9,13 @@ from __future__ import annotations
 import importlib
 import logging
 
-from . import lightning_reference, reference
+from . import lightning_reference, nsa_reference, reference
+from .nsa_reference import NSACache
 from .skiplist import DEFAULT_TILE, SkipList
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SkipList", "DEFAULT_TILE", "attention", "skip_attention", "nsa_attention", "lightning_decode",
+__all__ = ["SkipList", "DEFAULT_TILE", "NSACache", "attention", "skip_attention", "nsa_attention", "lightning_decode",
            "lightning_prefill", "reference"]
 
 
@@ -50,9 +51,17 @@ def skip_attention(q, k, v, skip_list=None, threshold: float = -5.0, *, scale=No
                                     return_lse=return_lse, tile=tile, attn_mask=attn_mask)
 
 
-def nsa_attention(*args, **kwargs):
-    """Native Sparse Attention (issue 5)."""
-    raise NotImplementedError("nsa_attention has not landed yet (issue 5: Native Sparse Attention)")
+def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = True, cache=None,
+                  compress_weights=None, *, scale=None, return_indices: bool = False):
+    """Native Sparse Attention (compressed + selected + sliding window, gated); see `nsa_reference`.
+
+    q (B, T, Hq, D), k/v (B, T, Hk, D) -> (B, T, Hq, D). Triton forward on CUDA where `nsa.supports` says so,
+    the reference elsewhere (and for gradients on CPU).
+    """
+    tri = _triton_module("nsa")
+    impl = tri if _use_triton(tri, q, config=config, causal=causal) else nsa_reference
+    return impl.nsa_attention(q, k, v, config, gates=gates, cu_seqlens=cu_seqlens, causal=causal, cache=cache,
+                              compress_weights=compress_weights, scale=scale, return_indices=return_indices)
 
 
 def lightning_decode(q, k, v, state, decay, *, scale=None, out=None, state_layout: str = "bhkv"):

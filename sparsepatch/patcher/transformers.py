@@ -17,7 +17,7 @@ Decisions:
   SDPA: a silent fallback would train with a different kernel than the one the user asked for.
 - DenseConfig.layers is not consulted: every call routed through AttentionInterface is served (decoder-only LLMs
   have self-attention only). LightningConfig re-routes MiniMax's lightning layers (transformers_lightning.py);
-  NSAConfig raises NotImplementedError until issue 5 wires it.
+  NSAConfig routes through transformers_nsa.py (its own registered attention function).
 - On CUDA, calls with a mask (padding, sliding-window layers, StaticCache decode) currently take the reference
   path, because the Triton dense kernel takes no mask.
 """
@@ -131,7 +131,7 @@ _MISSING = object()
 def patch_model(model, config, handle) -> None:
     """Switch `model` (a PreTrainedModel) to sparsepatch attention in place; register its undo on `handle`.
 
-    config: DenseConfig, or LightningConfig for MiniMax (NSAConfig raises NotImplementedError until issue 5).
+    config: DenseConfig, NSAConfig (transformers_nsa.py), or LightningConfig for MiniMax.
     handle: the PatchHandle: `add_undo(fn)`, `record_call(layer_name, branch, density)`.
     """
     _check_model(model)
@@ -142,9 +142,9 @@ def patch_model(model, config, handle) -> None:
         patch_lightning_layers(model, config, handle)
         return
     if isinstance(config, NSAConfig):
-        raise NotImplementedError(
-            "NSAConfig is not supported for transformers models yet; it lands with issue 5 (Native Sparse "
-            "Attention). Use sp.DenseConfig() meanwhile")
+        from .transformers_nsa import patch_nsa
+        patch_nsa(model, config, handle)
+        return
     if isinstance(config, SkipConfig):
         raise ValueError("config: SkipConfig keeps skip lists across diffusion denoising steps and has no meaning "
                          f"for {type(model).__name__}; use sp.DenseConfig() (or sp.NSAConfig once issue 5 lands)")
