@@ -316,8 +316,7 @@ def test_configs_and_model_types():
         default_config(gpt2)
     with pytest.raises(ValueError, match="model"):
         tfa.patch_model(torch.nn.Linear(2, 2), DenseConfig(), StandInHandle(DenseConfig()))
-    patch(model, NSAConfig())          # NSA has its own adapter (tests/test_nsa.py); here: it patches and restores
-    unpatch(model)
+    patch(model, NSAConfig()).remove()   # NSA has its own adapter (tests/test_nsa.py); here: patches, restores
     with pytest.raises(ValueError, match="no MiniMaxLightningAttention"):   # LightningConfig is MiniMax-only
         patch(model, LightningConfig())
     with pytest.raises(ValueError, match="config"):
