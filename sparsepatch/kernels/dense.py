@@ -42,11 +42,11 @@ NCB_MAX = 4   # backward dK (and dV) chunks per program
 # Forward launch configs keyed by head dim (H100 sweep in benchmarks/bench_dense.py, notes_dense.md).
 # BLOCK_D: QK^T contraction chunk; DC x NC: output columns per program (D / (DC * NC) groups).
 FWD_CONFIGS = {
-    320: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=5, num_warps=8, num_stages=2),
-    384: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=6, num_warps=8, num_stages=2),
-    512: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=8, num_warps=8, num_stages=2),
-    768: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=6, num_warps=8, num_stages=2),
-    1024: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=8, num_warps=8, num_stages=2),
+    320: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=5, num_warps=8, num_stages=1),
+    384: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=6, num_warps=8, num_stages=1),
+    512: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=8, num_warps=8, num_stages=1),
+    768: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=6, num_warps=8, num_stages=1),
+    1024: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=8, num_warps=8, num_stages=1),
 }
 BWD_CONFIGS = {}  # generic: BLOCK 64 x 64, DC 64, NC <= 4 chunks per group (bwd_config)
 
@@ -71,8 +71,8 @@ def fwd_config(D: int, Sq: int = 1 << 30) -> dict:
         n = D // dc
         groups = -(-n // (NC_MAX if D <= 512 else 4))
         nc = -(-n // groups)
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=_pow2_divisor(D, 128), DC=dc, NC=nc, num_warps=8 if D > 128 else 4,
-                   num_stages=2)
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=dc, DC=dc, NC=nc, num_warps=8 if D > 128 else 4,
+                   num_stages=1)
     cfg = dict(cfg)
     if _interpret():
         cfg.update(BLOCK_M=16 if Sq <= 16 else 32, BLOCK_N=16)
@@ -87,7 +87,7 @@ def bwd_config(D: int) -> dict:
         nc = min(2, n)
         while n % nc and nc > 1 and -(-n // nc) == -(-n // (nc - 1)):
             nc -= 1
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=_pow2_divisor(D, 64), DC=dc, NC=nc, num_warps=8, num_stages=2)
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=dc, DC=dc, NC=nc, num_warps=8, num_stages=1)
     cfg = dict(cfg)
     if _interpret():
         cfg.update(BLOCK_M=16, BLOCK_N=16)
@@ -556,6 +556,37 @@ def _groups(D, cfg):
     return -(-D // width), (D % width) != 0 and True
 
 
+RESOLVED = {}  # (kernel, D, dtype, causal, use_tma) -> the config that launched (after any shared-memory fallback)
+
+
+def _fallbacks(cfg):
+    """cfg, then cheaper variants: one pipeline stage, then half the output chunks per program (more groups)."""
+    out = [dict(cfg), dict(cfg, num_stages=1)]
+    nc = cfg["NC"]
+    while nc > 1:
+        nc = (nc + 1) // 2
+        out.append(dict(cfg, NC=nc, num_stages=1))
+    out.append(dict(cfg, NC=1, BLOCK_N=32, num_stages=1))
+    return out
+
+
+def _run(name, key, cfg, launch):
+    """launch(cfg) with the first config that fits the device (Triton raises OutOfResources at launch)."""
+    hit = RESOLVED.get((name,) + key)
+    if hit is not None:
+        return launch(hit)
+    err = None
+    for c in _fallbacks(cfg):
+        try:
+            r = launch(c)
+        except triton.runtime.errors.OutOfResources as exc:
+            err = exc
+            continue
+        RESOLVED[(name,) + key] = c
+        return r
+    raise err
+
+
 def _fwd_impl(q, k, v, causal, scale, return_lse, cfg=None):
     B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, v)
     cfg = fwd_config(D, Sq) if cfg is None else dict(cfg)
@@ -568,18 +599,22 @@ def _fwd_impl(q, k, v, causal, scale, return_lse, cfg=None):
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    n_g, mask_d = _groups(D, cfg)
-    bd = cfg["BLOCK_D"]
-    grid = (triton.cdiv(Sq, cfg["BLOCK_M"]), n_g, B * Hq)
-    _fwd_kernel[grid](
-        q, k, v, out, lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        Sq, Sk, Hq, Hq // Hk, D, scale * LOG2E, Sk - Sq, 0,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, DC=cfg["DC"], NC=cfg["NC"],
-        MASK_D=mask_d, CAUSAL=bool(causal), WRITE_LSE=bool(return_lse), USE_TMA=_use_tma(cfg, q, k, v),
-        PIN=bool(cfg.get("pin", False)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    tma = _use_tma(cfg, q, k, v)
+
+    def launch(cfg):
+        n_g, mask_d = _groups(D, cfg)
+        bd = cfg["BLOCK_D"]
+        grid = (triton.cdiv(Sq, cfg["BLOCK_M"]), n_g, B * Hq)
+        _fwd_kernel[grid](
+            q, k, v, out, lse,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            Sq, Sk, Hq, Hq // Hk, D, scale * LOG2E, Sk - Sq, 0,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, DC=cfg["DC"], NC=cfg["NC"],
+            MASK_D=mask_d, CAUSAL=bool(causal), WRITE_LSE=bool(return_lse), USE_TMA=tma,
+            PIN=bool(cfg.get("pin", False)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    _run("fwd", (D, q.dtype, bool(causal), tma, bool(return_lse), str(sorted(cfg.items()))), cfg, launch)
     return out, lse
 
 
@@ -608,19 +643,24 @@ def _bwd_impl(q, k, v, out, lse, dout, dlse, causal, scale, cfg=None):
         out, dout, lse, dlse if dlse is not None else lse, delta, lse2,
         out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         Sq, Hq, D, BLOCK=PB, BLOCK_D=pbd, NKD=D // pbd, HAS_DLSE=dlse is not None, num_warps=4)
-    n_g, mask_d = _groups(D, cfg)
-    bd = cfg["BLOCK_D"]
-    _dkdv_kernel[(triton.cdiv(Sk, cfg["BLOCK_N"]), n_g, B * Hk)](
-        q, k, v, dout, lse2, delta, dk, dv, dqa,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        dqa.stride(0), dqa.stride(1), dqa.stride(2),
-        Sq, Sk, Hq, Hk, Hq // Hk, D, scale, scale * LOG2E, Sk - Sq, 0,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, DC=cfg["DC"], NC=cfg["NC"],
-        MASK_D=mask_d, CAUSAL=bool(causal), USE_TMA=_use_tma(cfg, q, k, v, dout), PIN=bool(cfg.get("pin", True)),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+    tma = _use_tma(cfg, q, k, v, dout)
+
+    def launch(cfg):
+        n_g, mask_d = _groups(D, cfg)
+        bd = cfg["BLOCK_D"]
+        dqa.zero_()
+        _dkdv_kernel[(triton.cdiv(Sk, cfg["BLOCK_N"]), n_g, B * Hk)](
+            q, k, v, dout, lse2, delta, dk, dv, dqa,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            dqa.stride(0), dqa.stride(1), dqa.stride(2),
+            Sq, Sk, Hq, Hk, Hq // Hk, D, scale, scale * LOG2E, Sk - Sq, 0,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, DC=cfg["DC"], NC=cfg["NC"],
+            MASK_D=mask_d, CAUSAL=bool(causal), USE_TMA=tma, PIN=bool(cfg.get("pin", True)),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    _run("bwd", (D, q.dtype, bool(causal), tma, str(sorted(cfg.items()))), cfg, launch)
     return dqa.to(q.dtype), dk, dv
 
 
