@@ -524,17 +524,14 @@ def _check_inputs(q, k, v):
     return dims
 
 
-_ALLOCATOR_SET = False
+def _alloc(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _ensure_allocator():
-    """Device-side TMA descriptors need a global scratch allocator."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        def alloc(size, alignment, stream):
-            return torch.empty(size, dtype=torch.int8, device="cuda")
-        triton.set_allocator(alloc)
-        _ALLOCATOR_SET = True
+    """Device-side TMA descriptors need a scratch allocator. triton.set_allocator is per thread (a ContextVar), and
+    autograd runs backward on its own thread, so it is set on every launch (cheap)."""
+    triton.set_allocator(_alloc)
 
 
 def _use_tma(cfg, *ts) -> bool:
