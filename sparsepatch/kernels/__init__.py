@@ -32,11 +32,26 @@ def _use_triton(module, q, **kw) -> bool:
     return module is not None and q.is_cuda and module.supports(q, **kw)
 
 
+_WARNED: set = set()
+
+
+def _warn_reference_once(q, attn_mask) -> None:
+    key = (q.shape[-1], q.dtype, attn_mask is not None)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning("sparsepatch: no Triton kernel for head dim %d, %s%s; using the PyTorch reference (slow)",
+                       q.shape[-1], q.dtype, " with an attention mask" if attn_mask is not None else "")
+
+
 def attention(q, k, v, *, causal: bool = False, scale=None, attn_mask=None, return_lse: bool = False):
     """Dense attention. q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) -> (B, Sq, Hq, D) [, lse (B, Hq, Sq) fp32]."""
-    dense = _triton_module("skip")
-    if _use_triton(dense, q, attn_mask=attn_mask, causal=causal):
-        return dense.attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    # Head dims 64/128: the skip kernel with skipping compiled out; other head dims up to 1024: split-D kernels.
+    for name in ("skip", "dense"):
+        mod = _triton_module(name)
+        if _use_triton(mod, q, attn_mask=attn_mask, causal=causal):
+            return mod.attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    if q.is_cuda:
+        _warn_reference_once(q, attn_mask)
     return reference.attention(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask, return_lse=return_lse)
 
 

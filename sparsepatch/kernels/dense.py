@@ -39,7 +39,7 @@ MAX_HEAD_DIM = 1024
 NC_MAX = 8    # forward output chunks per program
 NCB_MAX = 4   # backward dK (and dV) chunks per program
 
-# Forward launch configs keyed by head dim (H100 sweep in benchmarks/bench_dense.py, notes_dense.md).
+# Forward launch configs keyed by head dim (H100 sweep in benchmarks/bench_dense.py, benchmarks/NOTES.md).
 # BLOCK_D: QK^T contraction chunk; DC x NC: output columns per program (D / (DC * NC) groups).
 FWD_CONFIGS = {
     320: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=5, num_warps=8, num_stages=1),
