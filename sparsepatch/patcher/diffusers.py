@@ -125,9 +125,15 @@ class _Binding:
 
 def sparsepatch_attention_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                   enable_gqa=False, _parallel_config=None):
-    """diffusers attention backend: (B, S, H, D) tensors in and out, like every diffusers backend."""
-    if _parallel_config is not None:
-        raise NotImplementedError("sparsepatch backend: context parallelism is not supported yet")
+    """diffusers attention backend: (B, S, H, D) tensors in and out, like every diffusers backend.
+
+    Registered as context-parallel capable: under `enable_parallelism` (Ulysses / ring) `_parallel_config` is set and
+    the call goes through diffusers' templated CP attention with sparsepatch forward ops (parallel.py).
+    """
+    if _parallel_config is not None and _parallel_config.context_parallel_config is not None:
+        from . import parallel
+        return parallel.attention(_ACTIVE[-1] if _ACTIVE else None, query, key, value, attn_mask, dropout_p,
+                                  is_causal, scale, _parallel_config)
     if not _ACTIVE:   # called by a processor we did not patch (e.g. the user set the backend globally)
         return kernels.attention(query, key, value, causal=is_causal, scale=scale, attn_mask=attn_mask)
     return _ACTIVE[-1].attend(query, key, value, attn_mask, dropout_p, is_causal, scale)
@@ -148,7 +154,8 @@ def _backend_member():
         enum_cls._member_map_["SPARSEPATCH"] = member
         enum_cls._value2member_map_[BACKEND_VALUE] = member
         enum_cls._member_names_.append("SPARSEPATCH")
-        ad._AttentionBackendRegistry.register(member)(sparsepatch_attention_backend)
+        ad._AttentionBackendRegistry.register(member, supports_context_parallel=True)(
+            sparsepatch_attention_backend)
     _BACKEND_USERS[0] += 1
     return member
 
