@@ -3,6 +3,8 @@
     # CPU, 2 processes (gloo), the tiny pipeline, checked against a single-process patched run:
     torchrun --nproc-per-node 2 -m sparsepatch.recipes.parallel_video --ulysses 2 --check
     torchrun --nproc-per-node 2 -m sparsepatch.recipes.parallel_video --ring 2 --ring-strategy gather,walk --check
+    # unified Ulysses x ring (diffusers' 2-D mesh), 4 processes (verified on CPU: equals the single-process run):
+    torchrun --nproc-per-node 4 -m sparsepatch.recipes.parallel_video --ulysses 2 --ring 2 --check
     # 2 GPUs (nccl), a Wan-shaped transformer (12 heads x 128, random weights), 480x832x81 -> 32760 tokens, bf16:
     torchrun --nproc-per-node 2 -m sparsepatch.recipes.parallel_video --model wan-shaped --ulysses 2 \\
         --height 480 --width 832 --frames 81 --steps 10 --threshold=-5 --tile 128 128 --dtype bf16 --check
@@ -83,6 +85,8 @@ def run(pipe, args, snapshot):
 
 def _rank_view(ref_mask, mode, rank, world, mine):
     """The part of a single-process list (B, H, Tq, Tk) that this rank's list covers, or None if grids differ."""
+    if mode == "unified":
+        return None
     if mode == "ulysses":
         h = ref_mask.shape[1] // world
         part = ref_mask[:, rank * h:(rank + 1) * h]
@@ -132,9 +136,9 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="compare with a single-process patched run")
     ap.add_argument("--json", help="write rank 0's report here")
     args = ap.parse_args(argv)
-    if (args.ulysses > 1) == (args.ring > 1):
-        ap.error("give exactly one of --ulysses N / --ring N with N > 1")
-    mode = "ulysses" if args.ulysses > 1 else "ring"
+    if args.ulysses * args.ring == 1:
+        ap.error("give --ulysses N and/or --ring N with N > 1")
+    mode = "unified" if args.ulysses > 1 and args.ring > 1 else "ulysses" if args.ulysses > 1 else "ring"
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -156,10 +160,10 @@ def main(argv=None):
     dense = run(ref_pipe, args, None)[0] if args.check else None
 
     from sparsepatch.patcher import parallel
-    strategies = args.ring_strategy.split(",") if mode == "ring" else ["-"]
+    strategies = args.ring_strategy.split(",") if args.ring > 1 else ["-"]
     report = {"mode": mode, "world": world, "runs": []}
     for strategy, threshold in ((s, t) for s in strategies for t in args.threshold):
-        if mode == "ring":
+        if args.ring > 1:
             parallel.RING_STRATEGY = strategy
         config = sp.SkipConfig(threshold=threshold, tile=tuple(args.tile), warmup_steps=args.warmup_steps)
         handle = sp.patch(pipe, config)
@@ -191,7 +195,7 @@ def main(argv=None):
         report["runs"].append(gathered)
         if rank == 0:
             for e in gathered:
-                name = mode if mode == "ulysses" else f"ring/{strategy}"
+                name = mode if args.ring == 1 else f"{mode}/{strategy}"
                 line = (f"[{name} x{world} rank {e['rank']}] threshold {threshold:g}: step s "
                         + " ".join(f"{t:.3f}" for t in e["step_s"]) + " | density rank "
                         + " ".join(f"{d:.3f}" for d in e["density_rank"]) + " | mean "
