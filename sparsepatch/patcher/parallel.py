@@ -29,6 +29,9 @@ Ring (`ContextParallelConfig(ring_degree=N)`): a rank holds q shard r. Two strat
   maxes): outputs are not equal to the single-process run, and density is higher (tiny Wan, 2 shards, threshold -3:
   0.957 vs 0.832 at step 4), growing with N. It is what a true P2P ring (k/v memory S/N) would need; eager only.
 
+Unified (ulysses_degree > 1 and ring_degree > 1): the Ulysses all-to-all, then the ring strategy on the ring group
+(verified with 4 CPU processes, 2 x 2: "gather" equals the single-process run).
+
 Density (`handle.stats()`): each rank reports its own share — Ulysses: the fraction of tiles computed over its heads;
 ring: over its q tiles x all k tiles. Shares have equal size, so the global density is the mean over ranks (the
 recipe `sparsepatch.recipes.parallel_video` all-reduces it).
