@@ -24,8 +24,10 @@ demo: $(VENV)/.ready
 test: $(VENV)/.ready
 	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=10
 
+# On a CUDA machine (uses the ambient python). One process per file: see the closing note of the first session
+# for the cross-file illegal-memory-access under investigation (tests/test_dense_splitd.py then test_lightning.py).
 test-gpu:
-	python3 -m pytest -q -m gpu
+	for f in tests/test_*.py; do python3 -m pytest -q -m gpu $$f; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -4,7 +4,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
+for f in tests/test_*.py; do   # one process per file (see Makefile test-gpu)
+  python3 -m pytest -q -m gpu "$f" -p no:cacheprovider 2>&1 | tail -5
+done | tee "$OUT/gpu-tests.log"
 python3 benchmarks/bench_training_mode.py --out "$OUT" 2>&1 | tail -12 | tee "$OUT/training-mode.log"
 for cfg in dense skip-train; do
   accelerate launch --num_processes 1 --num_machines 1 --mixed_precision bf16 --dynamo_backend no \
