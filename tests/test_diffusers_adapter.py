@@ -263,3 +263,23 @@ def test_compiled_transformer_does_not_recompile_after_step_1():
     finally:
         sp.unpatch(pipe)
         dynamo.reset()
+
+
+def test_padding_masks_are_served_exactly_or_kept():
+    from sparsepatch.patcher.state import _drop_padded_keys
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 40, 2, 16, generator=g) for _ in range(3))
+    suffix = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    suffix[..., 33:] = False
+    q2, k2, v2, mask, _ = _drop_padded_keys(q, k, v, suffix, [(30, 40)])
+    assert mask is None and k2.shape[1] == 33 and k2.data_ptr() == k.data_ptr()    # a view, no copy
+    holes = suffix.clone()
+    holes[..., 5] = False
+    assert _drop_padded_keys(q, k, v, holes, [(30, 40)])[3] is holes               # must_do + holes: keep the mask
+    _, k3, _, mask, _ = _drop_padded_keys(q, k, v, holes, None)
+    assert mask is None and k3.shape[1] == 32
+    per_batch = suffix.clone()
+    per_batch[1, ..., 20:] = False
+    assert _drop_padded_keys(q, k, v, per_batch, None)[3] is per_batch             # differs across the batch
+    suffix[..., 10:] = False                                                      # in-place edit: plan recomputed
+    assert _drop_padded_keys(q, k, v, suffix, None)[1].shape[1] == 10

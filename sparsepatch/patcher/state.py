@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -183,24 +184,49 @@ class PatchHandle:
         return entry[0]
 
 
+_MASK_PLAN: dict = {}   # id(mask) -> (weakref, version, plan): one host sync per mask, not per layer
+
+
+def _padding_plan(attn_mask):
+    """How to serve a mask exactly without it: ("none",) all keys kept; ("suffix", n) keep the first n keys;
+    ("gather", idx) keep those keys; ("mask",) not a key-padding mask shared by the batch — keep the mask."""
+    if attn_mask.dtype != torch.bool:
+        return ("mask",)
+    if attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[2] != 1:
+        return ("none",) if bool(attn_mask.all()) else ("mask",)
+    keep = attn_mask[:, 0, 0, :]                                      # (B or 1, Sk)
+    if not bool((keep == keep[:1]).all()):
+        return ("mask",)
+    keep = keep[0]
+    n = int(keep.sum())
+    if n == keep.numel():
+        return ("none",)
+    if bool(keep[:n].all()):
+        return ("suffix", n)
+    return ("gather", keep.nonzero().squeeze(1))
+
+
 def _drop_padded_keys(q, k, v, attn_mask, must_do):
     """Turn a key-padding mask shared by every batch element into a shorter k/v (exactly the same attention).
 
-    Returns (q, k, v, None, must_do) with masked keys removed, or the inputs unchanged (mask kept) when the mask
-    is not of that form. Keys that a mask removes contribute exactly 0 to the softmax, so removing them is exact.
+    Keys that a mask removes contribute exactly 0 to the softmax, so removing them is exact. Returns
+    (q, k, v, None, must_do) with the masked keys removed, or the inputs unchanged (mask kept) when the mask is not
+    of that form. must_do ranges are token positions applied to q and k alike, so with must_do the removed keys must
+    be a suffix (text padding at the end of a [video, text] sequence); otherwise the mask is kept.
+    The plan is cached per mask tensor (diffusers passes one mask object to every layer of a forward).
     """
-    if attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[-2] != 1 \
-            or attn_mask.shape[1] != 1:
-        if attn_mask.dtype == torch.bool and bool(attn_mask.all()):
-            return q, k, v, None, must_do
-        return q, k, v, attn_mask, must_do
-    keep = attn_mask[:, 0, 0, :]                                     # (B or 1, Sk)
-    if not bool((keep == keep[:1]).all()):
-        return q, k, v, attn_mask, must_do
-    keep = keep[0]
-    if bool(keep.all()):
+    seen = _MASK_PLAN.get(id(attn_mask))
+    if seen is not None and seen[0]() is attn_mask and seen[1] == attn_mask._version:
+        plan = seen[2]
+    else:
+        plan = _padding_plan(attn_mask)
+        if len(_MASK_PLAN) > 64:
+            _MASK_PLAN.clear()
+        _MASK_PLAN[id(attn_mask)] = (weakref.ref(attn_mask), attn_mask._version, plan)
+    if plan[0] == "none":
         return q, k, v, None, must_do
-    # Ranges are positions in the joint sequence; the kernel applies them to q and k alike, which stays right when
-    # every removed key lies after all must_do keys that remain (text padding sits at the end of the text).
-    idx = keep.nonzero().squeeze(1)
-    return q, k.index_select(1, idx), v.index_select(1, idx), None, must_do
+    if plan[0] == "suffix":
+        return q, k[:, :plan[1]], v[:, :plan[1]], None, must_do
+    if plan[0] == "gather" and not must_do:
+        return q, k.index_select(1, plan[1]), v.index_select(1, plan[1]), None, must_do
+    return q, k, v, attn_mask, must_do
