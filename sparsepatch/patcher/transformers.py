@@ -45,9 +45,6 @@ TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # Attention-calling module -> (handle, qualified name). Weak keys: a deleted model must not be kept alive here.
 _PATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
-# How many patched models use the global registration, and what (if anything) the names held before it.
-_REGISTRY = {"count": 0, "previous": None}
-_LOCK = threading.Lock()
 
 
 def is_transformers_model(obj) -> bool:
@@ -92,40 +89,45 @@ def _all_configs(model) -> list:
     return out
 
 
-def _register() -> None:
-    """Register ATTN_NAME in both interfaces; reference-counted so several patched models share it."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    with _LOCK:
-        if _REGISTRY["count"] == 0:
-            # Remember what held the names before (normally nothing) so the last unpatch puts it back exactly.
-            _REGISTRY["previous"] = (AttentionInterface._global_mapping.get(ATTN_NAME, _MISSING),
-                                     AttentionMaskInterface._global_mapping.get(ATTN_NAME, _MISSING))
-            AttentionInterface.register(ATTN_NAME, attention_forward)
-            AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-        _REGISTRY["count"] += 1
-
-
-def _unregister() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    with _LOCK:
-        if _REGISTRY["count"] <= 0:
-            return
-        _REGISTRY["count"] -= 1
-        if _REGISTRY["count"] == 0:
-            for mapping, prev in zip((AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping),
-                                     _REGISTRY["previous"]):
-                if prev is _MISSING:
-                    mapping.pop(ATTN_NAME, None)
-                else:
-                    mapping[ATTN_NAME] = prev
-            _REGISTRY["previous"] = None
-
-
 _MISSING = object()
+
+
+class SharedRegistration:
+    """An attention function (and transformers' sdpa_mask) registered under `name` in AttentionInterface and
+    AttentionMaskInterface, reference-counted so several patched models share it; the last release puts back
+    exactly what held the name before (normally nothing)."""
+
+    def __init__(self, name: str, attention_fn):
+        self.name, self.fn = name, attention_fn
+        self.count, self.previous = 0, None
+        self.lock = threading.Lock()
+
+    def acquire(self) -> None:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        with self.lock:
+            if self.count == 0:
+                self.previous = (AttentionInterface._global_mapping.get(self.name, _MISSING),
+                                 AttentionMaskInterface._global_mapping.get(self.name, _MISSING))
+                AttentionInterface.register(self.name, self.fn)
+                AttentionMaskInterface.register(self.name, sdpa_mask)
+            self.count += 1
+
+    def release(self) -> None:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+        with self.lock:
+            if self.count <= 0:
+                return
+            self.count -= 1
+            if self.count == 0:
+                for mapping, prev in zip((AttentionInterface._global_mapping,
+                                          AttentionMaskInterface._global_mapping), self.previous):
+                    if prev is _MISSING:
+                        mapping.pop(self.name, None)
+                    else:
+                        mapping[self.name] = prev
+                self.previous = None
 
 
 def patch_model(model, config, handle) -> None:
@@ -175,21 +177,21 @@ def patch_model(model, config, handle) -> None:
         for _, m in modules:
             _PATCHED.pop(m, None)
 
-    _register()
+    _REGISTRATION.acquire()
     try:
         model.set_attn_implementation(ATTN_NAME)
         if model.config._attn_implementation != ATTN_NAME:  # transformers only warned and left it unchanged
             raise ValueError(f"model: {type(model).__name__} refused attn_implementation={ATTN_NAME!r}")
     except BaseException:
         restore_configs()
-        _unregister()
+        _REGISTRATION.release()
         raise
     # Layer identity: the function receives the attention module itself; map it to its qualified name. All
     # modules are mapped (cheap) so that any layer that calls the interface is found, whatever its class.
     for name, m in modules:
         _PATCHED[m] = (handle, name or type(m).__name__, config)
     # Undos run in reverse: configs first (so no later forward reaches us), then the map, then the registry.
-    handle.add_undo(_unregister)
+    handle.add_undo(_REGISTRATION.release)
     handle.add_undo(forget_modules)
     handle.add_undo(restore_configs)
 
@@ -243,3 +245,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         # E.g. a deep copy of a patched model: still correct, just not counted.
         logger.debug("sparsepatch: call from an unmapped module %s", type(module).__name__)
     return out, None
+
+
+# How many patched models use the global registration, and what (if anything) the name held before it.
+_REGISTRATION = SharedRegistration(ATTN_NAME, attention_forward)

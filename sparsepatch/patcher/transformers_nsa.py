@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import weakref
 
 import torch
 
 from ..config import NSAConfig
+from .transformers import SharedRegistration
 from ..kernels import nsa_reference
 
 logger = logging.getLogger(__name__)
@@ -44,9 +44,6 @@ GATE_ATTR = "nsa_gate"
 
 # attention module -> (handle, name, config, NSACache)
 _PATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
-_REGISTRY = {"count": 0, "previous": None}
-_LOCK = threading.Lock()
-_MISSING = object()
 
 
 class NSAGate(torch.nn.Module):
@@ -63,37 +60,6 @@ class NSAGate(torch.nn.Module):
     def forward(self, q):
         w = self.weight.to(q.dtype)
         return torch.sigmoid(torch.einsum("blhd,hdc->blhc", q, w).float() + self.bias.float())
-
-
-def _register():
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    with _LOCK:
-        if _REGISTRY["count"] == 0:
-            _REGISTRY["previous"] = (AttentionInterface._global_mapping.get(ATTN_NAME, _MISSING),
-                                     AttentionMaskInterface._global_mapping.get(ATTN_NAME, _MISSING))
-            AttentionInterface.register(ATTN_NAME, nsa_attention_forward)
-            AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-        _REGISTRY["count"] += 1
-
-
-def _unregister():
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    with _LOCK:
-        if _REGISTRY["count"] <= 0:
-            return
-        _REGISTRY["count"] -= 1
-        if _REGISTRY["count"] == 0:
-            for mapping, prev in zip((AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping),
-                                     _REGISTRY["previous"]):
-                if prev is _MISSING:
-                    mapping.pop(ATTN_NAME, None)
-                else:
-                    mapping[ATTN_NAME] = prev
-            _REGISTRY["previous"] = None
 
 
 def _attention_modules(model):
@@ -128,14 +94,14 @@ def patch_nsa(model, config: NSAConfig, handle) -> None:
         for cfg, impl in saved:
             cfg._attn_implementation_internal = impl
 
-    _register()
+    _REGISTRATION.acquire()
     try:
         model.set_attn_implementation(ATTN_NAME)
         if model.config._attn_implementation != ATTN_NAME:
             raise ValueError(f"model: {type(model).__name__} refused attn_implementation={ATTN_NAME!r}")
     except BaseException:
         restore_configs()
-        _unregister()
+        _REGISTRATION.release()
         raise
 
     added = []
@@ -157,7 +123,7 @@ def patch_nsa(model, config: NSAConfig, handle) -> None:
         for _, m in layers:
             _PATCHED.pop(m, None)
 
-    handle.add_undo(_unregister)
+    handle.add_undo(_REGISTRATION.release)
     handle.add_undo(forget)
     handle.add_undo(remove_gates)
     handle.add_undo(restore_configs)
@@ -221,3 +187,6 @@ def nsa_attention_forward(module, query, key, value, attention_mask, dropout: fl
     out = fn(q, k, v, config, gates=gates, cache=cache, scale=scaling)
     handle.record_call(name, "prefill" if L == S else "decode", nsa_reference.nsa_density(config, L, S))
     return out, None
+
+
+_REGISTRATION = SharedRegistration(ATTN_NAME, nsa_attention_forward)
