@@ -331,3 +331,47 @@ def test_public_entries_are_differentiable():
         q2, k2, v2 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
         want = torch.autograd.grad((ref(q2, k2, v2) * do.double()).sum(), (q2, k2, v2))
         check(got, want, 1e-3)
+
+
+@cpu_only
+@needs_fwd
+def test_training_mode_triton_path_equals_reference_straight_through():
+    """SkipConfig(backward=True): one Triton forward + backward over read ∩ kept == the reference's
+    straight-through construction (same value, same approximate gradient)."""
+    from sparsepatch.kernels.stateful import SkipListBuffers, skip_step_differentiable
+    from sparsepatch.testing import video_like_qkv
+    steps = [video_like_qkv(frames=2, height=8, width=16, dim=64, step=i, seed=3) for i in range(3)]
+    got, want = [], []
+    for use_triton, sink in ((True, got), (False, want)):
+        buf = SkipListBuffers.create(1, 2, 256, 256, (64, 64), "cpu")
+        for q, k, v in steps:
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            out = skip_step_differentiable(qq, kk, vv, buf, -3.0, 0, must_do=[(0, 10)], backward_skip=True,
+                                           use_triton=use_triton)
+            out.square().sum().backward()
+            sink.append((out.detach(), qq.grad, kk.grad, vv.grad, buf.current(0).to_mask()))
+    assert got[-1][4].float().mean() < 0.9                          # lists really pruned
+    for a, b in zip(got, want):
+        assert torch.equal(a[4], b[4])                              # same lists
+        assert rel(a[0], b[0]) < 1e-5
+        for ga, gb in zip(a[1:4], b[1:4]):
+            assert rel(ga, gb) < 1e-4
+
+
+def test_reference_fallback_for_training_mode_matches_the_kernel_function():
+    """attention_backward(extra_skip=...) on inputs the kernel does not take (fp64) = the same function."""
+    B, S, Hq, Hk, D = 1, 150, 4, 2, 64
+    q, k, v, do = make_inputs(B, S, S, Hq, Hk, D, torch.float32, seed=31)
+    full = random_mask(B, Hq, 3, 3, 0.7, seed=32)
+    keep = full & random_mask(B, Hq, 3, 3, 0.6, seed=33)
+    lst = SkipList.from_mask(full, (64, 64), S, S)
+    kept = SkipList.from_mask(keep, (64, 64), S, S)
+    out, _, lse = reference.skip_attention(q.double(), k.double(), v.double(), lst, -5.0, return_lse=True)
+    got = bwd.attention_backward(q.double(), k.double(), v.double(), out, lse, do.double(), skip_list=lst,
+                                 extra_skip=kept)
+    want = reference.skip_attention_grads(q.double(), k.double(), v.double(), out, lse, do.double(), lst, kept)
+    check(got, want, 1e-12)
+    exact = reference.skip_attention_grads(q.double(), k.double(), v.double(), out, lse, do.double(), lst)
+    qq, kk, vv = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    o2, _ = reference.skip_attention(qq, kk, vv, lst, -5.0)
+    check(exact, torch.autograd.grad(o2, (qq, kk, vv), do.double()), 1e-6)   # kept=None: the exact gradient

@@ -180,3 +180,36 @@ def skip_attention(q, k, v, skip_list: SkipList | None = None, threshold: float 
             keep = keep | forced.to(q.device)
         next_list = SkipList.from_mask(keep, (tm, tn), Sq, Sk)
     return (out, next_list, lse) if return_lse else (out, next_list)
+
+
+def skip_attention_grads(q, k, v, out, lse, dout, computed, kept=None, *, scale=None):
+    """Gradients (dq, dk, dv) of skip attention from the forward's out / lse, walking only `kept` tiles.
+
+    computed: SkipList (or bool (B, Hq, Tq, Tk)) of the tiles the forward computed (must_do included); kept: the
+    tiles the backward walks (training mode, SkipConfig(backward=True): the forward's next list), None = all
+    computed tiles (then this is the exact gradient of the sparse forward). Probabilities keep the FORWARD's
+    normalisation (its lse): dropping a negligible tile drops its terms from the exact gradient, it does not
+    renormalise. Same function as skip_backward.attention_backward(extra_skip=...). Returns input-dtype tensors.
+    """
+    B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, v)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    masks = [m.to_mask() if isinstance(m, SkipList) else m for m in (computed, kept) if m is not None]
+    tile = computed.tile if isinstance(computed, SkipList) else None
+    if tile is None:
+        raise ValueError("computed must be a SkipList (its tile size defines the mask)")
+    tm, tn = tile
+    walk = masks[0] if len(masks) == 1 else masks[0] & masks[1]
+    elem = walk.to(q.device).repeat_interleave(tm, 2)[:, :, :Sq].repeat_interleave(tn, 3)[..., :Sk]
+    s = _scores(q, k, scale, None, False)                                     # (B, H, Sq, Sk) scaled
+    p = torch.exp(s - lse.to(s.dtype)[..., None]).masked_fill(~elem, 0.0)
+    group = Hq // Hk
+    vh = v.transpose(1, 2).to(s.dtype).repeat_interleave(group, 1)
+    kh = k.transpose(1, 2).to(s.dtype).repeat_interleave(group, 1)
+    qh = q.transpose(1, 2).to(s.dtype)
+    do = dout.transpose(1, 2).to(s.dtype)
+    delta = (do * out.transpose(1, 2).to(s.dtype)).sum(-1, keepdim=True)
+    ds = p * (do @ vh.transpose(-1, -2) - delta) * scale
+    dq = (ds @ kh).transpose(1, 2)
+    dk = (ds.transpose(-1, -2) @ qh).reshape(B, Hk, group, Sk, D).sum(2).transpose(1, 2)
+    dv = (p.transpose(-1, -2) @ do).reshape(B, Hk, group, Sk, D).sum(2).transpose(1, 2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -523,6 +523,12 @@ def attention_backward(q, k, v, out, lse, dout, *, skip_list: SkipList | None = 
         if causal:
             raise ValueError("causal=True is only supported with skip_list=None (dense)")
         reference.check_skip_list(skip_list, B, Hq, Sq, Sk)
+        if extra_skip is not None and not supports(q):
+            # Training mode off-kernel: the same function (forward's lse, kept tiles only), not a renormalised
+            # attention over the smaller list.
+            logger.warning("attention_backward: Triton kernel does not support %s %s on %s; using the reference",
+                           q.dtype, tuple(q.shape), q.device)
+            return reference.skip_attention_grads(q, k, v, out, lse, dout, skip_list, extra_skip, scale=scale)
         if extra_skip is not None:
             reference.check_skip_list(extra_skip, B, Hq, Sq, Sk)
             if extra_skip.tile != skip_list.tile:

@@ -119,14 +119,66 @@ def skip_step(q, k, v, buffers: SkipListBuffers, threshold: float, warmup_steps:
                          float(threshold), int(warmup_steps), tm, tn, scale, _must_do_flat(must_do))
 
 
+class _TrainingModeSkip(torch.autograd.Function):
+    """SkipConfig(backward=True): one forward over the read list; a backward over read ∩ kept.
+
+    forward(q, k, v, read counts/indices, ...) -> (out, next counts, next indices); the next list is what the
+    forward kept, so the backward walks only tiles that were computed AND found non-negligible, with the forward's
+    normalisation (see reference.skip_attention_grads). triton=True: Triton forward and backward kernels.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, counts, indices, tile, threshold, scale, must_do, triton):
+        Sq, Sk = q.shape[1], k.shape[1]
+        read = SkipList(counts, indices, tile, Sq, Sk)
+        if triton:
+            from . import skip
+            out, kept, lse = skip.skip_attention(q, k, v, read, threshold, scale=scale, must_do=must_do,
+                                                 return_lse=True)
+        else:
+            out, kept, lse = reference.skip_attention(q, k, v, read, threshold, scale=scale, must_do=must_do,
+                                                      return_lse=True)
+        forced = reference.must_do_tiles(must_do, Sq, Sk, tile)
+        # Saved as copies: the read list is a view of the double buffer that later steps overwrite.
+        computed = read.clone() if forced is None else SkipList.from_mask(read.to_mask() | forced.to(q.device),
+                                                                          tile, Sq, Sk)
+        ctx.save_for_backward(q, k, v, out, lse, computed.counts, computed.indices, kept.counts, kept.indices)
+        ctx.tile, ctx.scale, ctx.triton = tile, scale, triton
+        ctx.mark_non_differentiable(kept.counts, kept.indices)
+        return out, kept.counts, kept.indices
+
+    @staticmethod
+    def backward(ctx, dout, _dcounts, _dindices):
+        q, k, v, out, lse, cc, ci, kc, ki = ctx.saved_tensors
+        Sq, Sk = q.shape[1], k.shape[1]
+        computed = SkipList(cc, ci, ctx.tile, Sq, Sk)
+        kept = SkipList(kc, ki, ctx.tile, Sq, Sk)
+        if ctx.triton:
+            from . import skip_backward
+            dq, dk, dv = skip_backward.attention_backward(q, k, v, out, lse, dout.contiguous(), skip_list=computed,
+                                                          scale=ctx.scale, extra_skip=kept)
+        else:
+            dq, dk, dv = reference.skip_attention_grads(q, k, v, out, lse, dout, computed, kept, scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _triton_training_ok(q, tile) -> bool:
+    from . import _triton_module
+    skip = _triton_module("skip")
+    return skip is not None and skip.supports(q, tile=tile) and (q.is_cuda or skip._interpret())
+
+
 def skip_step_differentiable(q, k, v, buffers: SkipListBuffers, threshold: float, warmup_steps: int, *,
-                             scale=None, must_do=None, backward_skip: bool = False) -> torch.Tensor:
+                             scale=None, must_do=None, backward_skip: bool = False,
+                             use_triton: bool | None = None) -> torch.Tensor:
     """`skip_step` for training: the same lists and state updates, run eagerly so autograd sees the attention.
 
     backward_skip False: the gradient is exactly that of the sparse forward (only the computed tiles contribute).
     backward_skip True (SkipConfig(backward=True)): the forward value is unchanged, but the gradient is that of
     attention over the tiles the forward KEPT (its next list) — the tiles it found negligible are skipped in the
-    backward too (an approximate gradient; `validate` reports its cos-sim vs dense).
+    backward too, keeping the forward's softmax normalisation (an approximate gradient; `validate_gradients`
+    reports its cos-sim vs dense). One forward, one backward over read ∩ kept: Triton kernels when use_triton
+    (None = on CUDA when they support q), else the reference (`reference.skip_attention_grads`), same function.
     """
     from . import attention, skip_attention
     n = buffers.calls()
@@ -137,11 +189,15 @@ def skip_step_differentiable(q, k, v, buffers: SkipListBuffers, threshold: float
     else:
         read = (n - warmup_steps) % 2
         lst = SkipList(buffers.counts[read], buffers.indices[read], buffers.tile, q.shape[1], k.shape[1])
-        out, nxt = skip_attention(q, k, v, lst, threshold, scale=scale, must_do=must_do)
+        if use_triton is None:
+            use_triton = q.is_cuda and _triton_training_ok(q, buffers.tile)
         if backward_skip:
-            # Straight-through: value of the listed-tile forward, gradient of the kept-tile attention.
-            kept, _ = skip_attention(q, k, v, nxt, threshold, scale=scale, must_do=must_do)
-            out = out.detach() + (kept - kept.detach())
+            scale_f = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+            out, kc, ki = _TrainingModeSkip.apply(q, k, v, lst.counts, lst.indices, buffers.tile, threshold,
+                                                  scale_f, must_do, bool(use_triton))
+            nxt = SkipList(kc, ki, buffers.tile, q.shape[1], k.shape[1])
+        else:
+            out, nxt = skip_attention(q, k, v, lst, threshold, scale=scale, must_do=must_do)
         forced = reference.must_do_tiles(must_do, q.shape[1], k.shape[1], buffers.tile)
         computed = lst.to_mask() if forced is None else lst.to_mask() | forced.to(q.device)
         dens = computed.float().mean(dim=(1, 2, 3))
