@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -53,7 +52,6 @@ def main(argv=None) -> int:
     q1, k1, v1 = video_like_qkv(step=1, **shape)
     S = q1.shape[1]
     do = torch.randn_like(q1)
-    scale = 1 / math.sqrt(128)
 
     def grads(fn):
         q, k, v = (t.detach().requires_grad_() for t in (q1, k1, v1))

@@ -3,7 +3,6 @@ import pytest
 import torch
 
 import sparsepatch as sp
-from sparsepatch.patcher import diffusers as adapter
 from sparsepatch.testing import (cogvideox_call_kwargs, hunyuan_inputs, tiny_cogvideox_pipeline,
                                  tiny_hunyuan_video_transformer, tiny_wan_pipeline, wan_call_kwargs)
 

@@ -23,12 +23,13 @@ Ops: `sparsepatch::dense_splitd_fwd` (autograd attached with torch.library.regis
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ._triton_common import interpret as _interpret
+from ._triton_common import set_tma_allocator
 from .reference import LOG2E, check_qkv
 
 __all__ = ["supports", "attention", "attention_backward", "FWD_CONFIGS", "BWD_CONFIGS", "fwd_config", "bwd_config",
@@ -49,10 +50,6 @@ FWD_CONFIGS = {
     1024: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=4, num_warps=8, num_stages=1),  # 61 vs 39
 }
 BWD_CONFIGS = {}  # generic: BLOCK 64 x 64, DC 64, NC <= 4 chunks per group (bwd_config)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _pow2_divisor(D: int, cap: int) -> int:
@@ -524,16 +521,6 @@ def _check_inputs(q, k, v):
     return dims
 
 
-def _alloc(size, alignment, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator():
-    """Device-side TMA descriptors need a scratch allocator. triton.set_allocator is per thread (a ContextVar), and
-    autograd runs backward on its own thread, so it is set on every launch (cheap)."""
-    triton.set_allocator(_alloc)
-
-
 def _use_tma(cfg, *ts) -> bool:
     """TMA loads when available (Hopper+), BLOCK_D == DC, and every (batch, head) base/row stride is 16-B aligned."""
     if _interpret() or not cfg.get("tma", True) or cfg["BLOCK_D"] != cfg["DC"]:
@@ -544,7 +531,7 @@ def _use_tma(cfg, *ts) -> bool:
         es = t.element_size()
         if t.data_ptr() % 16 or any((t.stride(i) * es) % 16 for i in (0, 1, 2)):
             return False
-    _ensure_allocator()
+    set_tma_allocator()
     return True
 
 

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ._triton_common import interpret as _interpret
 from . import nsa_reference as ref
 from .nsa_reference import FORCE_FIRST, NSACache, compress_kv
 
@@ -40,10 +40,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["nsa_attention", "supports", "supports_config", "NSACache"]
 
 LOG2E = 1.4426950408889634
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------- kernels

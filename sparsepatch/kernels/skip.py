@@ -18,12 +18,13 @@ so it never syncs with the host and can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ._triton_common import interpret as _interpret
+from ._triton_common import set_tma_allocator
 from . import reference
 from .reference import LOG2E, check_qkv, check_threshold
 from .skiplist import DEFAULT_TILE, SkipList, check_tile, num_tiles
@@ -49,10 +50,6 @@ SKIP_CONFIGS = {
     (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False, prefetch_j=True),
     (64, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False, prefetch_j=True),
 }
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -276,16 +273,6 @@ CHUNK = tl.constexpr(CHUNK)
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
 
-def _tma_scratch(size, alignment, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator():
-    # Triton keeps the allocator in a ContextVar: a flag set once would miss other threads (the autograd engine
-    # runs CUDA backward on its own thread, and the forward may be recomputed there), so set it on every launch.
-    triton.set_allocator(_tma_scratch)
-
-
 def supports_tile(tile) -> bool:
     """Skip tiles the kernel runs: tm in {16, 32, 64, 128}, tn a multiple of 16 up to 512."""
     try:
@@ -346,7 +333,7 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
     block_m = triton.next_power_of_2(tm)
     use_tma = bool(_tma_ok(cfg, k, v))
     if use_tma:
-        _ensure_allocator()
+        set_tma_allocator()
     dummy = out
     grid = (Tq, B * Hq)
     _fwd_kernel[grid](

@@ -38,15 +38,15 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ._triton_common import interpret as _interpret
 from . import reference
 from .reference import LOG2E, check_qkv
-from .skiplist import SkipList, num_tiles
+from .skiplist import SkipList
 
 __all__ = ["transpose_list", "transpose_list_torch", "attention_backward", "make_differentiable", "register",
            "CONFIGS", "supports"]
@@ -62,10 +62,6 @@ CONFIGS = {
     128: dict(M1=64, N1=128, w1=8, s1=2, M2=128, N2=64, w2=8, s2=2, atomic=True),
     64: dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, atomic=False),
 }
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------------------------------------------

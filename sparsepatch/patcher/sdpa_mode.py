@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 

@@ -7,7 +7,6 @@ op), keyed by (layer, context); a context is the pipeline's cache-context name (
 from __future__ import annotations
 
 import logging
-import math
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -15,9 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..config import DenseConfig, SkipConfig
+from ..config import SkipConfig
 from ..kernels.stateful import SkipListBuffers, skip_step, skip_step_differentiable
-from ..kernels.skiplist import SkipList
 
 logger = logging.getLogger("sparsepatch")
 
