@@ -24,13 +24,11 @@ attention calls served by sparsepatch.
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import time
 
 import torch
 
-from .finetune_video import log_line, progress, summarize, sync
+from .finetune_video import finish, optimizer_step, progress, report_step, summarize, sync
 
 MODEL_SIZES = {
     "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -140,36 +138,14 @@ def main(argv=None) -> dict:
         sync(accelerator.device)
         t0 = time.perf_counter()
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-        accelerator.backward(loss)
-        if args.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = accelerator.reduce(loss.detach(), reduction="mean").item()
+        loss_value = optimizer_step(accelerator, model, optimizer, loss, args.max_grad_norm, step)
         sync(accelerator.device)
         step_times.append(time.perf_counter() - t0)
         losses.append(loss_value)
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"step {step}: loss is {loss_value}")
-        if bar is not None:
-            bar.set_postfix({"loss": f"{loss_value:.4f}", "ms": f"{1000 * step_times[-1]:.0f}"})
-            bar.update(1)
-        if args.log_every and ((step + 1) % args.log_every == 0 or step == 0):
-            log_line(accelerator, bar, f"step {step + 1}/{args.max_steps} loss {loss_value:.5f} "
-                                       f"step_ms {1000 * step_times[-1]:.1f}")
+        report_step(accelerator, bar, step, args.max_steps, args.log_every, loss_value, step_times[-1])
     if bar is not None:
         bar.close()
-
-    accelerator.wait_for_everyone()
-    calls = 0
-    if handle is not None:
-        calls = handle.stats()["calls"]
-        sp.unpatch(raw)                       # save (and return) the plain transformers model
-    if args.output_dir:
-        os.makedirs(args.output_dir, exist_ok=True)
-        raw.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process,
-                            save_function=accelerator.save)
-    accelerator.wait_for_everyone()
+    calls = finish(accelerator, handle, raw, args.output_dir, save_function=accelerator.save)
     result = {"config": args.config, "final_loss": losses[-1], "losses": losses, "step_times": step_times,
               "attention_calls": calls, "output_dir": args.output_dir, "num_processes": accelerator.num_processes,
               "model": raw}

@@ -128,6 +128,45 @@ def log_line(accelerator, bar, text: str) -> None:
         accelerator.print(text)
 
 
+def optimizer_step(accelerator, model, optimizer, loss, max_grad_norm: float, step: int) -> float:
+    """Backward, clip, step; returns the loss averaged over processes (FloatingPointError when not finite)."""
+    accelerator.backward(loss)
+    if max_grad_norm > 0:
+        accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    value = accelerator.reduce(loss.detach(), reduction="mean").item()   # syncs the device
+    if not math.isfinite(value):
+        raise FloatingPointError(f"step {step}: loss is {value}")
+    return value
+
+
+def report_step(accelerator, bar, step: int, max_steps: int, log_every: int, loss: float, step_s: float,
+                density: float | None = None) -> None:
+    """Progress-bar postfix every step, a log line every `log_every` steps (and the first)."""
+    extra = {} if density is None else {"density": f"{density:.3f}"}
+    if bar is not None:
+        bar.set_postfix({"loss": f"{loss:.4f}", "ms": f"{1000 * step_s:.0f}", **extra})
+        bar.update(1)
+    if log_every and ((step + 1) % log_every == 0 or step == 0):
+        tail = "" if density is None else f" density {density:.3f}"
+        log_line(accelerator, bar, f"step {step + 1}/{max_steps} loss {loss:.5f} step_ms {1000 * step_s:.1f}{tail}")
+
+
+def finish(accelerator, handle, raw, output_dir, **save_kwargs) -> int:
+    """Unpatch (so the saved and returned model is the plain host model), save, return the attention calls."""
+    accelerator.wait_for_everyone()
+    calls = 0
+    if handle is not None:
+        calls = handle.stats()["calls"]
+        handle.remove()
+    if output_dir:
+        os.makedirs(output_dir, exist_ok=True)
+        raw.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, **save_kwargs)
+    accelerator.wait_for_everyone()
+    return calls
+
+
 def sync(device) -> None:
     """Wait for queued device work so step times measure the work, not the launch."""
     if device.type == "cuda":
@@ -216,39 +255,15 @@ def main(argv=None) -> dict:
             density.append(list_density(handle))  # the lists this step's gradient forward reads
         pred = model(hidden_states=xt, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
         loss = F.mse_loss(pred.float(), target.float())
-        accelerator.backward(loss)
-        if args.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = accelerator.reduce(loss.detach(), reduction="mean").item()   # syncs the device
+        loss_value = optimizer_step(accelerator, model, optimizer, loss, args.max_grad_norm, step)
         sync(accelerator.device)
         step_times.append(time.perf_counter() - t0)
         losses.append(loss_value)
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"step {step}: loss is {loss_value}")
-        if bar is not None:
-            post = {"loss": f"{loss_value:.4f}", "ms": f"{1000 * step_times[-1]:.0f}"}
-            if density:
-                post["density"] = f"{density[-1]:.3f}"
-            bar.set_postfix(post)
-            bar.update(1)
-        if args.log_every and ((step + 1) % args.log_every == 0 or step == 0):
-            extra = f" density {density[-1]:.3f}" if density else ""
-            log_line(accelerator, bar, f"step {step + 1}/{args.max_steps} loss {loss_value:.5f} "
-                                       f"step_ms {1000 * step_times[-1]:.1f}{extra}")
+        report_step(accelerator, bar, step, args.max_steps, args.log_every, loss_value, step_times[-1],
+                    density[-1] if density else None)
     if bar is not None:
         bar.close()
-
-    accelerator.wait_for_everyone()
-    calls = 0
-    if handle is not None:
-        calls = handle.stats()["calls"]
-        sp.unpatch(raw)                           # save (and return) the plain diffusers model
-    if args.output_dir:
-        os.makedirs(args.output_dir, exist_ok=True)
-        raw.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)
-    accelerator.wait_for_everyone()
+    calls = finish(accelerator, handle, raw, args.output_dir)
     result = {"config": args.config, "final_loss": losses[-1], "losses": losses, "step_times": step_times,
               "attention_calls": calls, "density": density, "output_dir": args.output_dir,
               "list_refresh": args.list_refresh, "num_processes": accelerator.num_processes, "model": raw}
