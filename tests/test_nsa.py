@@ -271,9 +271,10 @@ def test_triton_decode_varlen_and_weights():
 
 
 @needs_triton
-@pytest.mark.skipif(CUDA and not INTERPRET, reason="CPU recompute path only")
-def test_triton_grad_recomputes_through_reference_on_cpu():
-    q, k, v = rand(1, 20, 2, 1, 16, seed=32)
+def test_triton_grad_runs():
+    """The Triton backward (tests/test_nsa_backward.py checks its values against the reference)."""
+    dev = "cuda" if CUDA and not INTERPRET else "cpu"
+    q, k, v = rand(1, 20, 2, 1, 16, seed=32, device=dev)
     q.requires_grad_(True)
     _tri().nsa_attention(q, k, v, CFG).sum().backward()
     assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
@@ -294,8 +295,6 @@ def test_gpu_bf16_matches_reference(G, Hk, T):
     rows = same.all(-1)[0]                                          # tokens whose every KV head agrees
     err = (out[0, rows].float() - want[0, rows].float()).abs().max().item()
     assert err < 2e-2, err
-    with pytest.raises(NotImplementedError):
-        nsa.nsa_attention(q.requires_grad_(True), k, v, cfg)
 
 
 @gpu

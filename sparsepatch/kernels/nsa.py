@@ -19,8 +19,8 @@ Four kernels per call (plus mean/weighted pooling of k/v in PyTorch, `nsa_refere
 Supported (else `supports` is False and the dispatcher uses the reference): causal=True, head dim 16..256 power
 of two, block_size % compress_stride == 0 with block_size / compress_stride a power of two <= 64, compress_block
 <= block_size, fp16/bf16 on CUDA (fp16/fp32 under TRITON_INTERPRET=1). Varlen runs one launch set per sequence.
-Backward: none in Triton. With grad enabled on CPU tensors (interpreter) the call recomputes through the reference
-(autograd of the reference); on CUDA it raises NotImplementedError.
+Backward: `nsa_backward.py` (Triton, autograd registered on `sparsepatch::nsa_fwd` below). When a gradient is
+needed the forward also saves, per branch, the LSE (log2 units) and the ungated branch output (see `_forward`).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import triton.language as tl
 from ._triton_common import interpret as _interpret
 from . import nsa_reference as ref
 from .nsa_reference import FORCE_FIRST, NSACache, compress_kv
+from . import nsa_backward  # noqa: F401  (defines sparsepatch::nsa_bwd, used by the autograd of nsa_fwd)
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +58,12 @@ def _online(acc, l_i, m_i, s, v):
 
 
 @triton.jit
-def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB,
+def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE,
                 sqb, sqs, sqh, skb, sks, skh, sob, sos, soh,
                 T, n_c, q_off, Hq, Hk, G, NBP, qk_scale,
                 CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
                 HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
-                SELECT: tl.constexpr):
+                SELECT: tl.constexpr, SAVE: tl.constexpr):
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -103,10 +104,12 @@ def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB,
     o = acc / l_safe[:, None]
     tl.store(OC + b64 * sob + tok[:, None].to(tl.int64) * sos + head[:, None] * soh + offs_d[None, :], o,
              mask=row_ok[:, None])
+    lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(l_safe))   # log2 units; +inf: p = 0 for empty rows
+    if SAVE:   # for the backward: LSE (B, T, Hq) fp32 of this branch
+        tl.store(LSE + (b64 * T + tok.to(tl.int64)) * Hq + head, lse, mask=row_ok)
 
     if SELECT:
         NB: tl.constexpr = BLOCK_N // R
-        lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(l_safe))   # +inf: p = 0 for empty rows
         tt = t0 + tl.arange(0, BT)
         jj = tl.arange(0, NB)
         maxcur = maxpos // BS
@@ -169,12 +172,12 @@ def _topk_kernel(IMPA, IMPB, IDX, T, Hk, NBP, n_b, q_off, s_ib, s_it, s_ih,
 
 
 @triton.jit
-def _slc_kernel(Q, K, V, IDX, OC, GATES, PART,
+def _slc_kernel(Q, K, V, IDX, OC, GATES, PART, BO_C, BO_S, LSE,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, s_ib, s_it, s_ih,
                 sgb, sgs, sgh, sgc,
                 T, S, q_off, Hk, G, qk_scale,
                 BS: tl.constexpr, BSP: tl.constexpr, NSEL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                GP: tl.constexpr, HAS_GATES: tl.constexpr, SLC_STAGES: tl.constexpr):
+                GP: tl.constexpr, HAS_GATES: tl.constexpr, SLC_STAGES: tl.constexpr, SAVE: tl.constexpr):
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -209,6 +212,10 @@ def _slc_kernel(Q, K, V, IDX, OC, GATES, PART,
     o = acc / l_safe[:, None]
     orow = b64 * sob + t64 * sos + head[:, None] * soh + offs_d[None, :]
     oc = tl.load(OC + orow, mask=g_ok[:, None], other=0.0)
+    if SAVE:   # for the backward: o_cmp and o_slc (B, T, Hq, D) in q's dtype (same layout as OC), LSE of o_slc
+        tl.store(BO_C + orow, oc.to(BO_C.dtype.element_ty), mask=g_ok[:, None])
+        tl.store(BO_S + orow, o.to(BO_S.dtype.element_ty), mask=g_ok[:, None])
+        tl.store(LSE + (b64 * T + t64) * (Hk * G) + head, m_i + tl.math.log2(l_safe), mask=g_ok)
     if HAS_GATES:
         gb = GATES + b64 * sgb + t64 * sgs + head * sgh
         g0 = tl.load(gb, mask=g_ok, other=0.0).to(tl.float32)
@@ -220,11 +227,11 @@ def _slc_kernel(Q, K, V, IDX, OC, GATES, PART,
 
 
 @triton.jit
-def _swa_kernel(Q, K, V, PART, GATES, OUT,
+def _swa_kernel(Q, K, V, PART, GATES, OUT, BO_W, LSE,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, spb, sps, sph, sgb, sgs, sgh, sgc, sob, sos, soh,
                 T, S, q_off, Hk, G, qk_scale, window,
                 HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
-                HAS_GATES: tl.constexpr):
+                HAS_GATES: tl.constexpr, SAVE: tl.constexpr):
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -263,6 +270,10 @@ def _swa_kernel(Q, K, V, PART, GATES, OUT,
         acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
+    if SAVE:   # for the backward: o_swa (B, T, Hq, D) in q's dtype (OUT's layout) and its LSE
+        tl.store(BO_W + b64 * sob + tok64 * sos + head[:, None] * soh + offs_d[None, :],
+                 o.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + (b64 * T + tok.to(tl.int64)) * (Hk * G) + head, m_i + tl.math.log2(l_safe), mask=row_ok)
     part = tl.load(PART + b64 * spb + tok64 * sps + head[:, None] * sph + offs_d[None, :], mask=row_ok[:, None],
                    other=0.0)
     if HAS_GATES:
@@ -314,8 +325,15 @@ def _tiles(G):
     return GP, BT
 
 
-def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config):
-    """Triton forward for one batch of equal-length sequences; queries are the last T of S positions."""
+def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False):
+    """Triton forward for one batch of equal-length sequences; queries are the last T of S positions.
+
+    Returns (out (B, T, Hq, D) q.dtype, idx int32 (B, T, Hk, num_selected), lse, branch_out). With save=True
+    (a gradient is needed): lse (3, B, T, Hq) fp32 = per-branch (cmp, slc, swa) log2-sum-exp2 of the scaled
+    scores (log2 units, +inf for a row that sees nothing) and branch_out (3, B, T, Hq, D) in q's dtype = the
+    ungated o_cmp, o_slc, o_swa; the backward needs them for delta = rowsum(dO_b * O_b), the gate gradients and
+    to recompute each branch's probabilities. With save=False both are empty (0,) tensors.
+    """
     B, T, Hq, D = q.shape
     S, Hk = k.shape[1], k.shape[2]
     G = Hq // Hk
@@ -334,13 +352,21 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config):
     o_cmp = torch.empty((B, T, Hq, D), dtype=torch.float32, device=dev)
     imp_a = torch.empty((B, Hk, T, NBP), dtype=torch.float32, device=dev)
     imp_b = torch.empty((B, Hk, T, NBP), dtype=torch.float32, device=dev)
+    if save:
+        lse = torch.empty((3, B, T, Hq), dtype=torch.float32, device=dev)
+        bo = torch.empty((3, B, T, Hq, D), dtype=q.dtype, device=dev)
+    else:
+        lse = torch.empty((0,), dtype=torch.float32, device=dev)
+        bo = torch.empty((0,), dtype=q.dtype, device=dev)
+    lse_c, lse_s, lse_w = (lse[0], lse[1], lse[2]) if save else (lse, lse, lse)
+    bo_c, bo_s, bo_w = (bo[0], bo[1], bo[2]) if save else (bo, bo, bo)
     grid_tile = (triton.cdiv(T, BT), B * Hk)
     _cmp_kernel[grid_tile](
-        q, k_cmp, v_cmp, o_cmp, imp_a, imp_b,
+        q, k_cmp, v_cmp, o_cmp, imp_a, imp_b, lse_c,
         q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2),
         T, n_c, q_off, Hq, Hk, G, NBP, qk_scale,
-        CB=l, CS=d, BS=bs, R=bs // d, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=CMP_BLOCK_N, SELECT=True,
+        CB=l, CS=d, BS=bs, R=bs // d, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=CMP_BLOCK_N, SELECT=True, SAVE=save,
         num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
     idx = torch.empty((B, T, Hk, nsel), dtype=torch.int32, device=dev)
     _topk_kernel[(T, B * Hk)](
@@ -351,49 +377,83 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config):
     gt = gates if gates is not None else o_cmp
     GP2 = max(16, GP)
     _slc_kernel[(T, B * Hk)](
-        q, k, v, idx, o_cmp, gt, part,
+        q, k, v, idx, o_cmp, gt, part, bo_c, bo_s, lse_s,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2),
         idx.stride(0), idx.stride(1), idx.stride(2),
         gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0,
         T, S, q_off, Hk, G, qk_scale,
         BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D, GP=GP2,
-        HAS_GATES=gates is not None, SLC_STAGES=NUM_STAGES["slc"], num_warps=NUM_WARPS["slc"],
+        HAS_GATES=gates is not None, SLC_STAGES=NUM_STAGES["slc"], SAVE=save, num_warps=NUM_WARPS["slc"],
         num_stages=NUM_STAGES["slc"])
     out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
     _swa_kernel[grid_tile](
-        q, k, v, part, gt, out,
+        q, k, v, part, gt, out, bo_w, lse_w,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), part.stride(0), part.stride(1), part.stride(2),
         gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0,
         out.stride(0), out.stride(1), out.stride(2),
         T, S, q_off, Hk, G, qk_scale, config.window,
-        HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=SWA_BLOCK_N, HAS_GATES=gates is not None,
+        HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=SWA_BLOCK_N, HAS_GATES=gates is not None, SAVE=save,
         num_warps=NUM_WARPS["swa"], num_stages=NUM_STAGES["swa"])
-    return out, idx
+    return out, idx, lse, bo
 
 
 # ---------------------------------------------------------------------------------------------------------- op
 @torch.library.custom_op("sparsepatch::nsa_fwd", mutates_args=())
 def _nsa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
              gates: torch.Tensor | None, scale: float, block_size: int, num_selected: int, window: int,
-             compress_block: int, compress_stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+             compress_block: int, compress_stride: int,
+             save: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, idx, lse, branch_out) of `_forward`; lse/branch_out are empty unless save (see `_forward`)."""
     from ..config import NSAConfig
     cfg = NSAConfig(block_size, num_selected, window, compress_block, compress_stride)
-    return _forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg)
+    return _forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save)
 
 
 @_nsa_fwd.register_fake
-def _(q, k, v, k_cmp, v_cmp, gates, scale, block_size, num_selected, window, compress_block, compress_stride):
+def _(q, k, v, k_cmp, v_cmp, gates, scale, block_size, num_selected, window, compress_block, compress_stride,
+      save=False):
     B, T, Hq, D = q.shape
-    return q.new_empty((B, T, Hq, D)), q.new_empty((B, T, k.shape[2], num_selected), dtype=torch.int32)
+    out = q.new_empty((B, T, Hq, D))
+    idx = q.new_empty((B, T, k.shape[2], num_selected), dtype=torch.int32)
+    if save:
+        return out, idx, q.new_empty((3, B, T, Hq), dtype=torch.float32), q.new_empty((3, B, T, Hq, D))
+    return out, idx, q.new_empty((0,), dtype=torch.float32), q.new_empty((0,))
 
 
-def _run(q, k, v, k_cmp, v_cmp, gates, scale, cfg):
-    if torch.compiler.is_compiling():
-        return _nsa_fwd(q, k, v, k_cmp, v_cmp, gates, scale, cfg.block_size, cfg.num_selected, cfg.window,
-                        cfg.compress_block, cfg.compress_stride)
-    return _forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg)   # eager: skip the op dispatch
+def _setup_context(ctx, inputs, output):
+    q, k, v, k_cmp, v_cmp, gates, scale, *ints, save = inputs
+    _out, idx, lse, bo = output
+    ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, bo)
+    ctx.params = (float(scale), tuple(int(x) for x in ints), bool(save))
+
+
+def _backward(ctx, dout, _didx, _dlse, _dbo):
+    """Autograd of `sparsepatch::nsa_fwd`: the Triton backward of `nsa_backward.py` (selection is constant)."""
+    q, k, v, k_cmp, v_cmp, gates, idx, lse, bo = ctx.saved_tensors
+    scale, ints, saved = ctx.params
+    if not saved:   # forward ran without saving the branch LSEs / outputs: run it again with save=True
+        _, idx, lse, bo = torch.ops.sparsepatch.nsa_fwd(q, k, v, k_cmp, v_cmp, gates, scale, *ints, True)
+    if dout is None:
+        dout = torch.zeros_like(q)
+    dq, dk, dv, dkc, dvc, dg = torch.ops.sparsepatch.nsa_bwd(q, k, v, k_cmp, v_cmp, gates, idx, lse, bo, dout,
+                                                             scale, *ints)
+    return dq, dk, dv, dkc, dvc, (dg if gates is not None else None), None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("sparsepatch::nsa_fwd", _backward, setup_context=_setup_context)
+
+
+def _run(q, k, v, k_cmp, v_cmp, gates, scale, cfg, needs_grad: bool = False):
+    """(out, idx). Compiled graphs and calls needing a gradient go through the op (autograd attached to it and
+    the branch LSEs / outputs saved); eager inference skips the op dispatch."""
+    if torch.compiler.is_compiling() or needs_grad:
+        out, idx, _, _ = _nsa_fwd(q, k, v, k_cmp, v_cmp, gates, scale, cfg.block_size, cfg.num_selected,
+                                  cfg.window, cfg.compress_block, cfg.compress_stride, bool(needs_grad))
+        return out, idx
+    out, idx, _, _ = _forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg)
+    return out, idx
 
 
 def _needs_grad(*ts) -> bool:
@@ -406,17 +466,13 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
 
     Returns out (B, T, Hq, D) [, indices int32 (B, T, Hk, num_selected) ascending, -1 padded].
     Inputs the kernels do not run (causal=False, unsupported config / head dim / dtype) fall back to the
-    reference with a logged warning. Gradients: reference recompute on CPU; NotImplementedError on CUDA.
+    reference with a logged warning. Differentiable in q, k, v, gates and compress_weights through the Triton
+    backward (`nsa_backward.py`; the pooling of compress_kv is differentiated by PyTorch autograd).
     """
     offs = ref._check_common(q, k, v, config, gates, cu_seqlens, causal, cache, compress_weights)
     kw = dict(gates=gates, cu_seqlens=cu_seqlens, causal=causal, cache=cache, compress_weights=compress_weights,
               scale=scale, return_indices=return_indices)
-    if _needs_grad(q, k, v, gates, compress_weights):
-        if q.is_cuda:
-            raise NotImplementedError("sparsepatch NSA has no Triton backward yet: call it under torch.no_grad() "
-                                      "on CUDA, or use sparsepatch.kernels.nsa_reference.nsa_attention (CPU/any "
-                                      "device, differentiable)")
-        return ref.nsa_attention(q, k, v, config, **kw)
+    needs_grad = _needs_grad(q, k, v, gates, compress_weights)
     if not supports(q, config=config, causal=causal):
         logger.warning("sparsepatch NSA: Triton kernels do not run these inputs (causal=%s, dtype=%s, D=%d, "
                        "config=%s); using the PyTorch reference", causal, q.dtype, q.shape[-1], config)
@@ -433,10 +489,10 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
                                           restart=(k.shape[1] == q.shape[1] and not cache.store_kv))
         if k.shape[1] < q.shape[1]:
             raise ValueError(f"cache holds {k.shape[1]} tokens, fewer than the {q.shape[1]} queries")
-        out, idx = _run(q, k, v, k_cmp, v_cmp, gates, scale, config)
+        out, idx = _run(q, k, v, k_cmp, v_cmp, gates, scale, config, needs_grad)
     elif offs is None:
         k_cmp, v_cmp = compress_kv(k, v, config, compress_weights)
-        out, idx = _run(q, k, v, k_cmp, v_cmp, gates, scale, config)
+        out, idx = _run(q, k, v, k_cmp, v_cmp, gates, scale, config, needs_grad)
     else:
         outs, idxs = [], []
         for a, b in zip(offs, offs[1:]):
@@ -444,7 +500,8 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
                 continue
             ks, vs = k[:, a:b], v[:, a:b]
             k_cmp, v_cmp = compress_kv(ks, vs, config, compress_weights)
-            o, i = _run(q[:, a:b], ks, vs, k_cmp, v_cmp, None if gates is None else gates[:, a:b], scale, config)
+            o, i = _run(q[:, a:b], ks, vs, k_cmp, v_cmp, None if gates is None else gates[:, a:b], scale, config,
+                        needs_grad)
             outs.append(o)
             idxs.append(i)
         out, idx = torch.cat(outs, 1), torch.cat(idxs, 1)

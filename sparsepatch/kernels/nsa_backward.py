@@ -1,0 +1,447 @@
+"""Native Sparse Attention backward in Triton: gradients of `nsa.py`'s forward (same function as `nsa_reference`).
+
+Forward being differentiated (per query row = (token t, query head h), queries at positions t + S - T):
+    out = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa,    o_b = softmax_b(scale * q k_b^T) v_b
+with branch b's keys: compressed k_cmp/v_cmp (B, n_c, Hk, D) (complete blocks ending at or before the query),
+the selected blocks of `idx` (causal inside the local block) and the causal sliding window. The selection is a
+discrete choice made from detached compressed probabilities in the reference (`torch.no_grad` around the
+importance / top-k), so no gradient flows through it here either: `idx` is a constant of the backward.
+Gradients of k_cmp/v_cmp are returned; autograd of the PyTorch pooling `compress_kv` carries them to k, v and
+compress_weights. Gates g (B, T, Hq, 3) (or None = uniform 1/3, no gradient).
+
+Per branch b with P = the branch's probabilities (recomputed from q, k and the saved LSE) and r_b = rowsum(dout *
+o_b) (fp32, from the saved ungated branch outputs):
+    dgates[..., b] = r_b
+    dO_b = g_b * dout,  delta_b = rowsum(dO_b * o_b) = g_b * r_b
+    dV += P^T dO_b = (g_b P)^T dout
+    dS  = P * (dO_b V^T - delta_b) = g_b P * (dout V^T - r_b)
+    dQ += scale * dS K,   dK += scale * dS^T Q
+so the kernels only need dout, r (B, T, Hq, 3) and the gates: the gate multiplies P row-wise and no scaled copy of
+dout is materialised. Scores use exp2 with scale * log2(e) folded in, as the forward; the saved LSE is in log2 units
+(+inf for a row that sees nothing, so its probabilities are exactly 0).
+
+Launches (one set per batch of equal-length sequences; varlen calls this once per sequence, as the forward):
+  1. `_prep_kernel`     r = rowsum(dout * o_b) for the 3 branches -> R (B, T, Hq, 3) fp32 (= dgates).
+  2. `_slc_bwd_kernel`  one program per (token, KV head), rows = the group's query heads (padded to >= 16 for
+     tl.dot), over its selected blocks: dq_slc (fp32 scratch, plain store: the program owns those rows) and dk/dv
+     of the selected keys by fp32 `tl.atomic_add` into zero-initialised (B, S, Hk, D) scratch. Atomics, not a
+     transposed block -> tokens list: block 0 and every local block are chosen by (nearly) all queries, so a
+     per-block program would serialise T queries in one program (or need its own split + reduction); the atomics
+     are the simplest correct choice and spread that load across all programs. Cost: num_selected * block_size * D
+     fp32 atomic adds per (token, KV head) for each of dk and dv (dk/dv are not bitwise deterministic).
+  3. `_dq_kernel`       query tiles (BT tokens x the G heads of one KV head, as the forward's tile kernels):
+     compressed-branch and window-branch dq, plus the selected-branch scratch -> dq (q's dtype).
+  4. `_swa_dkdv_kernel` one program per (BLOCK_N keys, KV head): loops over the query tiles whose window covers
+     the keys, adds the selected-branch scratch -> dk, dv (k's / v's dtype).
+  5. `_cmp_dkdv_kernel` one program per (BLOCK_N compressed blocks, KV head): loops over every query tile that sees
+     them -> dk_cmp, dv_cmp.
+GQA: the dK/dV programs fold the group's heads into the rows of their query tiles, so dk/dv come out already
+summed over the group (no atomics across heads).
+Runs under TRITON_INTERPRET=1 on CPU (fp16/fp32) and on CUDA (fp16/bf16).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["nsa_backward", "BWD"]
+
+LOG2E = 1.4426950408889634
+
+# Launch settings: query-tile rows (BT tokens x GP heads) and key-tile width for the tile kernels, warps each.
+# Untuned first choice for H100 / D=128: the dK/dV kernels hold two (BLOCK_N, D) fp32 accumulators plus the k/v
+# tile, hence 8 warps; the dq kernel one (rows, D) accumulator.
+BWD = dict(tile_rows=64, block_n=64, warps_dq=4, warps_dkdv=8, warps_slc=4, warps_prep=4, prep_t=32)
+
+
+# ---------------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _prep_kernel(DO, BO, R, sdb, sds, sdh, T, Hq, branch_stride,
+                 HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """R[b, t, h, br] = sum_d dout[b, t, h, d] * o_br[b, t, h, d] (fp32). BO: (3, B, T, Hq, D) contiguous."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = bh % Hq
+    tok = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    ok = tok < T
+    offs_d = tl.arange(0, HEAD_DIM)
+    do = tl.load(DO + b * sdb + tok[:, None] * sds + h * sdh + offs_d[None, :], mask=ok[:, None],
+                 other=0.0).to(tl.float32)
+    row = (b * T + tok) * Hq + h
+    for br in tl.static_range(3):
+        o = tl.load(BO + br * branch_stride + row[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None],
+                    other=0.0).to(tl.float32)
+        tl.store(R + row * 3 + br, tl.sum(do * o, 1), mask=ok)
+
+
+@triton.jit
+def _slc_bwd_kernel(Q, K, V, DO, IDX, GATES, LSE, R, DQS, DKS, DVS,
+                    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, s_ib, s_it, s_ih,
+                    sgb, sgs, sgh, sgc,
+                    T, S, q_off, Hk, G, qk_scale, scale,
+                    BS: tl.constexpr, BSP: tl.constexpr, NSEL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    GP: tl.constexpr, HAS_GATES: tl.constexpr):
+    """Selected branch, one program per (token t, batch x KV head). DQS (B, T, Hq, D) fp32 is stored; DKS/DVS
+    (B, S, Hk, D) fp32 (zero-initialised) receive atomic adds. LSE: (B, T, Hq) log2 units of this branch."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    b64 = b.to(tl.int64)
+    t64 = t.to(tl.int64)
+    Hq = Hk * G
+    g = tl.arange(0, GP)
+    g_ok = g < G
+    head = hk * G + g
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BSP)
+    qpos = t + q_off
+    q = tl.load(Q + b64 * sqb + t64 * sqs + head[:, None] * sqh + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    do = tl.load(DO + b64 * sdb + t64 * sds + head[:, None] * sdh + offs_d[None, :], mask=g_ok[:, None],
+                 other=0.0).to(q.dtype)
+    row = (b64 * T + t64) * Hq + head
+    lse = tl.load(LSE + row, mask=g_ok, other=float("inf"))
+    r = tl.load(R + row * 3 + 1, mask=g_ok, other=0.0)
+    if HAS_GATES:   # gate of branch 1 per row (fp32); uniform 1/3 without gates
+        gs = tl.load(GATES + b64 * sgb + t64 * sgs + head * sgh + sgc, mask=g_ok, other=0.0).to(tl.float32)
+    else:
+        gs = tl.where(g_ok, 1.0 / 3.0, 0.0)
+    kbase = K + b64 * skb + hk * skh
+    vbase = V + b64 * svb + hk * svh
+    ibase = IDX + b64 * s_ib + t64 * s_it + hk * s_ih
+    dq = tl.zeros([GP, HEAD_DIM], tl.float32)
+    for i in range(0, NSEL):
+        jb = tl.load(ibase + i)
+        key = tl.maximum(jb, 0) * BS + offs_n
+        lim = S * (jb >= 0).to(tl.int32)                       # padding entry (-1): every key masked
+        ok = (offs_n < BS) & (key < lim) & (key <= qpos)
+        key64 = key[:, None].to(tl.int64)
+        k = tl.load(kbase + key64 * sks + offs_d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(vbase + key64 * svs + offs_d[None, :], mask=ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        p = tl.where(ok[None, :] & g_ok[:, None], tl.math.exp2(s - lse[:, None]), 0.0)
+        pg = p * gs[:, None]                                    # g_slc P (rows)
+        dp = tl.dot(do, tl.trans(v))
+        ds = pg * (dp - r[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+        dv_blk = tl.dot(tl.trans(pg).to(do.dtype), do)          # (BSP, D), summed over the group's heads
+        dk_blk = tl.dot(tl.trans(ds).to(q.dtype), q) * scale
+        kv_off = ((b64 * S + key64) * Hk + hk) * HEAD_DIM + offs_d[None, :]
+        tl.atomic_add(DKS + kv_off, dk_blk, mask=ok[:, None], sem="relaxed")
+        tl.atomic_add(DVS + kv_off, dv_blk, mask=ok[:, None], sem="relaxed")
+    tl.store(DQS + row[:, None] * HEAD_DIM + offs_d[None, :], dq * scale, mask=g_ok[:, None])
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, KC, VC, DO, GATES, LSE_C, LSE_W, R, DQS, DQ,
+               sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, scb, scs, sch, sdb, sds, sdh, sgb, sgs, sgh, sgc,
+               T, n_c, q_off, Hk, G, qk_scale, scale, window,
+               CB: tl.constexpr, CS: tl.constexpr, HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
+               BLOCK_N: tl.constexpr, HAS_GATES: tl.constexpr):
+    """dq of the compressed and window branches for a tile of BT tokens x the G heads of one KV head, plus the
+    selected branch's DQS -> DQ (B, T, Hq, D) contiguous, q's dtype."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    b64 = b.to(tl.int64)
+    Hq = Hk * G
+    M: tl.constexpr = BT * GP
+    t0 = pid_t * BT
+    rr = tl.arange(0, M)
+    tok = t0 + rr // GP
+    g = rr % GP
+    row_ok = (tok < T) & (g < G)
+    head = hk * G + g
+    qpos = tok + q_off
+    tok64 = tok.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + b64 * sqb + tok64[:, None] * sqs + head[:, None] * sqh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b64 * sdb + tok64[:, None] * sds + head[:, None] * sdh + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0).to(q.dtype)
+    row = (b64 * T + tok64) * Hq + head
+    goff = b64 * sgb + tok64 * sgs + head * sgh
+    maxpos = tl.minimum(t0 + BT, T) - 1 + q_off
+
+    # One fp32 accumulator for both branches (register pressure): each branch's gate is folded into its dS rows.
+    dq = tl.zeros([M, HEAD_DIM], tl.float32)
+
+    # compressed branch: blocks c < nvis(row) (complete and ending at or before the query)
+    if HAS_GATES:   # gate of branch 0 per row (fp32); uniform 1/3 without gates
+        gc = tl.load(GATES + goff, mask=row_ok, other=0.0).to(tl.float32)
+    else:
+        gc = tl.where(row_ok, 1.0 / 3.0, 0.0)
+    lse = tl.load(LSE_C + row, mask=row_ok, other=float("inf"))
+    r = tl.load(R + row * 3, mask=row_ok, other=0.0)
+    nvis = tl.minimum(tl.where(qpos + 1 >= CB, (qpos + 1 - CB) // CS + 1, 0), n_c)
+    hi = tl.minimum(tl.where(maxpos + 1 >= CB, (maxpos + 1 - CB) // CS + 1, 0), n_c)
+    kcb = KC + b64 * scb + hk * sch
+    vcb = VC + b64 * scb + hk * sch
+    for start in range(0, hi, BLOCK_N):
+        c = start + offs_n
+        c_ok = c < hi
+        kc = tl.load(kcb + c[:, None].to(tl.int64) * scs + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+        vc = tl.load(vcb + c[:, None].to(tl.int64) * scs + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kc)) * qk_scale
+        pg = tl.where(c[None, :] < nvis[:, None], tl.math.exp2(s - lse[:, None]), 0.0) * gc[:, None]
+        dp = tl.dot(do, tl.trans(vc))
+        ds = pg * (dp - r[:, None])
+        dq = tl.dot(ds.to(kc.dtype), kc, dq)
+
+    # sliding window: keys (qpos - window, qpos]
+    if HAS_GATES:
+        gw = tl.load(GATES + goff + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)
+    else:
+        gw = tl.where(row_ok, 1.0 / 3.0, 0.0)
+    lse = tl.load(LSE_W + row, mask=row_ok, other=float("inf"))
+    r = tl.load(R + row * 3 + 2, mask=row_ok, other=0.0)
+    lo = tl.maximum(t0 + q_off - window + 1, 0) // BLOCK_N * BLOCK_N
+    kbase = K + b64 * skb + hk * skh
+    vbase = V + b64 * svb + hk * svh
+    for start in range(lo, maxpos + 1, BLOCK_N):
+        key = start + offs_n
+        kv_ok = key <= maxpos
+        k = tl.load(kbase + key[:, None].to(tl.int64) * sks + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+        v = tl.load(vbase + key[:, None].to(tl.int64) * svs + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        ok = (key[None, :] <= qpos[:, None]) & (key[None, :] > qpos[:, None] - window)
+        pg = tl.where(ok, tl.math.exp2(s - lse[:, None]), 0.0) * gw[:, None]
+        dp = tl.dot(do, tl.trans(v))
+        ds = pg * (dp - r[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+
+    dq_off = row[:, None] * HEAD_DIM + offs_d[None, :]
+    dq = dq * scale + tl.load(DQS + dq_off, mask=row_ok[:, None], other=0.0)
+    tl.store(DQ + dq_off, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _swa_dkdv_kernel(Q, K, V, DO, GATES, LSE, R, DKS, DVS, DK, DV,
+                     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sgb, sgs, sgh, sgc,
+                     T, S, q_off, Hk, G, qk_scale, scale, window,
+                     HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_GATES: tl.constexpr):
+    """Window-branch dk/dv of BLOCK_N keys of one KV head, plus the selected branch's DKS/DVS -> DK/DV
+    (B, S, Hk, D) contiguous. Query positions that see key n: n <= qpos <= n + window - 1."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    b64 = b.to(tl.int64)
+    Hq = Hk * G
+    M: tl.constexpr = BT * GP
+    n0 = pid_n * BLOCK_N
+    key = n0 + tl.arange(0, BLOCK_N)
+    key_ok = key < S
+    key64 = key.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = tl.load(K + b64 * skb + key64[:, None] * sks + hk * skh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + b64 * svb + key64[:, None] * svs + hk * svh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    tok_lo = tl.maximum(n0 - q_off, 0)
+    tok_hi = tl.minimum(n0 + BLOCK_N - 1 + window - q_off, T)    # exclusive: last query pos n0+BLOCK_N-2+window
+    rr = tl.arange(0, M)
+    g = rr % GP
+    head = hk * G + g
+    for t0 in range(tok_lo, tok_hi, BT):
+        tok = t0 + rr // GP
+        row_ok = (tok < T) & (g < G)
+        qpos = tok + q_off
+        tok64 = tok.to(tl.int64)
+        q = tl.load(Q + b64 * sqb + tok64[:, None] * sqs + head[:, None] * sqh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + b64 * sdb + tok64[:, None] * sds + head[:, None] * sdh + offs_d[None, :],
+                     mask=row_ok[:, None], other=0.0).to(q.dtype)
+        row = (b64 * T + tok64) * Hq + head
+        lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+        r = tl.load(R + row * 3 + 2, mask=row_ok, other=0.0)
+        if HAS_GATES:   # gate of branch 2 per row (fp32); uniform 1/3 without gates
+            gw = tl.load(GATES + b64 * sgb + tok64 * sgs + head * sgh + 2 * sgc, mask=row_ok,
+                         other=0.0).to(tl.float32)
+        else:
+            gw = tl.where(row_ok, 1.0 / 3.0, 0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        ok = (key[None, :] <= qpos[:, None]) & (key[None, :] > qpos[:, None] - window) & row_ok[:, None]
+        pg = tl.where(ok, tl.math.exp2(s - lse[:, None]), 0.0) * gw[:, None]
+        dv = tl.dot(tl.trans(pg).to(do.dtype), do, dv)
+        dp = tl.dot(do, tl.trans(v))
+        ds = pg * (dp - r[:, None])
+        dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
+    off = ((b64 * S + key64[:, None]) * Hk + hk) * HEAD_DIM + offs_d[None, :]
+    dk = dk * scale + tl.load(DKS + off, mask=key_ok[:, None], other=0.0)
+    dv = dv + tl.load(DVS + off, mask=key_ok[:, None], other=0.0)
+    tl.store(DK + off, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + off, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+@triton.jit
+def _cmp_dkdv_kernel(Q, KC, VC, DO, GATES, LSE, R, DKC, DVC,
+                     sqb, sqs, sqh, scb, scs, sch, sdb, sds, sdh, sgb, sgs, sgh, sgc,
+                     T, n_c, q_off, Hk, G, qk_scale, scale,
+                     CB: tl.constexpr, CS: tl.constexpr, HEAD_DIM: tl.constexpr, GP: tl.constexpr,
+                     BT: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATES: tl.constexpr):
+    """Compressed-branch dk_cmp/dv_cmp of BLOCK_N compressed blocks of one KV head -> DKC/DVC (B, n_c, Hk, D)
+    contiguous. Block c is seen by query positions >= c * CS + CB - 1."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    b64 = b.to(tl.int64)
+    Hq = Hk * G
+    M: tl.constexpr = BT * GP
+    c0 = pid_n * BLOCK_N
+    c = c0 + tl.arange(0, BLOCK_N)
+    c_ok = c < n_c
+    c64 = c.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kc = tl.load(KC + b64 * scb + c64[:, None] * scs + hk * sch + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+    vc = tl.load(VC + b64 * scb + c64[:, None] * scs + hk * sch + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    tok_lo = tl.maximum(c0 * CS + CB - 1 - q_off, 0)
+    rr = tl.arange(0, M)
+    g = rr % GP
+    head = hk * G + g
+    for t0 in range(tok_lo, T, BT):
+        tok = t0 + rr // GP
+        row_ok = (tok < T) & (g < G)
+        qpos = tok + q_off
+        tok64 = tok.to(tl.int64)
+        q = tl.load(Q + b64 * sqb + tok64[:, None] * sqs + head[:, None] * sqh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + b64 * sdb + tok64[:, None] * sds + head[:, None] * sdh + offs_d[None, :],
+                     mask=row_ok[:, None], other=0.0).to(q.dtype)
+        row = (b64 * T + tok64) * Hq + head
+        lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+        r = tl.load(R + row * 3, mask=row_ok, other=0.0)
+        if HAS_GATES:   # gate of branch 0 per row (fp32); uniform 1/3 without gates
+            gc = tl.load(GATES + b64 * sgb + tok64 * sgs + head * sgh + 0 * sgc, mask=row_ok, other=0.0).to(tl.float32)
+        else:
+            gc = tl.where(row_ok, 1.0 / 3.0, 0.0)
+        nvis = tl.minimum(tl.where(qpos + 1 >= CB, (qpos + 1 - CB) // CS + 1, 0), n_c)
+        s = tl.dot(q, tl.trans(kc)) * qk_scale
+        ok = (c[None, :] < nvis[:, None]) & row_ok[:, None]
+        pg = tl.where(ok, tl.math.exp2(s - lse[:, None]), 0.0) * gc[:, None]
+        dv = tl.dot(tl.trans(pg).to(do.dtype), do, dv)
+        dp = tl.dot(do, tl.trans(vc))
+        ds = pg * (dp - r[:, None])
+        dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
+    off = ((b64 * n_c + c64[:, None]) * Hk + hk) * HEAD_DIM + offs_d[None, :]
+    tl.store(DKC + off, (dk * scale).to(DKC.dtype.element_ty), mask=c_ok[:, None])
+    tl.store(DVC + off, dv.to(DVC.dtype.element_ty), mask=c_ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------------- host
+def _gate_args(gates, fallback):
+    """(tensor, strides b, t, h, branch) for the kernels; a dummy pointer and zero strides without gates."""
+    if gates is None:
+        return fallback, 0, 0, 0, 0
+    return gates, gates.stride(0), gates.stride(1), gates.stride(2), gates.stride(3)
+
+
+def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale, config):
+    """Gradients of `nsa._forward` for one batch of equal-length sequences (queries = the last T of S positions).
+
+    q (B, T, Hq, D); k, v (B, S, Hk, D); k_cmp, v_cmp (B, n_c, Hk, D); gates (B, T, Hq, 3) or None;
+    idx int32 (B, T, Hk, num_selected) (the forward's selection, -1 padded); lse (3, B, T, Hq) fp32 (log2 units)
+    and branch_out (3, B, T, Hq, D) as saved by `nsa._forward(save=True)`; dout (B, T, Hq, D); scale: softmax
+    scale (natural units); config: NSAConfig. Unit stride on D for q, k, v, dout (other strides are free).
+    Returns (dq, dk, dv, dk_cmp, dv_cmp, dgates) in the dtypes of q, k, v, k_cmp, v_cmp, gates (dgates None
+    without gates).
+    """
+    B, T, Hq, D = q.shape
+    S, Hk = k.shape[1], k.shape[2]
+    G = Hq // Hk
+    n_c = k_cmp.shape[1]
+    bs, l, d, nsel = config.block_size, config.compress_block, config.compress_stride, config.num_selected
+    q_off = S - T
+    dev = q.device
+    qk_scale = scale * LOG2E
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    branch_out = branch_out.contiguous()
+    lse = lse.contiguous()
+    GP = triton.next_power_of_2(G)
+    BT = max(1, BWD["tile_rows"] // GP)
+    BN = BWD["block_n"]
+    HAS_GATES = gates is not None
+    gt, sgb, sgs, sgh, sgc = _gate_args(gates, lse)
+    qs = (q.stride(0), q.stride(1), q.stride(2))
+    ks = (k.stride(0), k.stride(1), k.stride(2))
+    vs = (v.stride(0), v.stride(1), v.stride(2))
+    ds_ = (dout.stride(0), dout.stride(1), dout.stride(2))
+    gs = (sgb, sgs, sgh, sgc)
+
+    # 1. r = rowsum(dout * o_b), also the gate gradients
+    r = torch.empty((B, T, Hq, 3), dtype=torch.float32, device=dev)
+    PT = BWD["prep_t"]
+    _prep_kernel[(triton.cdiv(T, PT), B * Hq)](
+        dout, branch_out, r, *ds_, T, Hq, B * T * Hq * D, HEAD_DIM=D, BLOCK_T=PT, num_warps=BWD["warps_prep"])
+
+    # 2. selected branch: dq scratch (stored), dk/dv scratch (atomics)
+    dqs = torch.empty((B, T, Hq, D), dtype=torch.float32, device=dev)
+    dks = torch.zeros((B, S, Hk, D), dtype=torch.float32, device=dev)
+    dvs = torch.zeros((B, S, Hk, D), dtype=torch.float32, device=dev)
+    _slc_bwd_kernel[(T, B * Hk)](
+        q, k, v, dout, idx, gt, lse[1], r, dqs, dks, dvs,
+        *qs, *ks, *vs, *ds_, idx.stride(0), idx.stride(1), idx.stride(2), *gs,
+        T, S, q_off, Hk, G, qk_scale, scale,
+        BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D, GP=max(16, GP),
+        HAS_GATES=HAS_GATES, num_warps=BWD["warps_slc"])
+
+    # 3. dq: compressed + window branches on query tiles, plus the selected scratch
+    kc = k_cmp.contiguous() if n_c else q.new_zeros((B, 1, Hk, D))
+    vc = v_cmp.contiguous() if n_c else kc
+    dq = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
+    _dq_kernel[(triton.cdiv(T, BT), B * Hk)](
+        q, k, v, kc, vc, dout, gt, lse[0], lse[2], r, dqs, dq,
+        *qs, *ks, *vs, kc.stride(0), kc.stride(1), kc.stride(2), *ds_, *gs,
+        T, n_c, q_off, Hk, G, qk_scale, scale, config.window,
+        CB=l, CS=d, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=BN, HAS_GATES=HAS_GATES, num_warps=BWD["warps_dq"])
+
+    # 4. dk, dv: window branch on key tiles, plus the selected scratch
+    dk = torch.empty((B, S, Hk, D), dtype=k.dtype, device=dev)
+    dv = torch.empty((B, S, Hk, D), dtype=v.dtype, device=dev)
+    _swa_dkdv_kernel[(triton.cdiv(S, BN), B * Hk)](
+        q, k, v, dout, gt, lse[2], r, dks, dvs, dk, dv,
+        *qs, *ks, *vs, *ds_, *gs,
+        T, S, q_off, Hk, G, qk_scale, scale, config.window,
+        HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=BN, HAS_GATES=HAS_GATES, num_warps=BWD["warps_dkdv"])
+
+    # 5. dk_cmp, dv_cmp
+    dkc = torch.empty((B, n_c, Hk, D), dtype=k_cmp.dtype, device=dev)
+    dvc = torch.empty((B, n_c, Hk, D), dtype=v_cmp.dtype, device=dev)
+    if n_c:
+        _cmp_dkdv_kernel[(triton.cdiv(n_c, BN), B * Hk)](
+            q, kc, vc, dout, gt, lse[0], r, dkc, dvc,
+            *qs, kc.stride(0), kc.stride(1), kc.stride(2), *ds_, *gs,
+            T, n_c, q_off, Hk, G, qk_scale, scale,
+            CB=l, CS=d, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=BN, HAS_GATES=HAS_GATES, num_warps=BWD["warps_dkdv"])
+    dgates = r.to(gates.dtype) if HAS_GATES else None
+    return dq, dk, dv, dkc, dvc, dgates
+
+
+# ---------------------------------------------------------------------------------------------------------- op
+@torch.library.custom_op("sparsepatch::nsa_bwd", mutates_args=())
+def _nsa_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
+             gates: torch.Tensor | None, idx: torch.Tensor, lse: torch.Tensor, branch_out: torch.Tensor,
+             dout: torch.Tensor, scale: float, block_size: int, num_selected: int, window: int,
+             compress_block: int, compress_stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`nsa_backward` as a custom op (torch.compile traces it); dgates is an empty (0,) tensor without gates."""
+    from ..config import NSAConfig
+    cfg = NSAConfig(block_size, num_selected, window, compress_block, compress_stride)
+    dq, dk, dv, dkc, dvc, dg = nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale, cfg)
+    return dq, dk, dv, dkc, dvc, (dg if dg is not None else q.new_empty((0,)))
+
+
+@_nsa_bwd.register_fake
+def _(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale, block_size, num_selected, window,
+      compress_block, compress_stride):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), k_cmp.new_empty(k_cmp.shape),
+            v_cmp.new_empty(v_cmp.shape), gates.new_empty(gates.shape) if gates is not None else q.new_empty((0,)))
