@@ -1,6 +1,6 @@
 """Native Sparse Attention forward / decode: sparsepatch Triton vs SDPA (cuDNN causal) vs fla parallel_nsa.
 
-    python benchmarks/bench_nsa.py [--quick] [--out DIR] [--max-t N]
+    python benchmarks/bench_nsa.py [--quick] [--out DIR] [--max-t N] [--bwd] [--bwd-only]
 
 Prefill forward, bf16, D=128, B=1, NSAConfig() (block 64, 16 selected, window 512, compressed block 32 stride 16,
 uniform gates) for HQ64/H4 (G=16), HQ32/H8 (G=4), HQ16/H16 (MHA), T = 8K..64K (128K for G=16 with --max-t).
@@ -10,6 +10,10 @@ mean pooling with compressed block = stride = 64, gates given) — a cheaper com
 compressed keys). Decode: one query token, HQ64/H4, context 8K..64K, NSACache(store_kv=False) prefilled, vs SDPA
 (default backend, enable_gqa). Times: triton.testing.do_bench medians (ms). Also a per-kernel breakdown at the
 largest T (CUDA events around each launch). Writes <out>/<gpu>-nsa.json and prints ratio tables.
+--bwd adds a training section "fwd_bwd": forward + backward (torch.autograd.grad of q, k, v for a random dout,
+uniform gates) of ours vs SDPA cuDNN causal (k/v expanded outside the timing, gradients of the expanded tensors)
+at the same head configurations, T = 8K..32K (8K, 16K with --quick); --bwd-only skips the forward and decode
+sections.
 """
 from __future__ import annotations
 
@@ -65,6 +69,59 @@ def cudnn_causal(q, k, v):
     return run
 
 
+def fwd_bwd(fn, leaves, dout):
+    """A closure running fn(*leaves) and its backward (gradients of every leaf for the upstream dout)."""
+    def run():
+        out = fn(*leaves)
+        return torch.autograd.grad(out, leaves, dout)
+    return run
+
+
+def cudnn_causal_fwd_bwd(q, k, v, dout):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    G = q.shape[2] // k.shape[2]
+    qh = q.detach().transpose(1, 2).requires_grad_(True)
+    kh = k.detach().repeat_interleave(G, 2).transpose(1, 2).requires_grad_(True)
+    vh = v.detach().repeat_interleave(G, 2).transpose(1, 2).requires_grad_(True)
+    doh = dout.transpose(1, 2)
+
+    def attn(a, b, c):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+    return fwd_bwd(attn, (qh, kh, vh), doh)
+
+
+def bench_fwd_bwd(nsa, cfg, heads, ts):
+    """Rows of forward + backward times (ms): ours vs SDPA cuDNN causal, bf16, D=128, B=1."""
+    rows = []
+    for HQ, H in heads:
+        for T in ts:
+            q = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            dout = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16)
+            row = dict(HQ=HQ, H=H, G=HQ // H, T=T)
+            try:
+                row["ours_ms"] = _bench(fwd_bwd(lambda a, b, c: nsa.nsa_attention(a, b, c, cfg), (q, k, v), dout),
+                                        rep=50)
+                with torch.no_grad():
+                    row["ours_fwd_ms"] = _bench(lambda: nsa.nsa_attention(q, k, v, cfg), rep=50)
+            except Exception as exc:  # noqa: BLE001
+                row["ours_error"] = _err(exc)
+            try:
+                row["cudnn_ms"] = _bench(cudnn_causal_fwd_bwd(q, k, v, dout), rep=50)
+            except Exception as exc:  # noqa: BLE001
+                row["cudnn_error"] = _err(exc)
+            if "ours_ms" in row and "cudnn_ms" in row:
+                row["speedup_vs_cudnn"] = row["cudnn_ms"] / row["ours_ms"]
+            rows.append(row)
+            print("fwd+bwd", {kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in row.items()},
+                  flush=True)
+            del q, k, v, dout
+            torch.cuda.empty_cache()
+    return rows
+
+
 def breakdown(nsa, q, k, v, cfg):
     """ms per kernel for one forward (CUDA events around each launch)."""
     names = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_swa_kernel"]
@@ -98,6 +155,8 @@ def main(argv=None):
     ap.add_argument("--max-t", type=int, default=65536, help="largest T for G=16 (131072 adds 128K)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--sweep", action="store_true", help="try tile rows / warps at 32K first and keep the best")
+    ap.add_argument("--bwd", action="store_true", help="add the forward+backward section (fwd_bwd) vs cuDNN")
+    ap.add_argument("--bwd-only", action="store_true", help="only the forward+backward section")
     args = ap.parse_args(argv)
     from sparsepatch.kernels import nsa
     cfg = NSAConfig()
@@ -105,9 +164,13 @@ def main(argv=None):
     gpu = "h100" if "H100" in dev else ("h200" if "H200" in dev else dev.split()[-1].lower())
     parallel_nsa, fla_err = load_fla()
     res = {"device": dev, "torch": torch.__version__, "config": vars(cfg), "fla_error": fla_err,
-           "prefill": [], "decode": [], "breakdown": {}, "sweep": []}
+           "prefill": [], "decode": [], "breakdown": {}, "sweep": [], "fwd_bwd": []}
     ts = TS[:2] if args.quick else TS
     torch.manual_seed(0)
+    if args.bwd or args.bwd_only:
+        res["fwd_bwd"] = bench_fwd_bwd(nsa, cfg, HEADS, [t for t in ts if t <= 32768])
+    if args.bwd_only:
+        return _write(res, args.out, gpu)
 
     if args.sweep:
         best = None
@@ -179,8 +242,12 @@ def main(argv=None):
         res["decode"].append(row)
         print({kk: (round(vv, 2) if isinstance(vv, float) else vv) for kk, vv in row.items()}, flush=True)
 
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{gpu}-nsa.json")
+    return _write(res, args.out, gpu)
+
+
+def _write(res, out, gpu):
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{gpu}-nsa.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print("wrote", path)

@@ -52,14 +52,17 @@ LOG2E = 1.4426950408889634
 # Launch settings: query-tile rows (BT tokens x GP heads) and key-tile width for the tile kernels, warps each.
 # Untuned first choice for H100 / D=128: the dK/dV kernels hold two (BLOCK_N, D) fp32 accumulators plus the k/v
 # tile, hence 8 warps; the dq kernel one (rows, D) accumulator.
-BWD = dict(tile_rows=64, block_n=64, warps_dq=4, warps_dkdv=8, warps_slc=4, warps_prep=4, prep_t=32)
+# cmp_programs / cmp_min_tiles: the compressed dK/dV kernel splits its query range until about cmp_programs
+# programs run (2 waves on 132 SMs), each keeping at least cmp_min_tiles query tiles.
+BWD = dict(tile_rows=64, block_n=64, warps_dq=4, warps_dkdv=8, warps_slc=4, warps_prep=4, prep_t=32,
+           cmp_programs=264, cmp_min_tiles=4)
 
 
 # ---------------------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _prep_kernel(DO, BO, R, sdb, sds, sdh, T, Hq, branch_stride,
+def _prep_kernel(DO, BO_C, BO_S, BO_W, R, sdb, sds, sdh, T, Hq,
                  HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
-    """R[b, t, h, br] = sum_d dout[b, t, h, d] * o_br[b, t, h, d] (fp32). BO: (3, B, T, Hq, D) contiguous."""
+    """R[b, t, h, br] = sum_d dout[b, t, h, d] * o_br[b, t, h, d] (fp32); BO_*: (B, T, Hq, D) contiguous."""
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // Hq).to(tl.int64)
@@ -70,10 +73,13 @@ def _prep_kernel(DO, BO, R, sdb, sds, sdh, T, Hq, branch_stride,
     do = tl.load(DO + b * sdb + tok[:, None] * sds + h * sdh + offs_d[None, :], mask=ok[:, None],
                  other=0.0).to(tl.float32)
     row = (b * T + tok) * Hq + h
-    for br in tl.static_range(3):
-        o = tl.load(BO + br * branch_stride + row[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None],
-                    other=0.0).to(tl.float32)
-        tl.store(R + row * 3 + br, tl.sum(do * o, 1), mask=ok)
+    off = row[:, None] * HEAD_DIM + offs_d[None, :]
+    o = tl.load(BO_C + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(R + row * 3, tl.sum(do * o, 1), mask=ok)
+    o = tl.load(BO_S + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(R + row * 3 + 1, tl.sum(do * o, 1), mask=ok)
+    o = tl.load(BO_W + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(R + row * 3 + 2, tl.sum(do * o, 1), mask=ok)
 
 
 @triton.jit
@@ -282,13 +288,16 @@ def _swa_dkdv_kernel(Q, K, V, DO, GATES, LSE, R, DKS, DVS, DK, DV,
 @triton.jit
 def _cmp_dkdv_kernel(Q, KC, VC, DO, GATES, LSE, R, DKC, DVC,
                      sqb, sqs, sqh, scb, scs, sch, sdb, sds, sdh, sgb, sgs, sgh, sgc,
-                     T, n_c, q_off, Hk, G, qk_scale, scale,
+                     T, n_c, q_off, Hk, G, qk_scale, scale, NSPLIT,
                      CB: tl.constexpr, CS: tl.constexpr, HEAD_DIM: tl.constexpr, GP: tl.constexpr,
-                     BT: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATES: tl.constexpr):
+                     BT: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATES: tl.constexpr, ATOMIC: tl.constexpr):
     """Compressed-branch dk_cmp/dv_cmp of BLOCK_N compressed blocks of one KV head -> DKC/DVC (B, n_c, Hk, D)
-    contiguous. Block c is seen by query positions >= c * CS + CB - 1."""
+    contiguous. Block c is seen by query positions >= c * CS + CB - 1, i.e. by every later query: the program's
+    query range is split in NSPLIT contiguous parts (grid axis 2) so that long sequences with few KV heads still
+    fill the GPU; with NSPLIT > 1 (ATOMIC) the parts are summed by fp32 atomic adds into zeroed DKC/DVC."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
+    sp = tl.program_id(2)
     b = bh // Hk
     hk = bh % Hk
     b64 = b.to(tl.int64)
@@ -304,10 +313,13 @@ def _cmp_dkdv_kernel(Q, KC, VC, DO, GATES, LSE, R, DKC, DVC,
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     tok_lo = tl.maximum(c0 * CS + CB - 1 - q_off, 0)
+    per = tl.cdiv(tl.cdiv(tl.maximum(T - tok_lo, 0), BT), NSPLIT) * BT      # tokens per split
+    t_begin = tok_lo + sp * per
+    t_end = tl.minimum(t_begin + per, T)
     rr = tl.arange(0, M)
     g = rr % GP
     head = hk * G + g
-    for t0 in range(tok_lo, T, BT):
+    for t0 in range(t_begin, t_end, BT):
         tok = t0 + rr // GP
         row_ok = (tok < T) & (g < G)
         qpos = tok + q_off
@@ -332,8 +344,12 @@ def _cmp_dkdv_kernel(Q, KC, VC, DO, GATES, LSE, R, DKC, DVC,
         ds = pg * (dp - r[:, None])
         dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
     off = ((b64 * n_c + c64[:, None]) * Hk + hk) * HEAD_DIM + offs_d[None, :]
-    tl.store(DKC + off, (dk * scale).to(DKC.dtype.element_ty), mask=c_ok[:, None])
-    tl.store(DVC + off, dv.to(DVC.dtype.element_ty), mask=c_ok[:, None])
+    if ATOMIC:
+        tl.atomic_add(DKC + off, dk * scale, mask=c_ok[:, None], sem="relaxed")
+        tl.atomic_add(DVC + off, dv, mask=c_ok[:, None], sem="relaxed")
+    else:
+        tl.store(DKC + off, (dk * scale).to(DKC.dtype.element_ty), mask=c_ok[:, None])
+        tl.store(DVC + off, dv.to(DVC.dtype.element_ty), mask=c_ok[:, None])
 
 
 # ---------------------------------------------------------------------------------------------------------- host
@@ -381,7 +397,8 @@ def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale
     r = torch.empty((B, T, Hq, 3), dtype=torch.float32, device=dev)
     PT = BWD["prep_t"]
     _prep_kernel[(triton.cdiv(T, PT), B * Hq)](
-        dout, branch_out, r, *ds_, T, Hq, B * T * Hq * D, HEAD_DIM=D, BLOCK_T=PT, num_warps=BWD["warps_prep"])
+        dout, branch_out[0], branch_out[1], branch_out[2], r, *ds_, T, Hq, HEAD_DIM=D, BLOCK_T=PT,
+        num_warps=BWD["warps_prep"])
 
     # 2. selected branch: dq scratch (stored), dk/dv scratch (atomics)
     dqs = torch.empty((B, T, Hq, D), dtype=torch.float32, device=dev)
@@ -413,15 +430,25 @@ def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale
         T, S, q_off, Hk, G, qk_scale, scale, config.window,
         HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=BN, HAS_GATES=HAS_GATES, num_warps=BWD["warps_dkdv"])
 
-    # 5. dk_cmp, dv_cmp
-    dkc = torch.empty((B, n_c, Hk, D), dtype=k_cmp.dtype, device=dev)
-    dvc = torch.empty((B, n_c, Hk, D), dtype=v_cmp.dtype, device=dev)
+    # 5. dk_cmp, dv_cmp: split the query range when (compressed tiles x KV heads) alone would not fill the GPU
+    progs = triton.cdiv(n_c, BN) * B * Hk
+    nsplit = max(1, min(triton.cdiv(BWD["cmp_programs"], max(progs, 1)),
+                        triton.cdiv(T, BT * BWD["cmp_min_tiles"])))
+    atomic = nsplit > 1
+    dt32 = torch.float32
+    dkc = (torch.zeros if atomic else torch.empty)((B, n_c, Hk, D), dtype=dt32 if atomic else k_cmp.dtype,
+                                                   device=dev)
+    dvc = (torch.zeros if atomic else torch.empty)((B, n_c, Hk, D), dtype=dt32 if atomic else v_cmp.dtype,
+                                                   device=dev)
     if n_c:
-        _cmp_dkdv_kernel[(triton.cdiv(n_c, BN), B * Hk)](
+        _cmp_dkdv_kernel[(triton.cdiv(n_c, BN), B * Hk, nsplit)](
             q, kc, vc, dout, gt, lse[0], r, dkc, dvc,
             *qs, kc.stride(0), kc.stride(1), kc.stride(2), *ds_, *gs,
-            T, n_c, q_off, Hk, G, qk_scale, scale,
-            CB=l, CS=d, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=BN, HAS_GATES=HAS_GATES, num_warps=BWD["warps_dkdv"])
+            T, n_c, q_off, Hk, G, qk_scale, scale, nsplit,
+            CB=l, CS=d, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=BN, HAS_GATES=HAS_GATES, ATOMIC=atomic,
+            num_warps=BWD["warps_dkdv"])
+    if atomic:
+        dkc, dvc = dkc.to(k_cmp.dtype), dvc.to(v_cmp.dtype)
     dgates = r.to(gates.dtype) if HAS_GATES else None
     return dq, dk, dv, dkc, dvc, dgates
 
