@@ -16,8 +16,8 @@ picks a fixed random text embedding (text_len, text_dim) that plays the prompt. 
 Configs: dense = the model unpatched (diffusers' SDPA); skip = `sp.SkipConfig(threshold, warmup_steps=0,
 tile=(16, 16), backward=False)`; skip-train = the same with backward=True. In training the handle runs
 `skip_step_differentiable`, so the backward is exactly the gradient of the sparse forward that ran (only the
-tiles the forward computed contribute). NOTE: the handle does not consult `SkipConfig.backward` yet, so today
-skip and skip-train train identically; the flag is passed through so they diverge once the patcher uses it.
+tiles the forward computed contribute); skip-train additionally skips, in the backward, the tiles its forward found
+negligible by the keep test (approximate gradient, `SkipConfig(backward=True)`).
 
 Skip lists in training (`--list-refresh N`). At inference a list lives for one video: call k reads the list that
 call k-1 of the same video wrote. Training batches are unrelated clips at random noise levels, so:
@@ -98,14 +98,20 @@ def build_model(size: str = "tiny", model_path: str | None = None):
                                  rope_max_seq_len=64, **cfg).train()
 
 
-def flow_matching_inputs(x0: torch.Tensor, generator: torch.Generator):
+def flow_matching_inputs(x0: torch.Tensor, generator: torch.Generator, shard: tuple[int, int] = (0, 1)):
     """Rectified-flow training pair for clean latents x0 (B, C, F, H, W).
 
+    shard = (process index, number of processes): noise and t are drawn for the whole global batch
+    (B * processes rows) from a generator seeded alike on every process, and this process takes its rows, so
+    N processes x batch B see exactly the noise of 1 process x batch N*B (the data loader shards batches the same
+    way), and their losses can be compared step by step.
     Returns x_t (same shape), timestep fp32 (B,) in [0, 1000] (the model's convention), target = noise - x0.
     """
     B = x0.shape[0]
-    noise = torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
-    t = torch.rand(B, generator=generator, device=x0.device, dtype=torch.float32)
+    index, count = shard
+    rows = slice(index * B, (index + 1) * B)
+    noise = torch.randn((B * count, *x0.shape[1:]), generator=generator, device=x0.device, dtype=x0.dtype)[rows]
+    t = torch.rand(B * count, generator=generator, device=x0.device, dtype=torch.float32)[rows]
     tt = t.to(x0.dtype).view(B, *([1] * (x0.dim() - 1)))
     return (1 - tt) * x0 + tt * noise, t * 1000.0, noise - x0
 
@@ -228,8 +234,9 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     raw = accelerator.unwrap_model(model)
-    # Noise and t differ per process (each sees other clips anyway) but are reproducible for a given seed.
-    gen = torch.Generator(device=accelerator.device).manual_seed(args.seed * 1000 + accelerator.process_index)
+    # One noise stream for the global batch, seeded alike on every process (see flow_matching_inputs).
+    gen = torch.Generator(device=accelerator.device).manual_seed(args.seed * 1000)
+    shard = (accelerator.process_index, accelerator.num_processes)
 
     losses, step_times, density = [], [], []
     bar = progress(args.max_steps, accelerator.is_local_main_process, f"finetune_video[{args.config}]")
@@ -244,7 +251,7 @@ def main(argv=None) -> dict:
         sync(accelerator.device)
         t0 = time.perf_counter()
         x0, text = batch["latents"], batch["text"]
-        xt, timestep, target = flow_matching_inputs(x0, gen)
+        xt, timestep, target = flow_matching_inputs(x0, gen, shard)
         if handle is not None:
             if args.list_refresh == 0:
                 handle.reset()
