@@ -88,14 +88,14 @@ def test_grads_match_reference(G, Hk, T, D, cfg, monkeypatch):
     # split the compressed dK/dV query range whenever there are >= 2 query tiles (G=2, 4 here): the fp32 atomic path
     monkeypatch.setitem(nsa_backward.BWD, "cmp_min_tiles", 1)
     leaves, dout = _inputs(1, T, G * Hk, Hk, D, seed=T + G, gates=True)
-    _check(leaves, dout, cfg, 1e-3)
+    _check(leaves, dout, cfg, 1e-5)
 
 
 @needs_triton
 def test_grads_uniform_gates_compress_weights_and_prefix():
     """No gates (uniform 1/3), learnable compression weights, and S > T (queries are the last T positions)."""
     leaves, dout = _inputs(1, 24, 4, 2, 16, S=57, seed=3, weights=CFG_A.compress_block)
-    _check(leaves, dout, CFG_A, 1e-3)
+    _check(leaves, dout, CFG_A, 1e-5)
 
 
 @needs_triton
@@ -103,14 +103,14 @@ def test_grads_varlen():
     lens = [29, 1, 34]
     cu = torch.tensor([0, 29, 30, 64], dtype=torch.int32, device=DEV)
     leaves, dout = _inputs(1, sum(lens), 2, 1, 16, seed=5, gates=True, weights=CFG_B.compress_block)
-    _check(leaves, dout, CFG_B, 1e-3, cu_seqlens=cu)
+    _check(leaves, dout, CFG_B, 1e-5, cu_seqlens=cu)
 
 
 @needs_triton
 @pytest.mark.skipif(CUDA and not INTERPRET, reason="fp16 interpreter check (the GPU tests cover bf16)")
 def test_grads_fp16():
     leaves, dout = _inputs(1, 35, 2, 1, 16, dtype=torch.float16, seed=7, gates=True)
-    _check(leaves, dout, CFG_A, 2e-2)
+    _check(leaves, dout, CFG_A, 5e-3)
 
 
 @needs_triton
@@ -128,7 +128,7 @@ def test_backward_without_saved_state_recomputes():
     want = torch.autograd.grad(ref.nsa_attention(*ref_leaves.values(), CFG_A, scale=0.25),
                                list(ref_leaves.values()), dout)
     for a, b in zip(got, want):
-        assert _rel(a, b) < 1e-3
+        assert _rel(a, b) < 1e-5
     assert nsa.nsa_attention(q.detach(), k.detach(), v.detach(), CFG_A).requires_grad is False
 
 

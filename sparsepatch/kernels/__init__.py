@@ -70,8 +70,8 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
                   compress_weights=None, *, scale=None, return_indices: bool = False):
     """Native Sparse Attention (compressed + selected + sliding window, gated); see `nsa_reference`.
 
-    q (B, T, Hq, D), k/v (B, T, Hk, D) -> (B, T, Hq, D). Triton forward on CUDA where `nsa.supports` says so,
-    the reference elsewhere (and for gradients on CPU).
+    q (B, T, Hq, D), k/v (B, T, Hk, D) -> (B, T, Hq, D). Triton forward and backward (`nsa_backward`) on CUDA
+    where `nsa.supports` says so, the reference elsewhere (CPU, fp32, non-causal, unsupported configs).
     """
     tri = _triton_module("nsa")
     impl = tri if _use_triton(tri, q, config=config, causal=causal) else nsa_reference

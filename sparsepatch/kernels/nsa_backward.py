@@ -49,13 +49,13 @@ __all__ = ["nsa_backward", "BWD"]
 
 LOG2E = 1.4426950408889634
 
-# Launch settings: query-tile rows (BT tokens x GP heads) and key-tile width for the tile kernels, warps each.
-# Untuned first choice for H100 / D=128: the dK/dV kernels hold two (BLOCK_N, D) fp32 accumulators plus the k/v
-# tile, hence 8 warps; the dq kernel one (rows, D) accumulator.
+# Launch settings. *_rows: query-tile rows (BT tokens x GP heads), *_block_n: key-tile width. Chosen so that the
+# sm_90 bf16 D=128 builds do not spill registers (checked with an ahead-of-time compile + cuobjdump; the dK/dV kernels
+# hold two (BLOCK_N, D) fp32 accumulators, which spill at 64 x 64 tiles): untuned for speed beyond that.
 # cmp_programs / cmp_min_tiles: the compressed dK/dV kernel splits its query range until about cmp_programs
 # programs run (2 waves on 132 SMs), each keeping at least cmp_min_tiles query tiles.
-BWD = dict(tile_rows=64, block_n=64, warps_dq=4, warps_dkdv=8, warps_slc=4, warps_prep=4, prep_t=32,
-           cmp_programs=264, cmp_min_tiles=4)
+BWD = dict(dq_rows=64, dq_block_n=32, dkdv_rows=32, dkdv_block_n=32, warps_dq=8, warps_dkdv=8, warps_slc=8,
+           warps_prep=4, prep_t=32, cmp_programs=264, cmp_min_tiles=4)
 
 
 # ---------------------------------------------------------------------------------------------------------- kernels
@@ -383,8 +383,8 @@ def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale
     branch_out = branch_out.contiguous()
     lse = lse.contiguous()
     GP = triton.next_power_of_2(G)
-    BT = max(1, BWD["tile_rows"] // GP)
-    BN = BWD["block_n"]
+    BT_Q, BN_Q = max(1, BWD["dq_rows"] // GP), BWD["dq_block_n"]          # dq kernel tiles
+    BT, BN = max(1, BWD["dkdv_rows"] // GP), BWD["dkdv_block_n"]          # dK/dV kernel tiles
     HAS_GATES = gates is not None
     gt, sgb, sgs, sgh, sgc = _gate_args(gates, lse)
     qs = (q.stride(0), q.stride(1), q.stride(2))
@@ -415,11 +415,11 @@ def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale
     kc = k_cmp.contiguous() if n_c else q.new_zeros((B, 1, Hk, D))
     vc = v_cmp.contiguous() if n_c else kc
     dq = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
-    _dq_kernel[(triton.cdiv(T, BT), B * Hk)](
+    _dq_kernel[(triton.cdiv(T, BT_Q), B * Hk)](
         q, k, v, kc, vc, dout, gt, lse[0], lse[2], r, dqs, dq,
         *qs, *ks, *vs, kc.stride(0), kc.stride(1), kc.stride(2), *ds_, *gs,
         T, n_c, q_off, Hk, G, qk_scale, scale, config.window,
-        CB=l, CS=d, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=BN, HAS_GATES=HAS_GATES, num_warps=BWD["warps_dq"])
+        CB=l, CS=d, HEAD_DIM=D, GP=GP, BT=BT_Q, BLOCK_N=BN_Q, HAS_GATES=HAS_GATES, num_warps=BWD["warps_dq"])
 
     # 4. dk, dv: window branch on key tiles, plus the selected scratch
     dk = torch.empty((B, S, Hk, D), dtype=k.dtype, device=dev)
