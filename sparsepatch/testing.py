@@ -62,6 +62,95 @@ def wan_call_kwargs(height: int = 64, width: int = 64, num_frames: int = 9, step
                 generator=torch.Generator().manual_seed(seed), output_type="pt", max_sequence_length=16)
 
 
+_SAMPLER_CLASS = None
+
+
+def _euler_flow_sampler_class():
+    """EulerFlowSampler, defined on first use (importing diffusers' DiffusionPipeline costs seconds)."""
+    global _SAMPLER_CLASS
+    if _SAMPLER_CLASS is not None:
+        return _SAMPLER_CLASS
+    from diffusers import DiffusionPipeline
+
+    class EulerFlowSampler(DiffusionPipeline):
+        """Rectified-flow Euler sampler around a bare WanTransformer3DModel, in latent space (no VAE, no CFG).
+
+        x_1 ~ N(0, I); x_{t'} = x_t + (t' - t) v(x_t, t) over `num_inference_steps` uniform steps; returns x_0
+        (B, C, F, H, W) fp32. With `latents` (clean clips) and `strength` s in (0, 1]: start from
+        x_s = (1 - s) latents + s noise and integrate s -> 0 (SDEdit-style partial denoising). A DiffusionPipeline, so `sp.patch` / `sp.validate` treat it like any pipeline: each
+        transformer call runs inside `transformer.cache_context("cond")` (the skip state advances one step per
+        call), `callback_on_step_end(pipe, step, timestep, {"latents": x})` after each step, and
+        `maybe_free_model_hooks()` at the end resets the skip lists between videos, as every diffusers pipeline.
+        The Euler state stays fp32 whatever the transformer's dtype.
+        """
+
+        def __init__(self, transformer):
+            super().__init__()
+            self.register_modules(transformer=transformer)
+
+        @torch.no_grad()
+        def __call__(self, text, shape, num_inference_steps=10, generator=None, callback_on_step_end=None,
+                     latents=None, strength: float = 1.0):
+            tr = self.transformer
+            x = torch.randn(shape, generator=generator, dtype=torch.float32).to(tr.device)
+            if latents is not None:
+                x = (1.0 - strength) * latents.to(x.device, torch.float32) + strength * x
+            text = text.to(tr.device, tr.dtype)
+            ts = torch.linspace(strength if latents is not None else 1.0, 0.0, num_inference_steps + 1)
+            for i in range(num_inference_steps):
+                t = float(ts[i])
+                timestep = torch.full((shape[0],), 1000.0 * t, device=tr.device)
+                with tr.cache_context("cond"):
+                    v = tr(hidden_states=x.to(tr.dtype), timestep=timestep, encoder_hidden_states=text,
+                           return_dict=False)[0]
+                x = x + (float(ts[i + 1]) - t) * v.float()
+                if callback_on_step_end is not None:
+                    out = callback_on_step_end(self, i, timestep, {"latents": x})
+                    x = (out or {}).get("latents", x)
+            self.maybe_free_model_hooks()    # ends the video: resets the skip lists
+            return x
+
+    _SAMPLER_CLASS = EulerFlowSampler
+    return EulerFlowSampler
+
+
+def euler_flow_sampler(transformer):
+    """An EulerFlowSampler pipeline (see `_euler_flow_sampler_class`) around `transformer`."""
+    return _euler_flow_sampler_class()(transformer)
+
+
+def tiny_trained_video_pipeline(path=None, dtype=None, random_weights: bool = False):
+    """The committed trained tiny video denoiser (`sparsepatch/assets/tiny_video`) in an EulerFlowSampler.
+
+    Returns (pipe, info); info has "frames", "latent_size", "text_len" (the latent shapes it was trained on) and
+    the rest of training_info.json. random_weights: the same architecture at its random initialisation
+    (`train_tiny_video.build_initial`'s seed) instead, as a control.
+    """
+    from .recipes import train_tiny_video as ttv
+    transformer, info = ttv.load_trained(path, dtype=dtype)
+    if random_weights:
+        from diffusers import WanTransformer3DModel
+        torch.manual_seed(ttv.SEED)
+        transformer = WanTransformer3DModel(**ttv.TINY_VIDEO_CONFIG).eval()
+        if dtype is not None and dtype != torch.float32:
+            transformer = transformer.to(dtype)
+    return euler_flow_sampler(transformer), info
+
+
+def trained_video_call_kwargs(pipe, info: dict, batch: int = 2, frames: int | None = None,
+                              latent_size: int | None = None, steps: int = 10, seed: int = 0) -> dict:
+    """Arguments for `tiny_trained_video_pipeline`'s sampler: clip i of the batch is prompted with procedural
+    class i % NUM_CLASSES (its fixed text embedding, `data.class_text_embeddings`, as in training); latents
+    (batch, C, frames, latent_size, latent_size), by default the trained shape."""
+    from .recipes.data import class_text_embeddings
+    tr = pipe.transformer
+    table = class_text_embeddings(text_len=info["text_len"], text_dim=tr.config.text_dim, seed=0)
+    size = latent_size or info["latent_size"]
+    shape = (batch, tr.config.in_channels, frames or info["frames"], size, size)
+    return dict(text=table[torch.arange(batch) % len(table)], shape=shape, num_inference_steps=steps,
+                generator=torch.Generator().manual_seed(seed))
+
+
 def tiny_cogvideox_pipeline(num_layers: int = 2, seed: int = 0, attention_gain: float = 1.0):
     """A CogVideoXPipeline (batched CFG, F.scaled_dot_product_attention called directly, text-prefix joint attn)."""
     from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline,

@@ -24,6 +24,8 @@ class ValidationReport:
     output_cos / output_psnr_db / output_max_abs: the final outputs, patched vs dense (PSNR over the dense output's
         value range, peak-to-peak).
     dense_s / patched_s: wall time of one dense and one patched call (seconds, CUDA synchronized).
+    extra: for pipelines taking `callback_on_step_end`, "dense_step_s" / "patched_step_s" (seconds per step) and,
+        where the callback is handed "latents", "step_psnr_db" (the latents after each step, patched vs dense).
     """
 
     config: str
@@ -41,7 +43,8 @@ class ValidationReport:
         return None if not self.patched_s else self.dense_s / self.patched_s
 
     def per_step(self) -> list[dict]:
-        """[{step, density, cos_mean, cos_min}] aggregated over layers and branches."""
+        """[{step, density, cos_mean, cos_min, psnr_db, dense_ms, patched_ms}] aggregated over layers and branches
+        (psnr_db: the pipeline's latents after the step, patched vs dense; nan where not recorded)."""
         dens, coss = defaultdict(list), defaultdict(list)
         for layer, branches in self.density.items():
             for values in branches.values():
@@ -53,22 +56,26 @@ class ValidationReport:
                     coss[i].append(c)
         dense_ms = self.extra.get("dense_step_s", [])
         patched_ms = self.extra.get("patched_step_s", [])
+        psnr = self.extra.get("step_psnr_db", [])
         rows = []
         for i in sorted(dens):
             rows.append(dict(step=i, density=sum(dens[i]) / len(dens[i]),
                              cos_mean=sum(coss[i]) / len(coss[i]) if coss[i] else float("nan"),
                              cos_min=min(coss[i]) if coss[i] else float("nan"),
+                             psnr_db=psnr[i] if i < len(psnr) else float("nan"),
                              dense_ms=dense_ms[i] * 1e3 if i < len(dense_ms) else float("nan"),
                              patched_ms=patched_ms[i] * 1e3 if i < len(patched_ms) else float("nan")))
         return rows
 
     def summary(self) -> str:
         lines = [f"sparsepatch validation — {self.config}",
-                 f"{'step':>4} {'density':>8} {'attn cos mean':>14} {'attn cos min':>13} {'dense ms':>9} "
-                 f"{'patched ms':>10}"]
+                 f"{'step':>4} {'density':>8} {'attn cos mean':>14} {'attn cos min':>13} {'PSNR dB':>8} "
+                 f"{'dense ms':>9} {'patched ms':>10}"]
         for row in self.per_step():
             lines.append(f"{row['step']:>4} {row['density']:>8.3f} {row['cos_mean']:>14.6f} {row['cos_min']:>13.6f} "
-                         f"{row['dense_ms']:>9.1f} {row['patched_ms']:>10.1f}")
+                         f"{row['psnr_db']:>8.2f} {row['dense_ms']:>9.1f} {row['patched_ms']:>10.1f}")
+        if any(math.isfinite(r["psnr_db"]) for r in self.per_step()):
+            lines.append("(PSNR dB per step: the pipeline's latents after that step, patched vs dense)")
         lines.append(f"output: cos {self.output_cos:.6f}  PSNR {self.output_psnr_db:.2f} dB  "
                      f"max|diff| {self.output_max_abs:.3g}")
         timing = f"time: dense {self.dense_s * 1e3:.1f} ms"
@@ -76,7 +83,7 @@ class ValidationReport:
             timing += f", patched {self.patched_s * 1e3:.1f} ms ({self.speedup:.2f}x)"
         lines.append(timing)
         for key, value in self.extra.items():
-            if not key.endswith("_step_s"):
+            if not key.endswith("_step_s") and key != "step_psnr_db":
                 lines.append(f"{key}: {value}")
         return "\n".join(lines)
 
@@ -155,19 +162,23 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _timed_call(fn, kwargs, seed, step_times=None):
+def _timed_call(fn, kwargs, seed, step_times=None, on_latents=None):
     """Call fn(**kwargs) under no_grad; returns (output, seconds). Appends per-step seconds to `step_times` when
-    the callable is a diffusers pipeline (via callback_on_step_end)."""
+    the callable is a diffusers pipeline (via callback_on_step_end); calls on_latents(step, latents) after each
+    step where the callback receives "latents" (diffusers' default callback tensor input)."""
     torch.manual_seed(seed)
     _sync()
     start = time.perf_counter()
-    if step_times is not None:
+    if step_times is not None or on_latents is not None:
         marks = [start]
 
         def on_step_end(pipe, step, timestep, callback_kwargs):
-            _sync()
-            marks.append(time.perf_counter())
-            step_times.append(marks[-1] - marks[-2])
+            if step_times is not None:
+                _sync()
+                marks.append(time.perf_counter())
+                step_times.append(marks[-1] - marks[-2])
+            if on_latents is not None and isinstance(callback_kwargs.get("latents"), torch.Tensor):
+                on_latents(step, callback_kwargs["latents"])
             return callback_kwargs
         kwargs = dict(kwargs, callback_on_step_end=on_step_end)
     with torch.no_grad():
@@ -201,11 +212,20 @@ def validate(pipe_or_model, config=None, *, seed: int = 0, measure_speed: bool =
     generator_states = {k: v.get_state() for k, v in call_kwargs.items() if isinstance(v, torch.Generator)}
     steps = {"dense": [], "patched": []} if _accepts_step_callback(pipe_or_model, call_kwargs) else None
 
-    def call(step_times=None):
-        return _timed_call(pipe_or_model, _fresh_kwargs(call_kwargs, generator_states), seed, step_times)
+    def call(step_times=None, on_latents=None):
+        return _timed_call(pipe_or_model, _fresh_kwargs(call_kwargs, generator_states), seed, step_times,
+                           on_latents)
 
     from . import patch   # the public entry (fills config=None from the recipes)
-    dense_out, dense_s = call()
+    # Per-step latents (pipelines whose step callback passes "latents"): kept from the first (untimed) dense run,
+    # compared with the probed patched run's as it goes -> PSNR of the sampler state after every step.
+    dense_latents, step_psnr = [], []
+    dense_out, dense_s = call(on_latents=(lambda i, x: dense_latents.append(x.detach().float().cpu()))
+                              if steps is not None else None)
+
+    def compare_step(i, x):
+        if i < len(dense_latents):
+            step_psnr.append(compare_outputs(dense_latents[i], x.detach().float().cpu())["psnr_db"])
     handle = patch(pipe_or_model, config)
     attention_cos = defaultdict(lambda: defaultdict(list))
 
@@ -217,7 +237,7 @@ def validate(pipe_or_model, config=None, *, seed: int = 0, measure_speed: bool =
 
     try:
         handle.probe = probe
-        patched_out, _ = call()
+        patched_out, _ = call(on_latents=compare_step if steps is not None else None)
         handle.probe = None
         handle.reset()   # a bare model call has no pipeline to end the video
         density = handle.stats()["density"]
@@ -236,7 +256,8 @@ def validate(pipe_or_model, config=None, *, seed: int = 0, measure_speed: bool =
         config=repr(handle.config), attention_cos={k: dict(v) for k, v in attention_cos.items()},
         density=copy.deepcopy(density), output_cos=cmp["cos"], output_psnr_db=cmp["psnr_db"],
         output_max_abs=cmp["max_abs"], dense_s=dense_s, patched_s=patched_s,
-        extra={} if not steps else {"dense_step_s": steps["dense"], "patched_step_s": steps["patched"]})
+        extra={} if not steps else {"dense_step_s": steps["dense"], "patched_step_s": steps["patched"],
+                                    **({"step_psnr_db": step_psnr} if step_psnr else {})})
 
 
 @dataclass
