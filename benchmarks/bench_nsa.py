@@ -92,7 +92,9 @@ def cudnn_causal_fwd_bwd(q, k, v, dout):
 
 
 def bench_fwd_bwd(nsa, cfg, heads, ts):
-    """Rows of forward + backward times (ms): ours vs SDPA cuDNN causal, bf16, D=128, B=1."""
+    """Rows of forward + backward times (ms): ours (both selected-branch dk/dv modes of nsa_backward.BWD) vs SDPA
+    cuDNN causal, bf16, D=128, B=1."""
+    from sparsepatch.kernels import nsa_backward
     rows = []
     for HQ, H in heads:
         for T in ts:
@@ -102,8 +104,15 @@ def bench_fwd_bwd(nsa, cfg, heads, ts):
             dout = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16)
             row = dict(HQ=HQ, H=H, G=HQ // H, T=T)
             try:
-                row["ours_ms"] = _bench(fwd_bwd(lambda a, b, c: nsa.nsa_attention(a, b, c, cfg), (q, k, v), dout),
-                                        rep=50)
+                run = fwd_bwd(lambda a, b, c: nsa.nsa_attention(a, b, c, cfg), (q, k, v), dout)
+                row["ours_ms"] = _bench(run, rep=50)            # selected dk/dv mode "list" (the default)
+                bwd_cfg = nsa_backward.BWD
+                mode = bwd_cfg["slc_dkdv"]
+                try:
+                    bwd_cfg["slc_dkdv"] = "atomic" if mode == "list" else "list"
+                    row[f"ours_{bwd_cfg['slc_dkdv']}_ms"] = _bench(run, rep=50)
+                finally:
+                    bwd_cfg["slc_dkdv"] = mode
                 with torch.no_grad():
                     row["ours_fwd_ms"] = _bench(lambda: nsa.nsa_attention(q, k, v, cfg), rep=50)
             except Exception as exc:  # noqa: BLE001

@@ -87,6 +87,9 @@ def test_grads_match_reference(G, Hk, T, D, cfg, monkeypatch):
     from sparsepatch.kernels import nsa_backward
     # split the compressed dK/dV query range whenever there are >= 2 query tiles (G=2, 4 here): the fp32 atomic path
     monkeypatch.setitem(nsa_backward.BWD, "cmp_min_tiles", 1)
+    # selected-branch dk/dv: per-token atomics for G=4, else the transposed lists cut into several chunks per block
+    monkeypatch.setitem(nsa_backward.BWD, "slc_dkdv", "atomic" if G == 4 else "list")
+    monkeypatch.setitem(nsa_backward.BWD, "slc_chunk_rows", 32)
     leaves, dout = _inputs(1, T, G * Hk, Hk, D, seed=T + G, gates=True)
     _check(leaves, dout, cfg, 1e-5)
 

@@ -23,18 +23,23 @@ dout is materialised. Scores use exp2 with scale * log2(e) folded in, as the for
 Launches (one set per batch of equal-length sequences; varlen calls this once per sequence, as the forward):
   1. `_prep_kernel`     r = rowsum(dout * o_b) for the 3 branches -> R (B, T, Hq, 3) fp32 (= dgates).
   2. `_slc_bwd_kernel`  one program per (token, KV head), rows = the group's query heads (padded to >= 16 for
-     tl.dot), over its selected blocks: dq_slc (fp32 scratch, plain store: the program owns those rows) and dk/dv
-     of the selected keys by fp32 `tl.atomic_add` into zero-initialised (B, S, Hk, D) scratch. Atomics, not a
-     transposed block -> tokens list: block 0 and every local block are chosen by (nearly) all queries, so a
-     per-block program would serialise T queries in one program (or need its own split + reduction); the atomics
-     are the simplest correct choice and spread that load across all programs. Cost: num_selected * block_size * D
-     fp32 atomic adds per (token, KV head) for each of dk and dv (dk/dv are not bitwise deterministic).
+     tl.dot), over its selected blocks -> dq_slc (fp32 scratch, plain store: the program owns those rows).
+     Selected-branch dk/dv, two modes (BWD["slc_dkdv"]), both into zero-initialised fp32 (B, S, Hk, D) scratch:
+     "list" (default): `_transpose_selection` (PyTorch sort of the indices) builds, per (batch, KV head, block j),
+       the ascending list of tokens that selected j, cut into chunks; `_slc_dkdv_kernel` runs one program per
+       chunk, gathers those tokens' q/dout rows, accumulates the block's dk/dv in registers and adds them with ONE
+       fp32 atomic add per chunk. Chunks (not one program per block) because block 0 and every local block are
+       selected by (nearly) all queries: a single program per block would serialise ~T tokens.
+     "atomic": the per-token program above also forms its dk/dv blocks and adds them with fp32 `tl.atomic_add`
+       (simplest; NSEL * BS * D atomic adds per (token, KV head) for each of dk and dv, contended on block 0 and
+       the local blocks; ~34G atomic adds at T=32K, Hk=4, NSEL=16, BS=64, D=128).
+     Either way dk/dv are not bitwise deterministic (fp32 atomics, order-dependent).
   3. `_dq_kernel`       query tiles (BT tokens x the G heads of one KV head, as the forward's tile kernels):
      compressed-branch and window-branch dq, plus the selected-branch scratch -> dq (q's dtype).
   4. `_swa_dkdv_kernel` one program per (BLOCK_N keys, KV head): loops over the query tiles whose window covers
      the keys, adds the selected-branch scratch -> dk, dv (k's / v's dtype).
-  5. `_cmp_dkdv_kernel` one program per (BLOCK_N compressed blocks, KV head): loops over every query tile that sees
-     them -> dk_cmp, dv_cmp.
+  5. `_cmp_dkdv_kernel` one program per (BLOCK_N compressed blocks, KV head, query-range split): loops over the
+     query tiles that see them -> dk_cmp, dv_cmp (splits summed by fp32 atomics when there are several).
 GQA: the dK/dV programs fold the group's heads into the rows of their query tiles, so dk/dv come out already
 summed over the group (no atomics across heads).
 Runs under TRITON_INTERPRET=1 on CPU (fp16/fp32) and on CUDA (fp16/bf16).
@@ -54,8 +59,13 @@ LOG2E = 1.4426950408889634
 # hold two (BLOCK_N, D) fp32 accumulators, which spill at 64 x 64 tiles): untuned for speed beyond that.
 # cmp_programs / cmp_min_tiles: the compressed dK/dV kernel splits its query range until about cmp_programs
 # programs run (2 waves on 132 SMs), each keeping at least cmp_min_tiles query tiles.
+# slc_rows: query rows per step of the list-mode kernel (its (BS, D) dk/dv accumulators spill at 32 rows).
+# slc_dkdv: how the selected branch's dk/dv are formed, "list" (transposed selection, one atomic add per chunk of
+# <= slc_chunk_rows / GP tokens) or "atomic" (per token and selected block; simplest, ~NSEL * BS * D fp32 atomic
+# adds per (token, KV head) for each of dk and dv, contended on block 0 and the local blocks).
 BWD = dict(dq_rows=64, dq_block_n=32, dkdv_rows=32, dkdv_block_n=32, warps_dq=8, warps_dkdv=8, warps_slc=8,
-           warps_prep=4, prep_t=32, cmp_programs=264, cmp_min_tiles=4)
+           warps_prep=4, prep_t=32, cmp_programs=264, cmp_min_tiles=4, slc_dkdv="list", slc_chunk_rows=2048,
+           slc_rows=16)
 
 
 # ---------------------------------------------------------------------------------------------------------- kernels
@@ -88,9 +98,10 @@ def _slc_bwd_kernel(Q, K, V, DO, IDX, GATES, LSE, R, DQS, DKS, DVS,
                     sgb, sgs, sgh, sgc,
                     T, S, q_off, Hk, G, qk_scale, scale,
                     BS: tl.constexpr, BSP: tl.constexpr, NSEL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    GP: tl.constexpr, HAS_GATES: tl.constexpr):
-    """Selected branch, one program per (token t, batch x KV head). DQS (B, T, Hq, D) fp32 is stored; DKS/DVS
-    (B, S, Hk, D) fp32 (zero-initialised) receive atomic adds. LSE: (B, T, Hq) log2 units of this branch."""
+                    GP: tl.constexpr, HAS_GATES: tl.constexpr, DKDV: tl.constexpr):
+    """Selected branch, one program per (token t, batch x KV head). DQS (B, T, Hq, D) fp32 is stored; with DKDV
+    (the "atomic" mode) DKS/DVS (B, S, Hk, D) fp32 (zero-initialised) also receive this token's dk/dv by atomic
+    adds, else `_slc_dkdv_kernel` computes them. LSE: (B, T, Hq) log2 units of this branch."""
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -132,12 +143,75 @@ def _slc_bwd_kernel(Q, K, V, DO, IDX, GATES, LSE, R, DQS, DKS, DVS,
         dp = tl.dot(do, tl.trans(v))
         ds = pg * (dp - r[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
-        dv_blk = tl.dot(tl.trans(pg).to(do.dtype), do)          # (BSP, D), summed over the group's heads
-        dk_blk = tl.dot(tl.trans(ds).to(q.dtype), q) * scale
-        kv_off = ((b64 * S + key64) * Hk + hk) * HEAD_DIM + offs_d[None, :]
-        tl.atomic_add(DKS + kv_off, dk_blk, mask=ok[:, None], sem="relaxed")
-        tl.atomic_add(DVS + kv_off, dv_blk, mask=ok[:, None], sem="relaxed")
+        if DKDV:
+            dv_blk = tl.dot(tl.trans(pg).to(do.dtype), do)      # (BSP, D), summed over the group's heads
+            dk_blk = tl.dot(tl.trans(ds).to(q.dtype), q) * scale
+            kv_off = ((b64 * S + key64) * Hk + hk) * HEAD_DIM + offs_d[None, :]
+            tl.atomic_add(DKS + kv_off, dk_blk, mask=ok[:, None], sem="relaxed")
+            tl.atomic_add(DVS + kv_off, dv_blk, mask=ok[:, None], sem="relaxed")
     tl.store(DQS + row[:, None] * HEAD_DIM + offs_d[None, :], dq * scale, mask=g_ok[:, None])
+
+
+@triton.jit
+def _slc_dkdv_kernel(Q, K, V, DO, GATES, LSE, R, DKS, DVS, CH_SEG, CH_START, CH_LEN, TOKS,
+                     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sgb, sgs, sgh, sgc,
+                     T, S, q_off, Hk, G, n_b, qk_scale, scale,
+                     BS: tl.constexpr, BSP: tl.constexpr, HEAD_DIM: tl.constexpr, GP: tl.constexpr,
+                     BT: tl.constexpr, HAS_GATES: tl.constexpr):
+    """Selected-branch dk/dv through the transposed selection ("list" mode): one program per chunk of the token
+    list of one (batch, KV head, selection block j) segment. TOKS holds, per segment, the tokens that selected the
+    block (ascending); chunk = (segment CH_SEG, first entry CH_START, length CH_LEN). The program gathers those
+    tokens' q / dout rows (BT tokens x the G heads per step), accumulates the block's dk/dv in registers and adds
+    them once into DKS/DVS (fp32, zeroed): one atomic add per chunk instead of one per token."""
+    pid = tl.program_id(0)
+    seg = tl.load(CH_SEG + pid)
+    start = tl.load(CH_START + pid).to(tl.int64)
+    n = tl.load(CH_LEN + pid)
+    b64 = (seg // (Hk * n_b)).to(tl.int64)
+    hk = (seg // n_b) % Hk
+    j = seg % n_b
+    Hq = Hk * G
+    M: tl.constexpr = BT * GP
+    offs_n = tl.arange(0, BSP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key = j * BS + offs_n
+    key_ok = (offs_n < BS) & (key < S)
+    key64 = key.to(tl.int64)
+    k = tl.load(K + b64 * skb + key64[:, None] * sks + hk * skh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + b64 * svb + key64[:, None] * svs + hk * svh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    dk = tl.zeros([BSP, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BSP, HEAD_DIM], tl.float32)
+    rr = tl.arange(0, M)
+    g = rr % GP
+    head = hk * G + g
+    for i0 in range(0, n, BT):
+        e = i0 + rr // GP
+        e_ok = e < n
+        tok = tl.load(TOKS + start + e, mask=e_ok, other=0)
+        row_ok = e_ok & (g < G)
+        qpos = tok + q_off
+        tok64 = tok.to(tl.int64)
+        q = tl.load(Q + b64 * sqb + tok64[:, None] * sqs + head[:, None] * sqh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + b64 * sdb + tok64[:, None] * sds + head[:, None] * sdh + offs_d[None, :],
+                     mask=row_ok[:, None], other=0.0).to(q.dtype)
+        row = (b64 * T + tok64) * Hq + head
+        lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+        r = tl.load(R + row * 3 + 1, mask=row_ok, other=0.0)
+        if HAS_GATES:
+            gs = tl.load(GATES + b64 * sgb + tok64 * sgs + head * sgh + sgc, mask=row_ok, other=0.0).to(tl.float32)
+        else:
+            gs = tl.where(row_ok, 1.0 / 3.0, 0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        ok = (key[None, :] <= qpos[:, None]) & key_ok[None, :] & row_ok[:, None]
+        pg = tl.where(ok, tl.math.exp2(s - lse[:, None]), 0.0) * gs[:, None]
+        dv = tl.dot(tl.trans(pg).to(do.dtype), do, dv)
+        dp = tl.dot(do, tl.trans(v))
+        ds = pg * (dp - r[:, None])
+        dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
+    off = ((b64 * S + key64[:, None]) * Hk + hk) * HEAD_DIM + offs_d[None, :]
+    tl.atomic_add(DKS + off, dk * scale, mask=key_ok[:, None], sem="relaxed")
+    tl.atomic_add(DVS + off, dv, mask=key_ok[:, None], sem="relaxed")
 
 
 @triton.jit
@@ -360,6 +434,35 @@ def _gate_args(gates, fallback):
     return gates, gates.stride(0), gates.stride(1), gates.stride(2), gates.stride(3)
 
 
+def _transpose_selection(idx, n_b: int, chunk: int):
+    """Block -> tokens lists of the selection, cut into chunks of <= chunk tokens (PyTorch, on idx's device).
+
+    idx int (B, T, Hk, NSEL), -1 padded. Segment id = (b * Hk + hk) * n_b + j. Returns int32 tensors
+    (ch_seg, ch_start, ch_len) per chunk and toks (the tokens of every segment, ascending within a segment,
+    segments in id order); ch_start indexes toks. One host sync (the number of chunks sizes the grid).
+    """
+    B, T, Hk, nsel = idx.shape
+    dev = idx.device
+    j = idx.long()
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    h = torch.arange(Hk, device=dev).view(1, 1, Hk, 1)
+    seg = torch.where(j >= 0, (b * Hk + h) * n_b + j, B * Hk * n_b).flatten()
+    # flattened order is (b, t, hk, slot): a stable sort by segment keeps each segment's tokens ascending
+    order = torch.sort(seg, stable=True).indices
+    nseg = B * Hk * n_b
+    counts = torch.bincount(seg, minlength=nseg + 1)[:nseg]
+    valid = int(counts.sum())
+    toks = ((order[:valid] // (Hk * nsel)) % T).to(torch.int32)
+    offs = torch.cumsum(counts, 0) - counts
+    nch = (counts + chunk - 1) // chunk
+    ch_seg = torch.repeat_interleave(torch.arange(nseg, device=dev), nch)
+    first = torch.repeat_interleave(torch.cumsum(nch, 0) - nch, nch)
+    i = torch.arange(ch_seg.numel(), device=dev) - first
+    ch_start = offs[ch_seg] + i * chunk
+    ch_len = torch.minimum(counts[ch_seg] - i * chunk, torch.full_like(ch_start, chunk))
+    return ch_seg.to(torch.int32), ch_start.to(torch.int32), ch_len.to(torch.int32), toks
+
+
 def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale, config):
     """Gradients of `nsa._forward` for one batch of equal-length sequences (queries = the last T of S positions).
 
@@ -400,16 +503,31 @@ def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale
         dout, branch_out[0], branch_out[1], branch_out[2], r, *ds_, T, Hq, HEAD_DIM=D, BLOCK_T=PT,
         num_warps=BWD["warps_prep"])
 
-    # 2. selected branch: dq scratch (stored), dk/dv scratch (atomics)
+    # 2. selected branch: dq scratch (stored, one program per token), dk/dv scratch (fp32, atomics: per token in
+    #    "atomic" mode, per chunk of the transposed selection in "list" mode)
     dqs = torch.empty((B, T, Hq, D), dtype=torch.float32, device=dev)
     dks = torch.zeros((B, S, Hk, D), dtype=torch.float32, device=dev)
     dvs = torch.zeros((B, S, Hk, D), dtype=torch.float32, device=dev)
+    mode = BWD["slc_dkdv"]
+    if mode not in ("list", "atomic"):
+        raise ValueError(f"BWD['slc_dkdv'] must be 'list' or 'atomic', got {mode!r}")
+    BSP = max(16, triton.next_power_of_2(bs))
     _slc_bwd_kernel[(T, B * Hk)](
         q, k, v, dout, idx, gt, lse[1], r, dqs, dks, dvs,
         *qs, *ks, *vs, *ds_, idx.stride(0), idx.stride(1), idx.stride(2), *gs,
         T, S, q_off, Hk, G, qk_scale, scale,
-        BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D, GP=max(16, GP),
-        HAS_GATES=HAS_GATES, num_warps=BWD["warps_slc"])
+        BS=bs, BSP=BSP, NSEL=nsel, HEAD_DIM=D, GP=max(16, GP), HAS_GATES=HAS_GATES, DKDV=mode == "atomic",
+        num_warps=BWD["warps_slc"])
+    if mode == "list":
+        n_b = triton.cdiv(S, bs)
+        ch_seg, ch_start, ch_len, toks = _transpose_selection(idx, n_b, max(1, BWD["slc_chunk_rows"] // GP))
+        if ch_seg.numel():
+            _slc_dkdv_kernel[(ch_seg.numel(),)](
+                q, k, v, dout, gt, lse[1], r, dks, dvs, ch_seg, ch_start, ch_len, toks,
+                *qs, *ks, *vs, *ds_, *gs,
+                T, S, q_off, Hk, G, n_b, qk_scale, scale,
+                BS=bs, BSP=BSP, HEAD_DIM=D, GP=GP, BT=max(1, BWD["slc_rows"] // GP), HAS_GATES=HAS_GATES,
+                num_warps=BWD["warps_dkdv"])
 
     # 3. dq: compressed + window branches on query tiles, plus the selected scratch
     kc = k_cmp.contiguous() if n_c else q.new_zeros((B, 1, Hk, D))
