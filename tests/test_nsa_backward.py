@@ -163,8 +163,11 @@ def _gpu_check(Hq, Hk, T, seed):
 
 
 @gpu
+@pytest.mark.parametrize("mode", ["list", "atomic"])
 @pytest.mark.parametrize("Hk", [1, 4])
-def test_gpu_bf16_grads_match_reference(Hk):
+def test_gpu_bf16_grads_match_reference(Hk, mode, monkeypatch):
+    from sparsepatch.kernels import nsa_backward
+    monkeypatch.setitem(nsa_backward.BWD, "slc_dkdv", mode)
     errs = _gpu_check(16, Hk, 2048, seed=100 + Hk)
     print("rel err", errs)
 
