@@ -33,6 +33,7 @@ import torch
 
 from ..config import NSAConfig
 from .transformers import SharedRegistration
+from .. import kernels
 from ..kernels import nsa_reference
 
 logger = logging.getLogger(__name__)
@@ -144,17 +145,6 @@ def _causal_only(mask, L, S):
     return bool((mask[..., :Sv] == want).all()), Sv
 
 
-def _kernel(q, config):
-    if q.is_cuda and not (torch.is_grad_enabled() and q.requires_grad):
-        try:
-            from ..kernels import nsa
-        except ImportError:
-            return nsa_reference.nsa_attention
-        if nsa.supports(q, config=config, causal=True):
-            return nsa.nsa_attention
-    return nsa_reference.nsa_attention
-
-
 def nsa_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                           is_causal=None, **kwargs):
     """The AttentionInterface function: query (B, Hq, L, D), key/value (B, Hk, S, D) -> ((B, L, Hq, D), None)."""
@@ -183,8 +173,8 @@ def nsa_attention_forward(module, query, key, value, attention_mask, dropout: fl
     v = value.transpose(1, 2)[:, :S]
     gate = module._modules.get(GATE_ATTR)
     gates = gate(q) if gate is not None else None
-    fn = _kernel(q, config)
-    out = fn(q, k, v, config, gates=gates, cache=cache, scale=scaling)
+    # Triton forward + backward on CUDA where supported, the reference elsewhere (the dispatcher decides).
+    out = kernels.nsa_attention(q, k, v, config, gates=gates, cache=cache, scale=scaling)
     handle.record_call(name, "prefill" if L == S else "decode", nsa_reference.nsa_density(config, L, S))
     return out, None
 

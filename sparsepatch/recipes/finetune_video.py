@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=2, help="clips per process per step")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="cosine: linear warm-up over --lr-warmup steps, then cosine decay to 0 at --max-steps")
+    p.add_argument("--lr-warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
     p.add_argument("--seed", type=int, default=0)
@@ -114,6 +117,21 @@ def flow_matching_inputs(x0: torch.Tensor, generator: torch.Generator, shard: tu
     t = torch.rand(B * count, generator=generator, device=x0.device, dtype=torch.float32)[rows]
     tt = t.to(x0.dtype).view(B, *([1] * (x0.dim() - 1)))
     return (1 - tt) * x0 + tt * noise, t * 1000.0, noise - x0
+
+
+def lr_factor(schedule: str, warmup: int, total: int):
+    """Multiplier of the base learning rate at optimizer step s (0-based), for LambdaLR."""
+    if warmup < 0:
+        raise ValueError(f"--lr-warmup must be >= 0, got {warmup}")
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = (s - warmup) / max(total - warmup, 1)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return factor
 
 
 def progress(total: int, enabled: bool, desc: str):
@@ -232,6 +250,9 @@ def main(argv=None) -> dict:
                                          num_workers=args.num_workers,
                                          generator=torch.Generator().manual_seed(args.seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # Stepped by hand once per optimizer step (not prepared: accelerate would step it once per process).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(args.lr_schedule, args.lr_warmup,
+                                                                       args.max_steps))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     raw = accelerator.unwrap_model(model)
     # One noise stream for the global batch, seeded alike on every process (see flow_matching_inputs).
@@ -263,6 +284,7 @@ def main(argv=None) -> dict:
         pred = model(hidden_states=xt, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
         loss = F.mse_loss(pred.float(), target.float())
         loss_value = optimizer_step(accelerator, model, optimizer, loss, args.max_grad_norm, step)
+        scheduler.step()
         sync(accelerator.device)
         step_times.append(time.perf_counter() - t0)
         losses.append(loss_value)

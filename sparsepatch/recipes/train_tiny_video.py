@@ -1,6 +1,9 @@
 """Train the tiny reference video denoiser committed under `sparsepatch/assets/tiny_video` (CPU, fixed seeds).
 
     PYTHONPATH=. python -m sparsepatch.recipes.train_tiny_video            # the committed run (see training_info.json)
+    # a 10k-step GPU run (H100: 231 s; loss 0.35 vs 0.84, but NOT adopted, see BENCHMARKS.md "Video" sweep notes):
+    PYTHONPATH=. python -m sparsepatch.recipes.train_tiny_video --max-steps 10000 --batch-size 16 --lr 1e-3 \
+        --lr-schedule cosine --lr-warmup 200 --num-workers 8 --output-dir /tmp/tiny_video_10k
     PYTHONPATH=. python -m sparsepatch.recipes.train_tiny_video --max-steps 5 --output-dir /tmp/tv   # smoke
 
 A thin wrapper over `finetune_video` (dense config, rectified flow on `data.ProceduralClips`): it builds a
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--frames", type=int, default=FRAMES)
     p.add_argument("--latent-size", type=int, default=LATENT_SIZE)
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
+    p.add_argument("--lr-warmup", type=int, default=0)
+    p.add_argument("--num-workers", type=int, default=0, help="data-loader processes drawing the clips")
     p.add_argument("--output-dir", default=str(ASSET_DIR))
     p.add_argument("--log-every", type=int, default=25)
     return p
@@ -65,19 +72,29 @@ def main(argv=None) -> dict:
             "--config", "dense", "--model-path", init, "--max-steps", str(args.max_steps),
             "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(SEED),
             "--frames", str(args.frames), "--latent-size", str(args.latent_size), "--text-len", str(TEXT_LEN),
-            "--output-dir", args.output_dir, "--log-every", str(args.log_every)])
+            "--output-dir", args.output_dir, "--log-every", str(args.log_every),
+            "--lr-schedule", args.lr_schedule, "--lr-warmup", str(args.lr_warmup),
+            "--num-workers", str(args.num_workers)])
     wall = time.perf_counter() - t0
-    info = {"command": "PYTHONPATH=. python -m sparsepatch.recipes.train_tiny_video " + " ".join(argv or []),
+    given = sys.argv[1:] if argv is None else argv
+    info = {"command": "PYTHONPATH=. python -m sparsepatch.recipes.train_tiny_video " + " ".join(given),
             "wall_seconds": round(wall, 1), "steps": len(result["losses"]),
             "final_loss": result["final_loss"],
             "mean_loss_last_50": sum(result["losses"][-50:]) / len(result["losses"][-50:]),
-            "frames": args.frames, "latent_size": args.latent_size, "text_len": TEXT_LEN}
+            "frames": args.frames, "latent_size": args.latent_size, "text_len": TEXT_LEN,
+            "batch_size": args.batch_size, "lr": args.lr, "lr_schedule": args.lr_schedule,
+            "device": _device_name()}
     if args.output_dir:
         with open(os.path.join(args.output_dir, "training_info.json"), "w") as f:
             json.dump(info, f, indent=1)
     print("TRAINED " + json.dumps(info))
     result["info"] = info
     return result
+
+
+def _device_name() -> str:
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def load_trained(path: str | os.PathLike | None = None, dtype=None):
