@@ -78,6 +78,8 @@ def sweep_configs(q, k, v, skip, lists, log):
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False, prefetch_j=True),
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True),
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ws=True, prefetch_j=True),
+        dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True, persist=True),
+        dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True, host_desc=True),
         # ablations (never picked): no keep test / list indices ignored / both
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ablate_keep=True),
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ablate_direct_j=True),
@@ -118,7 +120,7 @@ def sweep_configs(q, k, v, skip, lists, log):
     skip.CONFIGS[(128, 128)], skip.SKIP_CONFIGS[(128, 128)] = saved
     ok = [r for r in rows if "ms" in r and r["max_err"] < 2e-2 and r.get("same_next_list", True)
           and not any(kk.startswith("ablate") for kk in r)]
-    keys = ("BLOCK_N", "num_warps", "num_stages", "tma", "ws", "prefetch_j")
+    keys = ("BLOCK_N", "num_warps", "num_stages", "tma", "ws", "prefetch_j", "persist", "host_desc")
     pick = {}
     for kind in ("dense", "skip"):
         cand = [r for r in ok if r["kind"] == kind]
@@ -126,11 +128,87 @@ def sweep_configs(q, k, v, skip, lists, log):
     return rows, pick["dense"], pick["skip"]
 
 
+def seq_list(B, H, S, n, tile=(128, 128), device="cuda"):
+    """SkipList whose every row lists k-tiles 0..n-1 (same tiles for all q-tiles: L2-friendly access)."""
+    from sparsepatch.kernels.skiplist import SkipList, num_tiles
+    tq, tk = num_tiles(S, tile[0]), num_tiles(S, tile[1])
+    counts = torch.full((B, H, tq), n, dtype=torch.int32, device=device)
+    idx = torch.arange(tk, dtype=torch.int32, device=device).expand(B, H, tq, tk).contiguous()
+    return SkipList(counts, idx, tile, S, S)
+
+
+VARIANTS = {
+    "default": {},                                        # SKIP_CONFIGS as shipped
+    "dev_desc": dict(host_desc=False, persist=False),     # device-built TMA descriptors, one program per item
+    "dev_desc+persist": dict(host_desc=False, persist=True),
+    "host_desc+persist": dict(host_desc=True, persist=True),
+}
+
+
+def variants(log, shape=(1, 12, 32760, 128), names=None, rounds=2):
+    """Time skip-config variants (exact: outputs and next lists must equal the base config's) on random lists at
+    DENSITIES and on sequential lists of n tiles (fixed cost vs per-tile cost). Returns result rows."""
+    from sparsepatch.kernels import skip
+    B, H, S, D = shape
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    lists = {f"rand{rho}": random_list(B, H, S, rho) for rho in DENSITIES}
+    for n in (1, 4, 13):
+        lists[f"seq{n}"] = seq_list(B, H, S, n)
+    base_cfg = dict(skip.SKIP_CONFIGS[(128, 128)])
+    rows = []
+    t_dense = [bench_ms(lambda: skip.attention(q, k, v))]
+    ref = {}
+    for rnd in range(rounds):  # interleaved rounds; each cell keeps its fastest round
+        for name in names or VARIANTS:
+            skip.SKIP_CONFIGS[(128, 128)] = dict(base_cfg, **VARIANTS[name])
+            for lname, lst in lists.items():
+                row = next((r for r in rows if r["variant"] == name and r["list"] == lname), None)
+                if row is None:
+                    row = dict(variant=name, list=lname, ms_rounds=[])
+                    rows.append(row)
+                try:
+                    if rnd == 0:
+                        out, nxt = skip.skip_attention(q, k, v, lst, -5.0)
+                        torch.cuda.synchronize()
+                        if lname not in ref:
+                            ref[lname] = (out, nxt)
+                        else:
+                            row["same_out"] = bool(torch.equal(out, ref[lname][0]))
+                            row["same_next"] = bool(nxt.equal(ref[lname][1]))
+                    row["ms_rounds"].append(bench_ms(lambda lst=lst: skip.skip_attention(q, k, v, lst, -5.0),
+                                                     rep=100))
+                    row["ms"] = min(row["ms_rounds"])
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                log(f"variant {row}")
+        t_dense.append(bench_ms(lambda: skip.attention(q, k, v)))
+    skip.SKIP_CONFIGS[(128, 128)] = base_cfg
+    log(f"dense ms (start, after each round): {t_dense}")
+    dense = min(t_dense)
+    names_l = list(lists)
+    print("\n| variant | " + " | ".join(names_l) + " |")
+    print("|---|" + "---|" * len(names_l))
+    for name in names or VARIANTS:
+        cells = []
+        for ln in names_l:
+            r = next((r for r in rows if r["variant"] == name and r["list"] == ln), {})
+            ok = "" if r.get("same_out", True) and r.get("same_next", True) else " (DIFF)"
+            cells.append(f"{r['ms']:.3f}{ok}" if "ms" in r else "err")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    tg = {f"rand{rho}": (1.1 * rho * dense + 0.05 if rho < 1 else 1.05 * dense) for rho in DENSITIES}
+    print("| target | " + " | ".join(f"{tg[ln]:.3f}" if ln in tg else "-" for ln in names_l) + " |")
+    print(f"dense {dense:.3f} ms ({4 * B * H * S * S * D / dense * 1e-9:.0f} TFLOP/s)")
+    return dict(dense_ms=t_dense, rows=rows, base_cfg=base_cfg)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="first shape only")
     ap.add_argument("--sweep", action="store_true", help="time a small kernel-config set first and use the best")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help="only time skip-config variants (names from VARIANTS; none = all) at H12 S32760")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -146,6 +224,15 @@ def main(argv=None):
     def log(msg):
         print(msg, flush=True)
         lines.append(msg)
+
+    if args.variants is not None:
+        res = variants(log, names=args.variants or None)
+        res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+        for d in filter(None, [args.out, os.environ.get("OUT")]):
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"{gpu_name()}-skip-variants.json"), "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
 
     try:
         from sageattention import sageattn

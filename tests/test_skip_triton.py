@@ -117,6 +117,25 @@ def test_skip_many_tiles_interp():
 
 
 @cpu_only
+@pytest.mark.parametrize("extra", [dict(host_desc=True, persist=True), dict(persist=True)])
+def test_skip_launch_variants_interp(monkeypatch, extra):
+    """Host TMA descriptors over the (B, H, S, D) view and the persistent grid (several items per program, next
+    list head prefetched): same outputs and next lists as the reference, GQA, strided inputs, must_do, 2 calls."""
+    for key in list(skip.SKIP_CONFIGS):
+        monkeypatch.setitem(skip.SKIP_CONFIGS, key, dict(skip.SKIP_CONFIGS[key], **extra))
+    B, S, Hq, Hk, D, tile = 2, 330, 2, 1, 64, (64, 64)
+    dtype = torch.float16
+    thr = lattice_threshold(D)
+    q, k, v, assign = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=11)
+    fused = torch.stack([q, k.expand(-1, -1, Hq, -1), v.expand(-1, -1, Hq, -1)], dim=2)
+    q, k, v = fused[:, :, 0], fused[:, :, 1][:, :, :Hk], fused[:, :, 2][:, :, :Hk]
+    nxt = check_skip(q, k, v, None, thr, tile=tile, must_do=[(0, 20)], dtype=dtype)
+    assert nxt.density().item() < 0.9
+    q, k, v, _ = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=12, assign=assign)
+    check_skip(q, k, v, nxt, thr, tile=tile, dtype=dtype)
+
+
+@cpu_only
 def test_skip_must_do_strided_interp():
     B, S, Hq, Hk, D, tile = 2, 200, 2, 1, 64, (64, 64)
     dtype = torch.float16

@@ -11,6 +11,12 @@ a tile is kept iff some valid row has tile_max - running_max_before > threshold.
 in an int32 word per 32 visited tiles and OR-reduced across rows once per word (no per-tile cross-warp
 reduction); the kernel then writes the next list (ascending indices + count) itself.
 
+K/V loads (USE_TMA): 0 pointer loads; 1 TMA descriptors built on the device per program (per (b, kv head) base);
+2 host TMA descriptors over the (B, Hk, Sk, D) view of K/V, block (1, 1, BLOCK_N, D), no per-program descriptor
+build (the skip default at tile 128x128: it removed ~3 us of the ~8 us fixed cost per q-tile program, which
+dominates at low density; benchmarks/NOTES.md). PERSIST (opt-in): one program per SM walking (head, q-tile) items,
+the next item's list head loaded ahead; measured neutral.
+
 Ops are registered with torch.library.custom_op (+ fake impls): `sparsepatch::skip_fwd`, `sparsepatch::dense_fwd`.
 `skip_step` is the CUDA body of `sparsepatch::skip_step` (stateful.py): it reads the call counter on the device,
 so it never syncs with the host and can be captured in a CUDA graph.
@@ -43,9 +49,11 @@ CONFIGS = {
     (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True),
     (64, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
 }
-# The skip loop (indirect k-tile index per iteration) has its own best settings.
+# The skip loop (indirect k-tile index per iteration) has its own best settings. host_desc: K/V TMA descriptors built
+# on the host (USE_TMA=2, falls back to device descriptors when strides are not 16-byte multiples). persist (opt-in,
+# measured neutral): a persistent grid of one program per SM (only sensible where one program fills an SM).
 SKIP_CONFIGS = {
-    (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True),
+    (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True, host_desc=True),
     (128, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False, prefetch_j=True),
     (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False, prefetch_j=True),
     (64, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False, prefetch_j=True),
@@ -62,12 +70,15 @@ def _or(a, b):
 
 
 @triton.jit
-def _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, start_n, offs_n, rows, Sk, causal_off, qk_scale,
-           stride_ks, stride_vs,
+def _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, start_n, offs_n, rows, Sk, causal_off,
+           qk_scale, stride_ks, stride_vs,
            BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) step of the online softmax; returns (acc, l_i, m_i, scaled row max of the block)."""
     cols = start_n + offs_n
-    if USE_TMA:
+    if USE_TMA == 2:  # host descriptors over (B, Hk, Sk, D) views
+        k = k_desc.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, k_desc.block_shape[3])
+        v = v_desc.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, v_desc.block_shape[3])
+    elif USE_TMA:
         k = k_desc.load([start_n, 0])
         v = v_desc.load([start_n, 0])
     elif MASK_N:
@@ -99,16 +110,42 @@ def _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, start_n, offs_n, ro
 
 
 @triton.jit
-def _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, j, offs_n, rows, Sk, qk_scale, stride_ks, stride_vs,
-          TILE_N: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, USE_TMA: tl.constexpr):
+def _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, j, offs_n, rows, Sk, qk_scale, stride_ks,
+          stride_vs, TILE_N: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, USE_TMA: tl.constexpr):
     """All sub-blocks of skip tile j; returns (acc, l_i, m_i, scaled row max over the whole tile)."""
     tmax = tl.full(m_i.shape, float("-inf"), tl.float32)
     for s in tl.static_range(TILE_N // BLOCK_N):
-        acc, l_i, m_i, rmax = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, j * TILE_N + s * BLOCK_N,
-                                     offs_n, rows, Sk, 0, qk_scale, stride_ks, stride_vs,
+        acc, l_i, m_i, rmax = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h,
+                                     j * TILE_N + s * BLOCK_N, offs_n, rows, Sk, 0, qk_scale, stride_ks, stride_vs,
                                      BLOCK_N, MASK_N, False, USE_TMA)
         tmax = tl.maximum(tmax, rmax)
     return acc, l_i, m_i, tmax
+
+
+@triton.jit
+def _list_head(pid_m, bh, CNT_IN, IDX_IN, STEP, Hq, Tq, Tk, slot_stride_cnt, slot_stride_idx, warmup,
+               STATEFUL: tl.constexpr, LAST_PARTIAL: tl.constexpr):
+    """(count, count without the partial last k-tile, first index) of the list this call reads for one item."""
+    row = bh.to(tl.int64) * Tq + pid_m
+    cnt_in = CNT_IN + row
+    idx_in = IDX_IN + row * Tk
+    if STATEFUL:
+        n = tl.load(STEP)
+        warm = n < warmup
+        rs = tl.where(warm, 0, (n - warmup) % 2)
+        cnt_in += rs * slot_stride_cnt
+        idx_in += rs * slot_stride_idx
+        cnt = tl.where(warm, Tk, tl.load(cnt_in))
+    else:
+        cnt = tl.load(cnt_in)
+    n_plain = cnt
+    if LAST_PARTIAL:
+        last = tl.load(idx_in + tl.maximum(cnt - 1, 0))
+        if STATEFUL:
+            last = tl.where(warm, Tk - 1, last)
+        n_plain = tl.where((cnt > 0) & (last == Tk - 1), cnt - 1, cnt)
+    j0 = tl.load(idx_in)
+    return cnt, n_plain, j0
 
 
 @triton.jit
@@ -116,14 +153,56 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_ob, stride_os, stride_oh,
                 Sq, Sk, Hq, n_rep, Tq, Tk, slot_stride_cnt, slot_stride_idx, warmup,
-                qk_scale, threshold, causal_off,
+                qk_scale, threshold, causal_off, n_bh, KD, VD,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 TILE_N: tl.constexpr, SKIP: tl.constexpr, STATEFUL: tl.constexpr, HAS_FORCED: tl.constexpr,
                 LAST_PARTIAL: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
                 WARP_SPEC: tl.constexpr, NWORDS: tl.constexpr, PREFETCH_J: tl.constexpr = False,
-                DIRECT_J: tl.constexpr = False, NO_KEEP: tl.constexpr = False):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+                DIRECT_J: tl.constexpr = False, NO_KEEP: tl.constexpr = False, PERSIST: tl.constexpr = False):
+    if PERSIST:
+        # Persistent grid: program p takes work items p, p + P, ... (item = (b * Hq + h) * Tq + q-tile), in the
+        # same head-major order as the plain grid (co-running items share K/V in L2). The list head of the next
+        # item (count, plain count, first index) is loaded before the current item runs, so its dependent loads
+        # are off the next item's critical path.
+        n_items = Tq * n_bh
+        step = tl.num_programs(0)
+        item = tl.program_id(0)
+        cnt_n, np_n, j0_n = _list_head(item % Tq, item // Tq, CNT_IN, IDX_IN, STEP, Hq, Tq, Tk, slot_stride_cnt,
+                                       slot_stride_idx, warmup, STATEFUL, LAST_PARTIAL)
+        for item in range(tl.program_id(0), n_items, step):
+            cnt_c = cnt_n
+            np_c = np_n
+            j0_c = j0_n
+            nxt = tl.minimum(item + step, n_items - 1)
+            cnt_n, np_n, j0_n = _list_head(nxt % Tq, nxt // Tq, CNT_IN, IDX_IN, STEP, Hq, Tq, Tk,
+                                           slot_stride_cnt, slot_stride_idx, warmup, STATEFUL, LAST_PARTIAL)
+            _fwd_item(item % Tq, item // Tq, Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, STEP,
+                      stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                      stride_vh, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, slot_stride_cnt,
+                      slot_stride_idx, warmup, qk_scale, threshold, causal_off, KD, VD, HEAD_DIM, BLOCK_M, TILE_M,
+                      BLOCK_N, TILE_N, SKIP, STATEFUL, HAS_FORCED, LAST_PARTIAL, CAUSAL, WRITE_LSE, USE_TMA, WARP_SPEC,
+                      NWORDS, PREFETCH_J, DIRECT_J, NO_KEEP, cnt_c, np_c, j0_c, True)
+    else:
+        _fwd_item(tl.program_id(0), tl.program_id(1), Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW,
+                  FCOL, STEP, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
+                  stride_vs, stride_vh, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, slot_stride_cnt,
+                  slot_stride_idx, warmup, qk_scale, threshold, causal_off, KD, VD, HEAD_DIM, BLOCK_M, TILE_M, BLOCK_N,
+                  TILE_N, SKIP, STATEFUL, HAS_FORCED, LAST_PARTIAL, CAUSAL, WRITE_LSE, USE_TMA, WARP_SPEC, NWORDS,
+                  PREFETCH_J, DIRECT_J, NO_KEEP, 0, 0, 0, False)
+
+
+@triton.jit
+def _fwd_item(pid_m, bh, Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, STEP,
+              stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+              stride_ob, stride_os, stride_oh,
+              Sq, Sk, Hq, n_rep, Tq, Tk, slot_stride_cnt, slot_stride_idx, warmup,
+              qk_scale, threshold, causal_off, KD, VD,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              TILE_N: tl.constexpr, SKIP: tl.constexpr, STATEFUL: tl.constexpr, HAS_FORCED: tl.constexpr,
+              LAST_PARTIAL: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
+              WARP_SPEC: tl.constexpr, NWORDS: tl.constexpr, PREFETCH_J: tl.constexpr, DIRECT_J: tl.constexpr,
+              NO_KEEP: tl.constexpr, cnt_pre, np_pre, j0_pre, PRE: tl.constexpr):
+    """One q-tile (pid_m) of one (batch, query head) bh."""
     b = bh // Hq
     h = bh % Hq
     hk = h // n_rep
@@ -141,7 +220,10 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
     q = tl.load(q_base + rows[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
     v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
-    if USE_TMA:
+    if USE_TMA == 2:
+        k_desc = KD
+        v_desc = VD
+    elif USE_TMA:
         k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, HEAD_DIM], strides=[stride_ks, 1],
                                            block_shape=[BLOCK_N, HEAD_DIM])
         v_desc = tl.make_tensor_descriptor(v_base, shape=[Sk, HEAD_DIM], strides=[stride_vs, 1],
@@ -168,16 +250,14 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
             idx_in += rs * slot_stride_idx
             cnt_out += (1 - rs) * slot_stride_cnt
             idx_out += (1 - rs) * slot_stride_idx
-            cnt = tl.where(warm, Tk, tl.load(cnt_in))
             write_ok = (n >= warmup).to(tl.int32)
+        if PRE:
+            cnt = cnt_pre
+            n_plain = np_pre
+            j_next = j0_pre
         else:
-            cnt = tl.load(cnt_in)
-        n_plain = cnt
-        if LAST_PARTIAL:
-            last = tl.load(idx_in + tl.maximum(cnt - 1, 0))
-            if STATEFUL:
-                last = tl.where(warm, Tk - 1, last)
-            n_plain = tl.where((cnt > 0) & (last == Tk - 1), cnt - 1, cnt)
+            cnt, n_plain, j_next = _list_head(pid_m, bh, CNT_IN, IDX_IN, STEP, Hq, Tq, Tk, slot_stride_cnt,
+                                              slot_stride_idx, warmup, STATEFUL, LAST_PARTIAL)
         if HAS_FORCED:
             frow = (tl.load(FROW + pid_m) != 0).to(tl.int32)
         offs_c = tl.arange(0, CHUNK)
@@ -185,7 +265,6 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         out_cnt = tl.full([], 0, tl.int32)
         # One flat, software-pipelined loop over the listed tiles; per-row keep bits go into word it // 32.
         bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
-        j_next = tl.load(idx_in)
         for it in tl.range(0, n_plain, warp_specialize=WARP_SPEC):
             if PREFETCH_J:  # the index of the next visited tile is loaded one iteration ahead
                 j = j_next
@@ -197,7 +276,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
             if STATEFUL:
                 j = tl.where(warm, it, j)
             m_before = m_i
-            acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, j, offs_n, rows, Sk,
+            acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, b, hk, j, offs_n, rows, Sk,
                                         qk_scale, stride_ks, stride_vs, TILE_N, BLOCK_N, False, USE_TMA)
             if not NO_KEEP:  # NO_KEEP: ablation only (benchmarks)
                 hit = (((tmax - m_before) > threshold) & row_ok).to(tl.int32) << (it & 31)
@@ -226,8 +305,8 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         # The partial last k-tile (masked columns), if listed: it is the largest index, so it appends in order.
         for it in range(n_plain, cnt):
             m_before = m_i
-            acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, Tk - 1, offs_n, rows, Sk,
-                                        qk_scale, stride_ks, stride_vs, TILE_N, BLOCK_N, True, USE_TMA)
+            acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, b, hk, Tk - 1, offs_n, rows,
+                                        Sk, qk_scale, stride_ks, stride_vs, TILE_N, BLOCK_N, True, USE_TMA)
             hit = ((tmax - m_before) > threshold) & row_ok
             keep1 = tl.max(hit.to(tl.int32), 0)
             if HAS_FORCED:
@@ -251,11 +330,11 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
             hi = Sk
             hi_full = Sk // BLOCK_N * BLOCK_N
         for start_n in tl.range(0, hi_full, BLOCK_N, warp_specialize=WARP_SPEC):
-            acc, l_i, m_i, _r = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, start_n, offs_n, rows, Sk,
-                                       causal_off, qk_scale, stride_ks, stride_vs, BLOCK_N, False, False, USE_TMA)
+            acc, l_i, m_i, _r = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, b, hk, start_n, offs_n, rows,
+                                       Sk, causal_off, qk_scale, stride_ks, stride_vs, BLOCK_N, False, False, USE_TMA)
         for start_n in range(hi_full, hi, BLOCK_N):
-            acc, l_i, m_i, _r = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, start_n, offs_n, rows, Sk,
-                                       causal_off, qk_scale, stride_ks, stride_vs, BLOCK_N, True, CAUSAL, USE_TMA)
+            acc, l_i, m_i, _r = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, b, hk, start_n, offs_n, rows,
+                                       Sk, causal_off, qk_scale, stride_ks, stride_vs, BLOCK_N, True, CAUSAL, USE_TMA)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -326,16 +405,50 @@ def _tma_ok(cfg, *ts):
             and all(t.data_ptr() % 16 == 0 and (t.stride(1) * t.element_size()) % 16 == 0 for t in ts))
 
 
+def _host_desc(t, block_n):
+    """Host TMA descriptor over the (B, H, S, D) view of a (B, S, H, D) tensor, block (1, 1, block_n, D), or None
+    when unavailable (no TensorDescriptor, misaligned base or strides)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    esz = t.element_size()
+    if t.data_ptr() % 16 or any((t.stride(i) * esz) % 16 for i in range(3)):
+        return None
+    B, S, H, D = t.shape
+    return TensorDescriptor(t, [B, H, S, D], [t.stride(0), t.stride(2), t.stride(1), 1], [1, 1, block_n, D])
+
+
+_SMS = {}
+
+
+def _num_sms(device) -> int:
+    if _interpret():
+        return 3  # small, so the interpreter tests walk several work items per program
+    idx = torch.device(device).index or 0
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
 def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step, Tq, Tk, slot_cnt, slot_idx,
             warmup, scale, threshold, tm, tn, skip, stateful, causal, cfg):
     B, Sq, Hq, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     block_m = triton.next_power_of_2(tm)
-    use_tma = bool(_tma_ok(cfg, k, v))
-    if use_tma:
-        set_tma_allocator()
     dummy = out
-    grid = (Tq, B * Hq)
+    kd = vd = None
+    if cfg.get("host_desc") and (_interpret() or cfg.get("tma")):
+        kd, vd = _host_desc(k, cfg["BLOCK_N"]), _host_desc(v, cfg["BLOCK_N"])
+    if kd is not None and vd is not None:
+        use_tma = 2
+    else:
+        kd = vd = dummy
+        use_tma = int(bool(_tma_ok(cfg, k, v)))
+    if use_tma == 1:
+        set_tma_allocator()
+    persist = bool(cfg.get("persist", False)) and skip
+    grid = (min(Tq * B * Hq, _num_sms(q.device) * int(cfg.get("persist", 1))), 1) if persist else (Tq, B * Hq)
     _fwd_kernel[grid](
         q, k, v, out, lse if lse is not None else dummy,
         cnt_in if cnt_in is not None else dummy, idx_in if idx_in is not None else dummy,
@@ -345,13 +458,13 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         Sq, Sk, Hq, Hq // Hk, Tq, Tk, slot_cnt, slot_idx, warmup,
-        scale * LOG2E, threshold, Sk - Sq,
+        scale * LOG2E, threshold, Sk - Sq, B * Hq, kd, vd,
         HEAD_DIM=D, BLOCK_M=block_m, TILE_M=tm, BLOCK_N=cfg["BLOCK_N"], TILE_N=tn, SKIP=skip, STATEFUL=stateful,
         HAS_FORCED=frow is not None, LAST_PARTIAL=bool(skip and Sk % tn), CAUSAL=causal, WRITE_LSE=lse is not None,
         USE_TMA=use_tma, WARP_SPEC=bool(cfg.get("ws", False)),
         NWORDS=max(1, triton.next_power_of_2(num_tiles(Tk, CHUNK_N))) if skip else 1,
         PREFETCH_J=bool(cfg.get("prefetch_j", False)), DIRECT_J=bool(cfg.get("ablate_direct_j", False)),
-        NO_KEEP=bool(cfg.get("ablate_keep", False)),
+        NO_KEEP=bool(cfg.get("ablate_keep", False)), PERSIST=persist,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
