@@ -35,18 +35,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 TILE = (128, 128)
 
 
-def build(layers, device):
-    from diffusers import WanTransformer3DModel
-    torch.manual_seed(0)   # same weights on every rank and for every build
-    with torch.device(device):
-        model = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-            text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=layers, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
-        )
-    return model.to(torch.bfloat16).eval()
-
-
 def timed(fn, reps, device):
     """(median ms of the slowest rank, last output)."""
     out = fn()                                   # warm-up (Triton compiles, cuDNN plans)
@@ -99,7 +87,7 @@ def main(argv=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import sparsepatch as sp
-    from common import gpu_name, random_list
+    from common import gpu_name, random_list, save_results, wan_1_3b_shaped
     from sparsepatch.recipes.parallel_video import _one_device_on_cpu
 
     gpu = "cpu" if args.cpu else torch.cuda.get_device_name()
@@ -132,7 +120,7 @@ def main(argv=None):
                 sp.unpatch(model)
             return ms, out, density, forced
 
-        model = build(args.layers, device)
+        model = wan_1_3b_shaped(args.layers, device)
         dense_ms, _ = timed(lambda: step(model), args.reps, device)
         ms, single, density, forced = patched_run(model, lambda m, shape: m)
         entry["modes"]["1gpu_dense_cudnn"] = dense_ms
@@ -144,7 +132,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
 
         for mode in args.modes.split(","):
-            model = build(args.layers, device)
+            model = wan_1_3b_shaped(args.layers, device)
             model.set_attention_backend("native" if args.cpu else "_native_cudnn")
             cfg = ContextParallelConfig(ulysses_degree=world) if mode == "ulysses" else \
                 ContextParallelConfig(ring_degree=world)
@@ -179,11 +167,7 @@ def main(argv=None):
             print(json.dumps(entry), flush=True)
 
     if rank == 0:
-        name = f"{'cpu' if args.cpu else gpu_name()}x{world}-parallel-step.json"
-        os.makedirs(args.out, exist_ok=True)
-        for dname in filter(None, [args.out, os.environ.get("OUT")]):
-            with open(os.path.join(dname, name), "w") as f:
-                json.dump(res, f, indent=1)
+        save_results(res, f"{'cpu' if args.cpu else gpu_name()}x{world}-parallel-step.json", args.out)
         print(f"\n## Context parallelism, Wan2.1-1.3B-shaped transformer step ({args.layers} layers, bf16, "
               f"density {args.density}), {world} x {gpu}")
         print("| shape | tokens | mode | dense cuDNN ms | skip ms | skip vs 1-GPU skip | max abs diff vs 1-GPU "

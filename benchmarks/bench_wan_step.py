@@ -13,7 +13,6 @@ Writes <out>/<gpu>-wan-step-skip.json and $OUT/... when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,20 +32,13 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench_wan_step: needs CUDA")
         return 1
-    from diffusers import WanTransformer3DModel
     from diffusers.models.transformers import transformer_wan
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from common import gpu_name, random_list
+    from common import gpu_name, random_list, save_results, wan_1_3b_shaped
     from sparsepatch.kernels import skip
 
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-            text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=args.layers, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
-        ).to(torch.bfloat16).eval()
+    model = wan_1_3b_shaped(args.layers)
     x = torch.randn(1, 16, 21, 60, 104, device="cuda", dtype=torch.bfloat16)
     ctx = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16)
     ts = torch.tensor([500], device="cuda")
@@ -94,11 +86,7 @@ def main(argv=None):
         res[f"cos_vs_dense_{rho}"] = cos
     transformer_wan.dispatch_attention_fn = orig
     res["self_attn_calls_per_step"] = state["self_calls"] // (2 * (args.reps + 1))
-    name = f"{gpu_name()}-wan-step-skip.json"
-    os.makedirs(args.out, exist_ok=True)
-    for d in filter(None, [args.out, os.environ.get("OUT")]):
-        with open(os.path.join(d, name), "w") as f:
-            json.dump(res, f, indent=1)
+    save_results(res, f"{gpu_name()}-wan-step-skip.json", args.out)
     print(f"\n## Wan2.1-1.3B-shaped transformer step ({args.layers} layers, {S} tokens, bf16), "
           f"{torch.cuda.get_device_name()}")
     print("| mode | ms / step | speed-up vs cuDNN dense | target |")

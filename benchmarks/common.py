@@ -33,3 +33,26 @@ def random_list(B, H, S, density, tile=(128, 128), seed=0, device="cuda"):
     top = score.topk(n, dim=-1).indices
     mask = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)
     return SkipList.from_mask(mask, tile, S, S)
+
+
+def save_results(res: dict, name: str, out: str | None) -> None:
+    """Write `res` as JSON to `out`/name (created if needed) and, on the device machine, to $OUT/name as well."""
+    import json
+    for d in dict.fromkeys(filter(None, [out, os.environ.get("OUT")])):
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, name), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def wan_1_3b_shaped(layers: int = 30, device="cuda"):
+    """A WanTransformer3DModel with Wan2.1-T2V-1.3B's shape (12 heads x 128, ffn 8960, text_dim 4096, freq_dim 256,
+    patch (1, 2, 2)), `layers` blocks, random weights from seed 0, bf16, eval mode."""
+    from diffusers import WanTransformer3DModel
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+            text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=layers, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+        )
+    return model.to(torch.bfloat16).eval()
