@@ -7,13 +7,16 @@ uniform gates) for HQ64/H4 (G=16), HQ32/H8 (G=4), HQ16/H16 (MHA), T = 8K..64K (1
 Peers in the same process on the same inputs: SDPA causal with the cuDNN backend (k/v expanded to HQ heads outside
 the timing) and fla's parallel_nsa (G=16 only: fla needs G >= 16; block 64, 16 blocks, window 512, its own
 mean pooling with compressed block = stride = 64, gates given) — a cheaper compression than ours (T/64 vs T/16
-compressed keys). Decode: one query token, HQ64/H4, context 8K..64K, NSACache(store_kv=False) prefilled, vs SDPA
-(default backend, enable_gqa). Times: triton.testing.do_bench medians (ms). Also a per-kernel breakdown at the
+compressed keys). Decode (`bench_decode`; --decode-only runs only it): one query token, HQ64/H4, context 8K..64K,
+NSACache(store_kv=False) prefilled, the split-K decode path eager and CUDA-graph captured vs SDPA decode
+(enable_gqa: default, flash, cuDNN backends; default captured). Times: triton.testing.do_bench medians (ms). Also a per-kernel breakdown at the
 largest T (CUDA events around each launch). Writes <out>/<gpu>-nsa.json and prints ratio tables.
 --bwd adds a training section "fwd_bwd": forward + backward (torch.autograd.grad of q, k, v for a random dout,
 uniform gates) of ours vs SDPA cuDNN causal (k/v expanded outside the timing, gradients of the expanded tensors)
-at the same head configurations, T = 8K..32K (8K, 16K with --quick); --bwd-only skips the forward and decode
-sections.
+at the same head configurations, T = 8K..32K (8K, 16K with --quick; HQ64/H4 always up to --max-t, 64K);
+--bwd-only skips the forward and decode sections. --bwd-tune first times every stage of nsa_backward (CUDA events,
+nsa_backward.PROFILE) at HQ64/H4 16K and 64K, sweeps BWD_SETS at --tune-t and uses the per-stage best for fwd_bwd
+(--best-out writes it as JSON for SPARSEPATCH_NSA_BWD); --summary JSON prints the backward tables of a results file.
 """
 from __future__ import annotations
 
@@ -91,13 +94,13 @@ def cudnn_causal_fwd_bwd(q, k, v, dout):
     return fwd_bwd(attn, (qh, kh, vh), doh)
 
 
-def bench_fwd_bwd(nsa, cfg, heads, ts):
-    """Rows of forward + backward times (ms): ours (both selected-branch dk/dv modes of nsa_backward.BWD) vs SDPA
-    cuDNN causal, bf16, D=128, B=1."""
+def bench_fwd_bwd(nsa, cfg, heads, ts, both_modes=False, write=None, ts_g16=None):
+    """Rows of forward + backward times (ms): ours (with both_modes also the other selected-branch dk/dv mode of
+    nsa_backward.BWD) vs SDPA cuDNN causal, bf16, D=128, B=1. ts_g16: the lengths for HQ64/H4 (default ts)."""
     from sparsepatch.kernels import nsa_backward
     rows = []
     for HQ, H in heads:
-        for T in ts:
+        for T in (ts_g16 or ts) if (HQ, H) == (64, 4) else ts:
             q = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             k = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             v = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -109,8 +112,9 @@ def bench_fwd_bwd(nsa, cfg, heads, ts):
                 bwd_cfg = nsa_backward.BWD
                 mode = bwd_cfg["slc_dkdv"]
                 try:
-                    bwd_cfg["slc_dkdv"] = "atomic" if mode == "list" else "list"
-                    row[f"ours_{bwd_cfg['slc_dkdv']}_ms"] = _bench(run, rep=50)
+                    if both_modes:
+                        bwd_cfg["slc_dkdv"] = "atomic" if mode == "list" else "list"
+                        row[f"ours_{bwd_cfg['slc_dkdv']}_ms"] = _bench(run, rep=50)
                 finally:
                     bwd_cfg["slc_dkdv"] = mode
                 with torch.no_grad():
@@ -126,9 +130,167 @@ def bench_fwd_bwd(nsa, cfg, heads, ts):
             rows.append(row)
             print("fwd+bwd", {kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in row.items()},
                   flush=True)
+            if write is not None:
+                write(rows)
             del q, k, v, dout
             torch.cuda.empty_cache()
     return rows
+
+
+# ------------------------------------------------------------------------------------- backward breakdown / tuning
+# Candidate launch settings for nsa_backward.BWD (each set changes every kernel; the stages are independent, so
+# the best value of each stage can be combined). Set 0 = the defaults.
+BWD_SETS = [
+    {},
+    dict(cmp_rows=64, cmp_block_n=64, warps_cmp=4, stages_cmp=2, slc_rows=64, warps_slc_dkdv=8,
+         stages_slc_dkdv=3, warps_slc=4, stages_slc=1, dq_rows=128, dq_block_n=64, warps_dq=8, stages_dq=3,
+         swa_rows=64, swa_block_n=64, warps_swa=4, stages_swa=3),
+    dict(cmp_rows=64, cmp_block_n=64, warps_cmp=4, stages_cmp=3, slc_rows=32, warps_slc_dkdv=4,
+         stages_slc_dkdv=3, slc_chunk_rows=16384, warps_slc=2, stages_slc=2, dq_rows=128, dq_block_n=128,
+         warps_dq=8, stages_dq=2, swa_rows=32, swa_block_n=64, warps_swa=4, stages_swa=2),
+    dict(cmp_rows=32, cmp_block_n=64, warps_cmp=4, stages_cmp=4, slc_rows=64, warps_slc_dkdv=4,
+         stages_slc_dkdv=3, slc_chunk_rows=16384, warps_slc=8, stages_slc=1, dq_rows=64, dq_block_n=64,
+         warps_dq=4, stages_dq=2, swa_rows=32, swa_block_n=128, warps_swa=8, stages_swa=3),
+    dict(cmp_rows=64, cmp_block_n=128, warps_cmp=8, stages_cmp=3, slc_rows=128, warps_slc_dkdv=8,
+         stages_slc_dkdv=2, warps_slc=4, stages_slc=3, dq_rows=128, dq_block_n=64, warps_dq=4, stages_dq=2,
+         swa_rows=16, swa_block_n=64, warps_swa=4, stages_swa=3),
+    dict(cmp_rows=32, cmp_block_n=64, warps_cmp=4, stages_cmp=3, cmp_programs=2112, slc_rows=64,
+         warps_slc_dkdv=4, stages_slc_dkdv=2, slc_chunk_rows=32768, warps_slc=2, stages_slc=3, dq_rows=256,
+         dq_block_n=32, warps_dq=8, stages_dq=2, swa_rows=64, swa_block_n=64, warps_swa=8, stages_swa=3),
+]
+# Round 1 (2026-11-24, 16K; benchmarks/results/h100-nsa-fwd-bwd-sweep1.json) picked today's defaults; the sets
+# above are round 2 around them.
+# which BWD keys belong to which stage (for combining the best of each)
+STAGE_KEYS = {"slc_dq": ("warps_slc", "stages_slc"),
+              "slc_list": ("slc_rows", "warps_slc_dkdv", "stages_slc_dkdv", "slc_chunk_rows"),
+              "dq": ("dq_rows", "dq_block_n", "warps_dq", "stages_dq"),
+              "swa_dkdv": ("swa_rows", "swa_block_n", "warps_swa", "stages_swa"),
+              "cmp_dkdv": ("cmp_rows", "cmp_block_n", "warps_cmp", "stages_cmp", "cmp_programs")}
+
+
+def _bwd_inputs(nsa, cfg, HQ, H, T, seed=0):
+    """Saved forward state for one nsa_backward call (uniform gates), bf16, D=128, B=1."""
+    import math
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    dout = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    kc, vc = ref.compress_kv(k, v, cfg)
+    scale = 1.0 / math.sqrt(D)
+    _, idx, lse, bo = nsa._forward(q, k, v, kc, vc, None, scale, cfg, save=True)
+    return dict(q=q, k=k, v=v, kc=kc, vc=vc, idx=idx, lse=lse, bo=bo, dout=dout, scale=scale)
+
+
+def _bwd_call(inp, cfg):
+    from sparsepatch.kernels import nsa_backward as nb
+    return nb.nsa_backward(inp["q"], inp["k"], inp["v"], inp["kc"], inp["vc"], None, inp["idx"], inp["lse"],
+                           inp["bo"], inp["dout"], inp["scale"], cfg)
+
+
+def bwd_stages(inp, cfg, reps=3):
+    """ms per backward stage (min over reps after one warm-up / compile call), CUDA events in nsa_backward."""
+    from sparsepatch.kernels import nsa_backward as nb
+    times = {}
+    try:
+        for i in range(reps + 1):
+            nb.PROFILE = []
+            _bwd_call(inp, cfg)
+            torch.cuda.synchronize()
+            if i:
+                for name, s, e in nb.PROFILE:
+                    times.setdefault(name, []).append(s.elapsed_time(e))
+    finally:
+        nb.PROFILE = None
+    out = {n: round(min(v), 3) for n, v in times.items()}
+    out["slc_list"] = round(out.get("slc_sort", 0) + out.get("slc_dkdv", 0), 3)
+    out["bwd_total"] = round(sum(v for n, v in out.items() if n in times), 3)
+    return out
+
+
+def glue_times(nsa, cfg, inp):
+    """ms of the pieces around nsa_backward: forward with save, compress_kv forward+backward, end-to-end."""
+    q, k, v, dout = inp["q"], inp["k"], inp["v"], inp["dout"]
+    res = {}
+    res["fwd_save"] = _bench(lambda: nsa._forward(q, k, v, inp["kc"], inp["vc"], None, inp["scale"], cfg,
+                                                  save=True), rep=30)
+    with torch.no_grad():
+        res["fwd_nograd"] = _bench(lambda: nsa.nsa_attention(q, k, v, cfg), rep=30)
+    kl, vl = k.detach().requires_grad_(True), v.detach().requires_grad_(True)
+    gk, gv = torch.randn_like(inp["kc"]), torch.randn_like(inp["vc"])
+
+    def ckv():
+        a, b = ref.compress_kv(kl, vl, cfg)
+        return torch.autograd.grad((a, b), (kl, vl), (gk, gv))
+    res["compress_kv_fwd_bwd"] = _bench(ckv, rep=30)
+    ql = q.detach().requires_grad_(True)
+    res["end_to_end"] = _bench(fwd_bwd(lambda a, b, c: nsa.nsa_attention(a, b, c, cfg), (ql, kl, vl), dout), rep=30)
+    return {n: round(x, 3) for n, x in res.items()}
+
+
+def bwd_tune(nsa, cfg, res, write, tune_t=16384, best_out=None):
+    """Per-stage breakdown of the backward at HQ64/H4 (16K and 64K) for the defaults, a sweep of BWD_SETS at 16K,
+    the per-stage best combined (checked against the defaults at T=2048), and its breakdown."""
+    from sparsepatch.kernels import nsa_backward as nb
+    base = dict(nb.BWD)
+    tune = res.setdefault("bwd_tune", {})
+    inp = _bwd_inputs(nsa, cfg, 64, 4, 2048, seed=1)
+    ref_grads = [x.float() for x in _bwd_call(inp, cfg)[:5]]
+    inp16 = _bwd_inputs(nsa, cfg, 64, 4, 16384)
+    tune["before_16K"] = dict(stages=bwd_stages(inp16, cfg), glue=glue_times(nsa, cfg, inp16))
+    print("before 16K", tune["before_16K"], flush=True)
+    write()
+    if tune_t != 16384:
+        del inp16
+        torch.cuda.empty_cache()
+        inp16 = _bwd_inputs(nsa, cfg, 64, 4, tune_t)
+    sweep = []
+    for i, over in enumerate(BWD_SETS):
+        nb.BWD.update(base)
+        nb.BWD.update(over)
+        row = dict(set=i)
+        try:
+            got = _bwd_call(inp, cfg)[:5]
+            row["rel_vs_default"] = [round(((a.float() - b).abs().max() / b.abs().max()).item(), 4)
+                                     for a, b in zip(got, ref_grads)]
+            row.update(bwd_stages(inp16, cfg, reps=3 if tune_t <= 16384 else 2))
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = _err(exc)
+        sweep.append(row)
+        print("sweep", row, flush=True)
+    nb.BWD.update(base)
+    tune["sweep_16K" if tune_t == 16384 else f"sweep_{tune_t // 1024}K"] = sweep
+    best = dict(base)
+    for stage, keys in STAGE_KEYS.items():
+        ok = [r for r in sweep if stage in r and "error" not in r and max(r["rel_vs_default"]) < 1e-2]
+        if ok:
+            w = min(ok, key=lambda r: r[stage])
+            best.update({kk: {**base, **BWD_SETS[w["set"]]}[kk] for kk in keys})
+    tune["best"] = best
+    print("best", best, flush=True)
+    if best_out:
+        with open(best_out, "w") as f:
+            json.dump({kk: vv for kk, vv in best.items() if base.get(kk) != vv}, f)
+    write()
+    del inp16
+    torch.cuda.empty_cache()
+    inp64 = _bwd_inputs(nsa, cfg, 64, 4, 65536)
+    if tune_t == 65536:
+        tune["before_64K"] = dict(stages={kk: vv for kk, vv in sweep[0].items() if kk not in ("set", "rel_vs_default")})
+    else:
+        tune["before_64K"] = dict(stages=bwd_stages(inp64, cfg, reps=2))
+    print("before 64K", tune["before_64K"], flush=True)
+    nb.BWD.update(best)
+    tune["after_64K"] = dict(stages=bwd_stages(inp64, cfg, reps=2), glue=glue_times(nsa, cfg, inp64))
+    print("after 64K", tune["after_64K"], flush=True)
+    write()
+    del inp64
+    torch.cuda.empty_cache()
+    inp16 = _bwd_inputs(nsa, cfg, 64, 4, 16384)
+    tune["after_16K"] = dict(stages=bwd_stages(inp16, cfg), glue=glue_times(nsa, cfg, inp16))
+    print("after 16K", tune["after_16K"], flush=True)
+    write()
+    return best
 
 
 def breakdown(nsa, q, k, v, cfg):
@@ -166,7 +328,20 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="try tile rows / warps at 32K first and keep the best")
     ap.add_argument("--bwd", action="store_true", help="add the forward+backward section (fwd_bwd) vs cuDNN")
     ap.add_argument("--bwd-only", action="store_true", help="only the forward+backward section")
+    ap.add_argument("--bwd-tune", action="store_true",
+                    help="before fwd_bwd: per-stage backward breakdown at HQ64/H4 16K/64K, sweep of BWD_SETS at 16K, "
+                         "the per-stage best is then used for fwd_bwd (section bwd_tune)")
+    ap.add_argument("--both-modes", action="store_true", help="fwd_bwd: also time the other selected dk/dv mode")
+    ap.add_argument("--tune-t", type=int, default=16384, help="--bwd-tune: sequence length of the sweep")
+    ap.add_argument("--best-out", help="--bwd-tune: write the chosen BWD overrides (JSON) here")
+    ap.add_argument("--tag", default="nsa", help="JSON name <gpu>-<tag>.json")
+    ap.add_argument("--summary", metavar="JSON", help="only print the backward tables of a results JSON")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only the decode section (JSON <gpu>-nsa-decode.json unless --tag is given)")
     args = ap.parse_args(argv)
+    if args.summary:
+        with open(args.summary) as f:
+            return summary(json.load(f))
     from sparsepatch.kernels import nsa
     cfg = NSAConfig()
     dev = torch.cuda.get_device_name()
@@ -176,10 +351,24 @@ def main(argv=None):
            "prefill": [], "decode": [], "breakdown": {}, "sweep": [], "fwd_bwd": []}
     ts = TS[:2] if args.quick else TS
     torch.manual_seed(0)
+    if args.decode_only:
+        tag = "nsa-decode" if args.tag == "nsa" else args.tag
+        res["decode"] = bench_decode(nsa, cfg, DECODE_S[:2] if args.quick else DECODE_S,
+                                     write=lambda rows: _write(res, args.out, gpu, tag, quiet=True))
+        return _write(res, args.out, gpu, tag)
+
+    def write(*_):
+        _write(res, args.out, gpu, args.tag, quiet=True)
+    if args.bwd_tune:
+        res["bwd_best"] = bwd_tune(nsa, cfg, res, write, args.tune_t, args.best_out)
     if args.bwd or args.bwd_only:
-        res["fwd_bwd"] = bench_fwd_bwd(nsa, cfg, HEADS, [t for t in ts if t <= 32768])
+        # HQ64/H4 up to max-t (the issue-5 target is at 64K); the other head layouts at the --quick lengths
+        ts_g16 = [t for t in TS if t <= args.max_t]
+        res["fwd_bwd"] = bench_fwd_bwd(nsa, cfg, HEADS, [t for t in ts if t <= 32768], both_modes=args.both_modes,
+                                       write=lambda rows: (res.__setitem__("fwd_bwd", rows), write()),
+                                       ts_g16=ts_g16)
     if args.bwd_only:
-        return _write(res, args.out, gpu)
+        return _write(res, args.out, gpu, args.tag)
 
     if args.sweep:
         best = None
@@ -236,30 +425,153 @@ def main(argv=None):
             del q, k, v
             torch.cuda.empty_cache()
 
+    res["decode"] = bench_decode(nsa, cfg, DECODE_S[:2] if args.quick else DECODE_S)
+
+    return _write(res, args.out, gpu, args.tag)
+
+
+def _graph_replay(fn):
+    """fn captured in a CUDA graph (after a warm-up on a side stream); returns the graph's replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    replay = g.replay
+    replay.graph = g
+    return replay
+
+
+def _sdpa_decode(qh, kh, vh, backend=None):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run():
+        if backend is None:
+            return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
+    return run
+
+
+DECODE_TARGETS = [40, 80, 160, 320, 640]   # nsa_decode.TARGET_PROGRAMS tried at the largest S (graph replay)
+
+
+def bench_decode(nsa, cfg, ss, write=None, sweep=True):
+    """Decode rows (us): one query token, HQ64/H4, D=128, bf16, B=1, NSACache(store_kv=False) prefilled to S.
+    ours = nsa.nsa_attention(q1, k, v, cache) eager (checks + cache.update + the 4 decode kernels); kernels = the
+    decode kernels alone (nsa_decode.nsa_decode, eager); graph = one captured nsa_attention step replayed;
+    update = cache.update alone; old = the prefill kernels at T = 1 (nsa._forward, before this path). SDPA decode
+    with enable_gqa: default backend, flash, cuDNN (eager), and the default one captured in a graph."""
+    import math
+    from sparsepatch.kernels import nsa_decode
     HQ, H = 64, 4
-    for S in (DECODE_S[:2] if args.quick else DECODE_S):
+    scale = 1.0 / math.sqrt(D)
+    rows = []
+    for S in ss:
         k = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         q1 = torch.randn(1, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
         cache = ref.NSACache(store_kv=False)
+        row = dict(HQ=HQ, H=H, S=S)
         with torch.no_grad():
             cache.update(k, v, cfg)
-            ms = _bench(lambda: nsa.nsa_attention(q1, k, v, cfg, cache=cache), rep=100)
+            kc, vc = cache.k_cmp, cache.v_cmp
+
+            def step():
+                return nsa.nsa_attention(q1, k, v, cfg, cache=cache)
+            try:
+                o_new, i_new = nsa_decode.nsa_decode(q1, k, v, kc, vc, None, scale, cfg, True)
+                o_old, i_old = nsa._forward(q1, k, v, kc, vc, None, scale, cfg)[:2]
+                row["same_idx_as_prefill_kernels"] = bool(torch.equal(i_new, i_old))
+                row["max_diff_vs_prefill_kernels"] = (o_new.float() - o_old.float()).abs().max().item()
+                row["ours_us"] = _bench(step) * 1e3
+                row["kernels_us"] = _bench(lambda: nsa_decode.nsa_decode(q1, k, v, kc, vc, None, scale, cfg)) * 1e3
+                row["update_us"] = _bench(lambda: cache.update(k, v, cfg)) * 1e3
+                row["old_us"] = _bench(lambda: nsa._forward(q1, k, v, kc, vc, None, scale, cfg)) * 1e3
+            except Exception as exc:  # noqa: BLE001
+                row["ours_error"] = _err(exc)
+            try:
+                replay = _graph_replay(step)
+                row["ours_graph_us"] = _bench(replay) * 1e3
+            except Exception as exc:  # noqa: BLE001
+                row["graph_error"] = _err(exc)
             qh, kh, vh = q1.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            sd = _bench(lambda: F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True), rep=100)
-        row = dict(HQ=HQ, H=H, S=S, ours_us=ms * 1e3, sdpa_us=sd * 1e3, speedup=sd / ms)
-        res["decode"].append(row)
-        print({kk: (round(vv, 2) if isinstance(vv, float) else vv) for kk, vv in row.items()}, flush=True)
+            for name, backend in (("sdpa", None), ("sdpa_flash", "FLASH_ATTENTION"), ("sdpa_cudnn", "CUDNN_ATTENTION")):
+                try:
+                    row[f"{name}_us"] = _bench(_sdpa_decode(qh, kh, vh, backend)) * 1e3
+                except Exception as exc:  # noqa: BLE001
+                    row[f"{name}_error"] = _err(exc)[:200]
+            try:
+                row["sdpa_graph_us"] = _bench(_graph_replay(_sdpa_decode(qh, kh, vh))) * 1e3
+            except Exception as exc:  # noqa: BLE001
+                row["sdpa_graph_error"] = _err(exc)[:200]
+            sd = [row[n] for n in ("sdpa_us", "sdpa_flash_us", "sdpa_cudnn_us") if n in row]
+            if sd:
+                row["sdpa_best_us"] = min(sd)
+                if "ours_us" in row:
+                    row["speedup"] = row["sdpa_best_us"] / row["ours_us"]
+                if "ours_graph_us" in row:
+                    row["speedup_graph"] = row.get("sdpa_graph_us", row["sdpa_best_us"]) / row["ours_graph_us"]
+            if sweep and S == max(ss) and "ours_graph_us" in row:
+                base = nsa_decode.TARGET_PROGRAMS
+                row["target_sweep_graph_us"] = {}
+                try:
+                    for tp in DECODE_TARGETS:
+                        nsa_decode.TARGET_PROGRAMS = tp
+                        row["target_sweep_graph_us"][tp] = round(_bench(_graph_replay(step)) * 1e3, 2)
+                except Exception as exc:  # noqa: BLE001
+                    row["target_sweep_error"] = _err(exc)
+                finally:
+                    nsa_decode.TARGET_PROGRAMS = base
+        rows.append(row)
+        print("decode", {kk: (round(vv, 2) if isinstance(vv, float) else vv) for kk, vv in row.items()}, flush=True)
+        if write is not None:
+            write(rows)
+        del k, v, cache
+        torch.cuda.empty_cache()
+    print(f"{'S':>6} {'ours':>7} {'kernels':>7} {'graph':>7} {'update':>7} {'old':>7} {'sdpa':>7} {'flash':>7} "
+          f"{'cudnn':>7} {'sdpa_g':>7} {'x eager':>7} {'x graph':>7}  (us)")
+    for r in rows:
+        print(f"{r['S']:>6} " + " ".join(f"{r.get(n, float('nan')):7.1f}" for n in (
+            "ours_us", "kernels_us", "ours_graph_us", "update_us", "old_us", "sdpa_us", "sdpa_flash_us",
+            "sdpa_cudnn_us", "sdpa_graph_us")) + f" {r.get('speedup', float('nan')):7.2f} "
+              f"{r.get('speedup_graph', float('nan')):7.2f}")
+    return rows
 
-    return _write(res, args.out, gpu)
+
+def summary(res):
+    """Short tables of the backward sections (bwd_tune stages, fwd_bwd rows)."""
+    tune = res.get("bwd_tune", {})
+    keys = ["prep", "alloc", "slc_dq", "slc_sort", "slc_dkdv", "dq", "swa_dkdv", "cmp_dkdv", "bwd_total"]
+    print("stage ms     " + " ".join(f"{k[:9]:>9}" for k in keys))
+    for name in ("before_16K", "after_16K", "before_64K", "after_64K"):
+        if name in tune:
+            st = tune[name]["stages"]
+            print(f"{name:12} " + " ".join(f"{st.get(k, float('nan')):9.2f}" for k in keys), tune[name].get("glue", ""))
+    for r in [r for kk, vv in tune.items() if kk.startswith("sweep") for r in vv]:
+        print("sweep", r.get("set"), r.get("error", "") or " ".join(f"{k}={r.get(k)}" for k in
+              ("slc_dq", "slc_list", "dq", "swa_dkdv", "cmp_dkdv", "bwd_total", "rel_vs_default")))
+    if "best" in tune:
+        print("best", tune["best"])
+    print(f"{'heads':10} {'T':>6} {'fwd':>7} {'fwd+bwd':>8} {'cuDNN':>8} {'speedup':>7}")
+    for r in res.get("fwd_bwd", []):
+        print(f"HQ{r['HQ']}H{r['H']:<5} {r['T']:>6} {r.get('ours_fwd_ms', float('nan')):7.2f} "
+              f"{r.get('ours_ms', float('nan')):8.2f} {r.get('cudnn_ms', float('nan')):8.2f} "
+              f"{r.get('speedup_vs_cudnn', float('nan')):7.2f}", r.get("ours_error", ""), r.get("cudnn_error", ""))
+    return res
 
 
-def _write(res, out, gpu):
+def _write(res, out, gpu, tag="nsa", quiet=False):
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"{gpu}-nsa.json")
+    path = os.path.join(out, f"{gpu}-{tag}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
-    print("wrote", path)
+    if not quiet:
+        print("wrote", path)
     return res
 
 

@@ -46,6 +46,9 @@ Runs under TRITON_INTERPRET=1 on CPU (fp16/fp32) and on CUDA (fp16/bf16).
 """
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -54,18 +57,46 @@ __all__ = ["nsa_backward", "BWD"]
 
 LOG2E = 1.4426950408889634
 
-# Launch settings. *_rows: query-tile rows (BT tokens x GP heads), *_block_n: key-tile width. Chosen so that the
-# sm_90 bf16 D=128 builds do not spill registers (checked with an ahead-of-time compile + cuobjdump; the dK/dV kernels
-# hold two (BLOCK_N, D) fp32 accumulators, which spill at 64 x 64 tiles): untuned for speed beyond that.
-# cmp_programs / cmp_min_tiles: the compressed dK/dV kernel splits its query range until about cmp_programs
-# programs run (2 waves on 132 SMs), each keeping at least cmp_min_tiles query tiles.
-# slc_rows: query rows per step of the list-mode kernel (its (BS, D) dk/dv accumulators spill at 32 rows).
-# slc_dkdv: how the selected branch's dk/dv are formed, "list" (transposed selection, one atomic add per chunk of
-# <= slc_chunk_rows / GP tokens) or "atomic" (per token and selected block; simplest, ~NSEL * BS * D fp32 atomic
-# adds per (token, KV head) for each of dk and dv, contended on block 0 and the local blocks).
-BWD = dict(dq_rows=64, dq_block_n=32, dkdv_rows=32, dkdv_block_n=32, warps_dq=8, warps_dkdv=8, warps_slc=8,
-           warps_prep=4, prep_t=32, cmp_programs=264, cmp_min_tiles=4, slc_dkdv="list", slc_chunk_rows=2048,
-           slc_rows=16)
+# Launch settings (sm_90, bf16, D=128; tuned on an H100 at HQ64/H4, T=16K, see benchmarks/NOTES.md).
+# Per kernel: *_rows = query-tile rows (BT tokens x GP heads), *_block_n = key-tile width, warps_* / stages_*.
+#   dq_*   : `_dq_kernel` (compressed + window dq on query tiles)
+#   swa_*  : `_swa_dkdv_kernel` (window dk/dv on key tiles)
+#   cmp_*  : `_cmp_dkdv_kernel`; cmp_programs / cmp_min_tiles: it splits its query range until about cmp_programs
+#            programs run, each keeping at least cmp_min_tiles query tiles (parts summed by fp32 atomics)
+#   slc_*  : `_slc_bwd_kernel` (selected dq per token; warps_slc / stages_slc) and, in "list" mode,
+#            `_slc_dkdv_kernel` (slc_rows query rows per step, chunks of <= slc_chunk_rows / GP tokens,
+#            warps_slc_dkdv / stages_slc_dkdv)
+# slc_dkdv: how the selected branch's dk/dv are formed, "list" (transposed selection, one atomic add per chunk) or
+# "atomic" (per token and selected block; simplest, ~NSEL * BS * D fp32 atomic adds per (token, KV head) for each
+# of dk and dv, contended on block 0 and the local blocks).
+BWD = dict(dq_rows=128, dq_block_n=64, warps_dq=8, stages_dq=3,
+           swa_rows=32, swa_block_n=64, warps_swa=4, stages_swa=3,
+           cmp_rows=64, cmp_block_n=64, warps_cmp=4, stages_cmp=2, cmp_programs=1056, cmp_min_tiles=4,
+           warps_slc=2, stages_slc=2,
+           slc_dkdv="list", slc_chunk_rows=8192, slc_rows=64, warps_slc_dkdv=4, stages_slc_dkdv=2,
+           warps_prep=4, prep_t=32)
+# Overrides as JSON in SPARSEPATCH_NSA_BWD (tuning runs: the GPU tests check the settings a sweep picked).
+if os.environ.get("SPARSEPATCH_NSA_BWD"):
+    BWD.update(json.loads(os.environ["SPARSEPATCH_NSA_BWD"]))
+
+# Per-stage timing hook (benchmarks): set to a list and nsa_backward appends (stage, start, end) CUDA events.
+PROFILE = None
+
+
+class _Stages:
+    def __init__(self, dev):
+        self.on = PROFILE is not None and dev.type == "cuda"
+        self.last = None
+        self.mark(None)
+
+    def mark(self, name):
+        if not self.on:
+            return
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        if self.last is not None:
+            PROFILE.append((name, self.last, e))
+        self.last = e
 
 
 # ---------------------------------------------------------------------------------------------------------- kernels
@@ -98,7 +129,7 @@ def _slc_bwd_kernel(Q, K, V, DO, IDX, GATES, LSE, R, DQS, DKS, DVS,
                     sgb, sgs, sgh, sgc,
                     T, S, q_off, Hk, G, qk_scale, scale,
                     BS: tl.constexpr, BSP: tl.constexpr, NSEL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    GP: tl.constexpr, HAS_GATES: tl.constexpr, DKDV: tl.constexpr):
+                    GP: tl.constexpr, HAS_GATES: tl.constexpr, DKDV: tl.constexpr, STAGES: tl.constexpr):
     """Selected branch, one program per (token t, batch x KV head). DQS (B, T, Hq, D) fp32 is stored; with DKDV
     (the "atomic" mode) DKS/DVS (B, S, Hk, D) fp32 (zero-initialised) also receive this token's dk/dv by atomic
     adds, else `_slc_dkdv_kernel` computes them. LSE: (B, T, Hq) log2 units of this branch."""
@@ -129,7 +160,7 @@ def _slc_bwd_kernel(Q, K, V, DO, IDX, GATES, LSE, R, DQS, DKS, DVS,
     vbase = V + b64 * svb + hk * svh
     ibase = IDX + b64 * s_ib + t64 * s_it + hk * s_ih
     dq = tl.zeros([GP, HEAD_DIM], tl.float32)
-    for i in range(0, NSEL):
+    for i in tl.range(0, NSEL, num_stages=STAGES):
         jb = tl.load(ibase + i)
         key = tl.maximum(jb, 0) * BS + offs_n
         lim = S * (jb >= 0).to(tl.int32)                       # padding entry (-1): every key masked
@@ -486,8 +517,10 @@ def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale
     branch_out = branch_out.contiguous()
     lse = lse.contiguous()
     GP = triton.next_power_of_2(G)
-    BT_Q, BN_Q = max(1, BWD["dq_rows"] // GP), BWD["dq_block_n"]          # dq kernel tiles
-    BT, BN = max(1, BWD["dkdv_rows"] // GP), BWD["dkdv_block_n"]          # dK/dV kernel tiles
+    C = BWD
+    BT_Q, BN_Q = max(1, C["dq_rows"] // GP), C["dq_block_n"]             # dq kernel tiles
+    BT_W, BN_W = max(1, C["swa_rows"] // GP), C["swa_block_n"]           # window dK/dV tiles
+    BT_C, BN_C = max(1, C["cmp_rows"] // GP), C["cmp_block_n"]           # compressed dK/dV tiles
     HAS_GATES = gates is not None
     gt, sgb, sgs, sgh, sgc = _gate_args(gates, lse)
     qs = (q.stride(0), q.stride(1), q.stride(2))
@@ -495,20 +528,23 @@ def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale
     vs = (v.stride(0), v.stride(1), v.stride(2))
     ds_ = (dout.stride(0), dout.stride(1), dout.stride(2))
     gs = (sgb, sgs, sgh, sgc)
+    st = _Stages(dev)
 
     # 1. r = rowsum(dout * o_b), also the gate gradients
     r = torch.empty((B, T, Hq, 3), dtype=torch.float32, device=dev)
-    PT = BWD["prep_t"]
+    PT = C["prep_t"]
     _prep_kernel[(triton.cdiv(T, PT), B * Hq)](
         dout, branch_out[0], branch_out[1], branch_out[2], r, *ds_, T, Hq, HEAD_DIM=D, BLOCK_T=PT,
-        num_warps=BWD["warps_prep"])
+        num_warps=C["warps_prep"])
+    st.mark("prep")
 
     # 2. selected branch: dq scratch (stored, one program per token), dk/dv scratch (fp32, atomics: per token in
     #    "atomic" mode, per chunk of the transposed selection in "list" mode)
     dqs = torch.empty((B, T, Hq, D), dtype=torch.float32, device=dev)
     dks = torch.zeros((B, S, Hk, D), dtype=torch.float32, device=dev)
     dvs = torch.zeros((B, S, Hk, D), dtype=torch.float32, device=dev)
-    mode = BWD["slc_dkdv"]
+    st.mark("alloc")
+    mode = C["slc_dkdv"]
     if mode not in ("list", "atomic"):
         raise ValueError(f"BWD['slc_dkdv'] must be 'list' or 'atomic', got {mode!r}")
     BSP = max(16, triton.next_power_of_2(bs))
@@ -517,17 +553,20 @@ def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale
         *qs, *ks, *vs, *ds_, idx.stride(0), idx.stride(1), idx.stride(2), *gs,
         T, S, q_off, Hk, G, qk_scale, scale,
         BS=bs, BSP=BSP, NSEL=nsel, HEAD_DIM=D, GP=max(16, GP), HAS_GATES=HAS_GATES, DKDV=mode == "atomic",
-        num_warps=BWD["warps_slc"])
+        STAGES=C["stages_slc"], num_warps=C["warps_slc"], num_stages=C["stages_slc"])
+    st.mark("slc_dq")
     if mode == "list":
         n_b = triton.cdiv(S, bs)
-        ch_seg, ch_start, ch_len, toks = _transpose_selection(idx, n_b, max(1, BWD["slc_chunk_rows"] // GP))
+        ch_seg, ch_start, ch_len, toks = _transpose_selection(idx, n_b, max(1, C["slc_chunk_rows"] // GP))
+        st.mark("slc_sort")
         if ch_seg.numel():
             _slc_dkdv_kernel[(ch_seg.numel(),)](
                 q, k, v, dout, gt, lse[1], r, dks, dvs, ch_seg, ch_start, ch_len, toks,
                 *qs, *ks, *vs, *ds_, *gs,
                 T, S, q_off, Hk, G, n_b, qk_scale, scale,
-                BS=bs, BSP=BSP, HEAD_DIM=D, GP=GP, BT=max(1, BWD["slc_rows"] // GP), HAS_GATES=HAS_GATES,
-                num_warps=BWD["warps_dkdv"])
+                BS=bs, BSP=BSP, HEAD_DIM=D, GP=GP, BT=max(1, C["slc_rows"] // GP), HAS_GATES=HAS_GATES,
+                num_warps=C["warps_slc_dkdv"], num_stages=C["stages_slc_dkdv"])
+        st.mark("slc_dkdv")
 
     # 3. dq: compressed + window branches on query tiles, plus the selected scratch
     kc = k_cmp.contiguous() if n_c else q.new_zeros((B, 1, Hk, D))
@@ -537,21 +576,25 @@ def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale
         q, k, v, kc, vc, dout, gt, lse[0], lse[2], r, dqs, dq,
         *qs, *ks, *vs, kc.stride(0), kc.stride(1), kc.stride(2), *ds_, *gs,
         T, n_c, q_off, Hk, G, qk_scale, scale, config.window,
-        CB=l, CS=d, HEAD_DIM=D, GP=GP, BT=BT_Q, BLOCK_N=BN_Q, HAS_GATES=HAS_GATES, num_warps=BWD["warps_dq"])
+        CB=l, CS=d, HEAD_DIM=D, GP=GP, BT=BT_Q, BLOCK_N=BN_Q, HAS_GATES=HAS_GATES,
+        num_warps=C["warps_dq"], num_stages=C["stages_dq"])
+    st.mark("dq")
 
     # 4. dk, dv: window branch on key tiles, plus the selected scratch
     dk = torch.empty((B, S, Hk, D), dtype=k.dtype, device=dev)
     dv = torch.empty((B, S, Hk, D), dtype=v.dtype, device=dev)
-    _swa_dkdv_kernel[(triton.cdiv(S, BN), B * Hk)](
+    _swa_dkdv_kernel[(triton.cdiv(S, BN_W), B * Hk)](
         q, k, v, dout, gt, lse[2], r, dks, dvs, dk, dv,
         *qs, *ks, *vs, *ds_, *gs,
         T, S, q_off, Hk, G, qk_scale, scale, config.window,
-        HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=BN, HAS_GATES=HAS_GATES, num_warps=BWD["warps_dkdv"])
+        HEAD_DIM=D, GP=GP, BT=BT_W, BLOCK_N=BN_W, HAS_GATES=HAS_GATES,
+        num_warps=C["warps_swa"], num_stages=C["stages_swa"])
+    st.mark("swa_dkdv")
 
     # 5. dk_cmp, dv_cmp: split the query range when (compressed tiles x KV heads) alone would not fill the GPU
-    progs = triton.cdiv(n_c, BN) * B * Hk
-    nsplit = max(1, min(triton.cdiv(BWD["cmp_programs"], max(progs, 1)),
-                        triton.cdiv(T, BT * BWD["cmp_min_tiles"])))
+    progs = triton.cdiv(n_c, BN_C) * B * Hk
+    nsplit = max(1, min(triton.cdiv(C["cmp_programs"], max(progs, 1)),
+                        triton.cdiv(T, BT_C * C["cmp_min_tiles"])))
     atomic = nsplit > 1
     dt32 = torch.float32
     dkc = (torch.zeros if atomic else torch.empty)((B, n_c, Hk, D), dtype=dt32 if atomic else k_cmp.dtype,
@@ -559,15 +602,16 @@ def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale
     dvc = (torch.zeros if atomic else torch.empty)((B, n_c, Hk, D), dtype=dt32 if atomic else v_cmp.dtype,
                                                    device=dev)
     if n_c:
-        _cmp_dkdv_kernel[(triton.cdiv(n_c, BN), B * Hk, nsplit)](
+        _cmp_dkdv_kernel[(triton.cdiv(n_c, BN_C), B * Hk, nsplit)](
             q, kc, vc, dout, gt, lse[0], r, dkc, dvc,
             *qs, kc.stride(0), kc.stride(1), kc.stride(2), *ds_, *gs,
             T, n_c, q_off, Hk, G, qk_scale, scale, nsplit,
-            CB=l, CS=d, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=BN, HAS_GATES=HAS_GATES, ATOMIC=atomic,
-            num_warps=BWD["warps_dkdv"])
+            CB=l, CS=d, HEAD_DIM=D, GP=GP, BT=BT_C, BLOCK_N=BN_C, HAS_GATES=HAS_GATES, ATOMIC=atomic,
+            num_warps=C["warps_cmp"], num_stages=C["stages_cmp"])
     if atomic:
         dkc, dvc = dkc.to(k_cmp.dtype), dvc.to(v_cmp.dtype)
     dgates = r.to(gates.dtype) if HAS_GATES else None
+    st.mark("cmp_dkdv")
     return dq, dk, dv, dkc, dvc, dgates
 
 
