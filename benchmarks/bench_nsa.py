@@ -441,9 +441,7 @@ def _graph_replay(fn):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    replay = g.replay
-    replay.graph = g
-    return replay
+    return g.replay          # the bound method keeps the graph alive
 
 
 def _sdpa_decode(qh, kh, vh, backend=None):

@@ -35,6 +35,7 @@ from ._triton_common import interpret as _interpret
 from . import nsa_reference as ref
 from .nsa_reference import FORCE_FIRST, NSACache, compress_kv
 from . import nsa_backward  # noqa: F401  (defines sparsepatch::nsa_bwd, used by the autograd of nsa_fwd)
+from . import nsa_decode
 
 logger = logging.getLogger(__name__)
 
@@ -484,14 +485,17 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
     if gates is not None:
         gates = gates.to(torch.float32) if gates.dtype not in (torch.float16, torch.bfloat16, torch.float32) \
             else gates
+    decode = nsa_decode.applies(q, k, cache, needs_grad, offs)   # one token per sequence: split-K decode path
     if cache is not None:
         k, v, k_cmp, v_cmp = cache.update(k, v, config, compress_weights,
                                           restart=(k.shape[1] == q.shape[1] and not cache.store_kv))
         if k.shape[1] < q.shape[1]:
             raise ValueError(f"cache holds {k.shape[1]} tokens, fewer than the {q.shape[1]} queries")
-        out, idx = _run(q, k, v, k_cmp, v_cmp, gates, scale, config, needs_grad)
     elif offs is None:
         k_cmp, v_cmp = compress_kv(k, v, config, compress_weights)
+    if decode:
+        out, idx = nsa_decode.nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices)
+    elif offs is None:
         out, idx = _run(q, k, v, k_cmp, v_cmp, gates, scale, config, needs_grad)
     else:
         outs, idxs = [], []

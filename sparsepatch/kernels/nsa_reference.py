@@ -275,6 +275,28 @@ class NSACache:
         self.k = self.v = None
         self.k_cmp = self.v_cmp = None
         self.length = 0
+        self._bufs = {}
+
+    def _append(self, name, cur, new):
+        """cur + new along dim 1. Without autograd, into a buffer of doubling capacity (cur a prefix view of it):
+        no per-step allocation and no O(length) copy; with autograd, torch.cat (as before)."""
+        if cur is None:
+            self._bufs.pop(name, None)
+            return new
+        buf = self._bufs.get(name)
+        n, m = cur.shape[1], new.shape[1]
+        if torch.is_grad_enabled() or new.dtype != cur.dtype or new.device != cur.device \
+                or new.shape[0] != cur.shape[0] or new.shape[2:] != cur.shape[2:]:
+            self._bufs.pop(name, None)
+            return torch.cat([cur, new], 1)
+        if buf is None or buf.data_ptr() != cur.data_ptr() or buf.shape[1] < n + m or buf.dtype != cur.dtype \
+                or buf.shape[0] != cur.shape[0] or buf.shape[2:] != cur.shape[2:] or buf[:, :n].stride() != cur.stride() \
+                or buf.is_inference() != torch.is_inference_mode_enabled():
+            buf = cur.new_empty((cur.shape[0], max(2 * (n + m), 64), *cur.shape[2:]))
+            buf[:, :n].copy_(cur)
+            self._bufs[name] = buf
+        buf[:, n:n + m].copy_(new)
+        return buf[:, :n + m]
 
     def update(self, k, v, config, compress_weights=None, restart: bool = False):
         """Returns (k_full, v_full, k_cmp, v_cmp) after adding this call's tokens."""
@@ -283,8 +305,8 @@ class NSACache:
                                        or self.k.dtype != k.dtype):
                 raise ValueError(f"k {tuple(k.shape)} {k.dtype} does not extend the cached k "
                                  f"{tuple(self.k.shape)} {self.k.dtype}")
-            k_full = k if self.k is None else torch.cat([self.k, k], 1)
-            v_full = v if self.v is None else torch.cat([self.v, v], 1)
+            k_full = self._append("k", self.k, k)
+            v_full = self._append("v", self.v, v)
             self.k, self.v = k_full, v_full
         else:
             k_full, v_full = k, v
@@ -293,12 +315,15 @@ class NSACache:
                     or self.k_cmp.dtype != k.dtype)):
                 self.k_cmp = self.v_cmp = None
         have = 0 if self.k_cmp is None else self.k_cmp.shape[1]
-        new_k, new_v = compress_kv(k_full, v_full, config, compress_weights, start=have)
-        if self.k_cmp is None:
-            self.k_cmp, self.v_cmp = new_k, new_v
-        elif new_k.shape[1]:
-            self.k_cmp = torch.cat([self.k_cmp, new_k], 1)
-            self.v_cmp = torch.cat([self.v_cmp, new_v], 1)
+        if self.k_cmp is None or num_compressed(k_full.shape[1], config) > have:   # else nothing new to pool
+            new_k, new_v = compress_kv(k_full, v_full, config, compress_weights, start=have)
+            if self.k_cmp is None:
+                self.k_cmp, self.v_cmp = new_k, new_v
+                self._bufs.pop("k_cmp", None)
+                self._bufs.pop("v_cmp", None)
+            elif new_k.shape[1]:
+                self.k_cmp = self._append("k_cmp", self.k_cmp, new_k)
+                self.v_cmp = self._append("v_cmp", self.v_cmp, new_v)
         self.length = k_full.shape[1]
         return k_full, v_full, self.k_cmp, self.v_cmp
 

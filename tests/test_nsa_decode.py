@@ -1,0 +1,235 @@
+"""NSA decode path (kernels/nsa_decode.py): split-K decode vs the reference, through NSACache, CUDA graphs (GPU)."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from sparsepatch.config import NSAConfig
+from sparsepatch.kernels import nsa_reference as ref
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not (CUDA or INTERPRET), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+gpu = pytest.mark.gpu
+DEV = "cuda" if CUDA and not INTERPRET else "cpu"
+
+
+def rand(B, T, Hq, Hk, D, S, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, Hq, D, generator=g)
+    k = torch.randn(B, S, Hk, D, generator=g)
+    v = torch.randn(B, S, Hk, D, generator=g)
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+
+
+def _mods():
+    from sparsepatch.kernels import nsa, nsa_decode
+    return nsa, nsa_decode
+
+
+@pytest.fixture
+def count_decode(monkeypatch):
+    """Counts calls of the decode path (and checks the dispatcher really takes it)."""
+    _, dec = _mods()
+    calls = []
+    orig = dec.nsa_decode
+
+    def wrapped(*a, **kw):
+        calls.append(a[0].shape)
+        return orig(*a, **kw)
+    monkeypatch.setattr(dec, "nsa_decode", wrapped)
+    return calls
+
+
+def _tol(dtype):
+    return 2e-5 if dtype == torch.float32 else 4e-3
+
+
+# (S, block_size, compress_block, compress_stride, window, num_selected, D, Hq, Hk, B, gates, dtype)
+CASES = [
+    (150, 16, 16, 8, 32, 3, 16, 4, 2, 2, False, torch.float32),
+    (301, 16, 8, 4, 32, 4, 32, 4, 1, 1, True, torch.float32),     # G 4, compress 8 / 4 (R = 4)
+    (100, 16, 16, 8, 32, 3, 16, 2, 2, 1, True, torch.float16),    # MHA
+    (257, 16, 16, 4, 32, 5, 32, 8, 4, 2, False, torch.float16),   # block just started (local block = 1 token)
+    (10, 16, 16, 8, 32, 3, 16, 2, 1, 1, False, torch.float32),    # no complete compressed block yet
+    (200, 16, 16, 8, 32, 40, 16, 2, 1, 1, True, torch.float32),   # num_selected > visible blocks (-1 padding)
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES, ids=[f"S{c[0]}-l{c[2]}d{c[3]}-G{c[7] // c[8]}-B{c[9]}-{str(c[11])[6:]}"
+                                             for c in CASES])
+def test_decode_matches_reference(case, count_decode):
+    nsa, _ = _mods()
+    S, bs, l, d, W, nsel, D, Hq, Hk, B, has_gates, dtype = case
+    cfg = NSAConfig(block_size=bs, num_selected=nsel, window=W, compress_block=l, compress_stride=d)
+    q, k, v = rand(B, 1, Hq, Hk, D, S, dtype=dtype, seed=S, device=DEV)
+    gates = torch.rand(B, 1, Hq, 3, generator=torch.Generator().manual_seed(1)).to(DEV) if has_gates else None
+    out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    assert len(count_decode) == 1
+    assert out.dtype == q.dtype and out.shape == want.shape and idx.dtype == torch.int32
+    assert torch.equal(idx.long(), widx)
+    err = (out.float() - want.float()).abs().max().item()
+    assert err < _tol(dtype), err
+
+
+@needs_triton
+@pytest.mark.parametrize("block_n, target", [(16, 1000), (16, 8)])
+def test_decode_splits(monkeypatch, block_n, target):
+    """Several compressed tiles per program and several splits (importance spilling across tiles / splits)."""
+    nsa, dec = _mods()
+    monkeypatch.setattr(dec, "CMP_BLOCK_N", block_n)
+    monkeypatch.setattr(dec, "TARGET_PROGRAMS", target)
+    cfg = NSAConfig(block_size=16, num_selected=4, window=32, compress_block=16, compress_stride=4)
+    q, k, v = rand(2, 1, 8, 2, 16, 290, seed=7, device=DEV)
+    gates = torch.rand(2, 1, 8, 3, generator=torch.Generator().manual_seed(2)).to(DEV)
+    n_c = ref.num_compressed(290, cfg)
+    plan = dec._plan(2, 2, 4, 290, n_c, cfg)
+    assert plan[2] == math.ceil(n_c / block_n) and plan[4] > 1 and (target > 100 or plan[3] > 1)
+    out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    assert torch.equal(idx.long(), widx)
+    assert (out - want).abs().max().item() < 2e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("store_kv", [True, False])
+def test_decode_cache_steps(store_kv, count_decode):
+    """Prefill T through an NSACache, then n decode steps == the reference prefill of T + n at those positions."""
+    nsa, _ = _mods()
+    cfg = NSAConfig(block_size=16, num_selected=3, window=32, compress_block=16, compress_stride=8)
+    T, n = 117, 12                                    # crosses compressed-block (every 8) and selection-block ends
+    q, k, v = rand(2, T + n, 8, 2, 16, T + n, seed=11, device=DEV)
+    gates = torch.rand(2, T + n, 8, 3, generator=torch.Generator().manual_seed(3)).to(DEV)
+    w = (torch.randn(2, 2, 16, generator=torch.Generator().manual_seed(4)) / 4).to(DEV) if store_kv else None
+    full, fidx = ref.nsa_attention(q, k, v, cfg, gates=gates, compress_weights=w, return_indices=True)
+    cache = ref.NSACache(store_kv=store_kv)
+    # prefill through the reference (same cache state as the Triton prefill; the interpreter is slow at T = 117)
+    ref.nsa_attention(q[:, :T], k[:, :T], v[:, :T], cfg, gates=gates[:, :T], cache=cache, compress_weights=w)
+    for t in range(T, T + n):
+        kk, vv = (k[:, t:t + 1], v[:, t:t + 1]) if store_kv else (k[:, :t + 1], v[:, :t + 1])
+        out, idx = nsa.nsa_attention(q[:, t:t + 1], kk, vv, cfg, gates=gates[:, t:t + 1], cache=cache,
+                                     compress_weights=w, return_indices=True)
+        assert torch.equal(idx.long(), fidx[:, t:t + 1]), t
+        assert (out - full[:, t:t + 1]).abs().max().item() < 2e-5, t
+    assert len(count_decode) == n
+    assert cache.length == T + n and cache.k_cmp.shape[1] == ref.num_compressed(T + n, cfg)
+    kc, vc = ref.compress_kv(k, v, cfg, w)
+    torch.testing.assert_close(cache.k_cmp, kc, rtol=0, atol=1e-6)
+    torch.testing.assert_close(cache.v_cmp, vc, rtol=0, atol=1e-6)
+    if store_kv:
+        assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+
+
+def test_cache_buffers_keep_behaviour():
+    """NSACache appends into doubling buffers without autograd: same values, old views untouched, no realloc."""
+    cfg = NSAConfig(block_size=16, num_selected=3, window=32, compress_block=16, compress_stride=8)
+    _, k, v = rand(1, 1, 2, 2, 8, 80, seed=12)
+    c = ref.NSACache()
+    with torch.no_grad():
+        c.update(k[:, :40], v[:, :40], cfg)
+        c.update(k[:, 40:41], v[:, 40:41], cfg)
+        old_k, old_kc = c.k, c.k_cmp
+        ptr = c.k.data_ptr()
+        for t in range(41, 80):
+            c.update(k[:, t:t + 1], v[:, t:t + 1], cfg)
+        assert c.k.data_ptr() == ptr                      # capacity 2 * 41 >= 80: no reallocation
+    assert torch.equal(c.k, k) and torch.equal(c.v, v) and torch.equal(old_k, k[:, :41])
+    kc, vc = ref.compress_kv(k, v, cfg)
+    assert torch.equal(c.k_cmp, kc) and torch.equal(c.v_cmp, vc)
+    assert torch.equal(old_kc, kc[:, :old_kc.shape[1]])
+    # with autograd enabled: torch.cat as before (graph kept)
+    kg = k[:, :1].clone().requires_grad_(True)
+    k2, *_ = c.update(kg, v[:, :1], cfg)
+    assert k2.requires_grad and k2.shape[1] == 81 and torch.equal(k2[:, :80], k)
+    # store_kv=False: a shorter k restarts, the compressed cache is rebuilt
+    c2 = ref.NSACache(store_kv=False)
+    with torch.no_grad():
+        c2.update(k[:, :70], v[:, :70], cfg)
+        for t in range(71, 81):
+            c2.update(k[:, :t], v[:, :t], cfg)
+        c2.update(k[:, :30], v[:, :30], cfg)
+    assert torch.equal(c2.k_cmp, ref.compress_kv(k[:, :30], v[:, :30], cfg)[0])
+
+
+@needs_triton
+def test_decode_not_taken_with_grad(count_decode):
+    nsa, _ = _mods()
+    cfg = NSAConfig(block_size=16, num_selected=3, window=32, compress_block=16, compress_stride=8)
+    q, k, v = rand(1, 1, 2, 1, 16, 40, seed=13, device=DEV)
+    q.requires_grad_(True)
+    nsa.nsa_attention(q, k, v, cfg).sum().backward()
+    assert not count_decode and q.grad is not None
+
+
+# ------------------------------------------------------------------------------------------------------------ GPU
+def _gpu_case(B, S, seed, gates=True):
+    q, k, v = rand(B, 1, 64, 4, 128, S, dtype=torch.bfloat16, seed=seed, device="cuda")
+    g = torch.rand(B, 1, 64, 3, device="cuda") if gates else None
+    return q, k, v, g
+
+
+@gpu
+@pytest.mark.parametrize("B", [1, 2])
+def test_gpu_decode_bf16_8k(B, count_decode):
+    nsa, _ = _mods()
+    cfg = NSAConfig()
+    agree = total = 0
+    for seed in range(3):
+        S = 8192 - seed * 37
+        q, k, v, g = _gpu_case(B, S, seed)
+        out, idx = nsa.nsa_attention(q, k, v, cfg, gates=g, return_indices=True)
+        want, widx = ref.nsa_attention(q, k, v, cfg, gates=g, return_indices=True)
+        same = (idx.long() == widx).all(-1)                     # (B, 1, Hk): near-ties may flip in bf16
+        agree += int(same.sum())
+        total += same.numel()
+        rows = same[:, 0].repeat_interleave(16, 1)              # (B, Hq): heads whose KV head agrees
+        if rows.any():
+            err = (out[:, 0][rows].float() - want[:, 0][rows].float()).abs().max().item()
+            assert err < 2e-2, err
+    assert agree >= total - 1, (agree, total)
+    assert len(count_decode) == 3
+
+
+@gpu
+def test_gpu_decode_cache_steps_and_graph():
+    """NSACache(store_kv=False) decode steps at 8K equal the reference; one captured step replays exactly."""
+    nsa, _ = _mods()
+    cfg = NSAConfig()
+    S0, n = 8180, 20
+    q, k, v, _ = _gpu_case(1, S0 + n, 5, gates=False)
+    qs = torch.randn(1, n, 64, 128, device="cuda", dtype=torch.bfloat16)
+    cache = ref.NSACache(store_kv=False)
+    with torch.no_grad():
+        cache.update(k[:, :S0], v[:, :S0], cfg)
+        for i in range(n):
+            t = S0 + i
+            out, idx = nsa.nsa_attention(qs[:, i:i + 1], k[:, :t + 1], v[:, :t + 1], cfg, cache=cache,
+                                         return_indices=True)
+            want, widx = ref.nsa_attention(qs[:, i:i + 1], k[:, :t + 1], v[:, :t + 1], cfg, return_indices=True)
+            if torch.equal(idx.long(), widx):
+                assert (out.float() - want.float()).abs().max().item() < 2e-2
+        assert cache.k_cmp.shape[1] == ref.num_compressed(S0 + n, cfg)
+        kk, vv = k.clone(), v.clone()
+        eager = nsa.nsa_attention(q, kk, vv, cfg, cache=cache)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                nsa.nsa_attention(q, kk, vv, cfg, cache=cache)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = nsa.nsa_attention(q, kk, vv, cfg, cache=cache)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager)
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        again = nsa.nsa_attention(q, kk, vv, cfg, cache=cache)
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, again)
