@@ -1,0 +1,43 @@
+"""Reproducer of the open GPU fault (not a benchmark): lightning prefill faults after a patched head_dim-512 Llama.
+
+    CUDA_LAUNCH_BLOCKING=1 PYTHONPATH=. python benchmarks/repro_prefill_fault.py plain   # eager ok, compiled ok
+    CUDA_LAUNCH_BLOCKING=1 PYTHONPATH=. python benchmarks/repro_prefill_fault.py llama   # eager FAILS
+
+Findings (H100, torch 2.11, Triton 3.6, 2026-11-23): after `sp.patch(bf16 tiny Llama head_dim 512, DenseConfig())`
++ `generate` (split-D dense kernels), the very next `lightning_prefill` at B4 T1 H64 K=V=128 bf16 raises "illegal
+memory access"; the same kernel variant (shared 36864 B, 3 stages, 4 warps) passes in a fresh process. Under
+compute-sanitizer (PYTORCH_NO_CUDA_MEMORY_CACHING=1) the Llama test alone is clean (0 errors) and the pair reports
+"Out-of-range shared or local address at _prefill_kernel lightning.py:245" (the dmat layout conversion) in every
+block. The dense bf16 split-D tests (fwd+bwd, D 320-1024) before it do NOT trigger it; torch.compile is not needed.
+So some process/context state left by the Llama path changes how the unchanged prefill binary runs. Next: diff
+the context state (func attributes, carveout, stack limit) around the Llama call; try the Llama test with the
+reference attention (no split-D launch) to split transformers from our kernel."""
+import sys
+import torch
+sys.path.insert(0, "tests")
+import sparsepatch as sp
+from sparsepatch.kernels import lightning as tri
+import test_dense_splitd as D
+import test_lightning as T
+if "llama" in sys.argv:
+    model = D._tiny_llama(torch.bfloat16, "cuda")
+    ids = torch.randint(2, 64, (1, 40), generator=torch.Generator().manual_seed(0)).cuda()
+    h = sp.patch(model, sp.DenseConfig())
+    D._generate(model, ids)
+    h.remove()
+    torch.cuda.synchronize()
+    print("llama done", torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(), flush=True)
+q, k, v, decay, h0 = T.inputs(4, 1, 64, 128, 128, torch.bfloat16, "cuda", seed=9)
+for name, fn in [("eager", lambda: tri.lightning_prefill(q, k, v, decay, initial_state=h0.clone())),
+                 ("compiled", torch.compile(lambda: tri.lightning_prefill(q, k, v, decay, initial_state=h0.clone()),
+                                            fullgraph=True))]:
+    try:
+        fn()
+        torch.cuda.synchronize()
+        print(name, "ok", flush=True)
+    except Exception as exc:
+        print(name, "FAIL", repr(exc)[:150], flush=True)
+        break
+for key, kern in list(tri._prefill_kernel.device_caches[0][0].items())[:4]:
+    md = kern.metadata
+    print("variant", getattr(md, "shared", None), getattr(md, "num_stages", None), getattr(md, "num_warps", None), str(key)[:160])
