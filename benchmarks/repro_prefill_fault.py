@@ -9,9 +9,12 @@ memory access"; the same kernel variant (shared 36864 B, 3 stages, 4 warps) pass
 compute-sanitizer (PYTORCH_NO_CUDA_MEMORY_CACHING=1) the Llama test alone is clean (0 errors) and the pair reports
 "Out-of-range shared or local address at _prefill_kernel lightning.py:245" (the dmat layout conversion) in every
 block. The dense bf16 split-D tests (fwd+bwd, D 320-1024) before it do NOT trigger it; torch.compile is not needed.
-So some process/context state left by the Llama path changes how the unchanged prefill binary runs. Next: diff
-the context state (func attributes, carveout, stack limit) around the Llama call; try the Llama test with the
-reference attention (no split-D launch) to split transformers from our kernel."""
+So some process/context state left by the Llama path changes how the unchanged prefill binary runs.
+Lead (not verified): the pattern matches a known Triton 3.6-3.7 Hopper code-generation fault, an intermittent
+"Invalid __shared__ read" in small kernels with several tl.dot on 32-wide tiles and 4 warps that is clean on 3.5.1
+(triton-lang/triton issues #11366 and #10486); `_prefill_kernel` has three tl.dot on (64 x 32) tiles with 4 warps.
+Next: run this script with `lightning._PREFILL_OVERRIDE` set to {"BV": 64} and to {"num_warps": 8}; if either
+passes, take it as the default after re-timing the prefill (benchmarks/bench_lightning.py)."""
 import sys
 import torch
 sys.path.insert(0, "tests")
