@@ -18,9 +18,8 @@ every compressed key (S / 16 of them at the default config). Here the work is sp
    (keys <= the query position), the others to one chunk of the sliding window; each writes a partial (m, l, acc).
 4. `_dec_combine_kernel` grid (B * Hq): LSE merge of the three branches' partials, gates, output in q's dtype.
 
-Host work: no sync, no .item(); the fp32 scratch lives in one per-device workspace that grows (by powers of two,
-old ones kept alive so a captured CUDA graph never points at freed memory), so a step allocates only its output.
-Calls on one device share the workspace: run them in stream order (as a model's layers do). The step is CUDA-graph
+Host work: no sync, no .item(); a step allocates its fp32 scratch and its output from PyTorch's caching allocator
+(no process-wide buffer, so concurrent streams and several captured graphs are safe). The step is CUDA-graph
 capturable for a fixed context length. Supported inputs: those of `nsa.supports` (same config constraints).
 """
 from __future__ import annotations
@@ -248,19 +247,11 @@ def _dec_combine_kernel(WS, GATES, OUT, o_pm, o_pl, o_pacc, o_sm, o_sl, o_sacc,
 
 
 # ---------------------------------------------------------------------------------------------------------- host
-_WS: dict = {}          # (device, dtype) -> workspace; grows by powers of two
-_WS_OLD: list = []      # outgrown workspaces, kept alive (a captured CUDA graph may still point at them)
-
-
 def _workspace(n, dtype, device):
-    key = (device, dtype)
-    ws = _WS.get(key)
-    if ws is None or ws.numel() < n:
-        if ws is not None:
-            _WS_OLD.append(ws)
-        ws = torch.empty(triton.next_power_of_2(max(n, 1024)), dtype=dtype, device=device)
-        _WS[key] = ws
-    return ws
+    """Scratch for one decode step, from PyTorch's caching allocator: stream-ordered and CUDA-graph aware, so calls on
+    several streams or in several captured graphs never share it (a process-wide buffer would). Sized up to a power
+    of two (>= 1024) so repeated steps reuse the same cached block."""
+    return torch.empty(triton.next_power_of_2(max(n, 1024)), dtype=dtype, device=device)
 
 
 def applies(q, k, cache, needs_grad: bool, offs) -> bool:
