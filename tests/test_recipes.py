@@ -159,3 +159,24 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(recipe, 
         assert min(one["density"]) < 1.0          # the lists really skip tiles
     for a, b in zip(two["losses"], one["losses"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(b), (two["losses"], one["losses"])
+
+
+def test_fsdp2_two_processes_match_one_process(tmp_path):
+    """A patched model in training mode (skip-train) sharded with FSDP2 over 2 CPU processes (gloo) trains exactly
+    like one process on the same global batch (accelerate ignores FSDP on CPU, so this uses fully_shard directly)."""
+    import importlib.util
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "fsdp2_worker.py")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("FSDP2 ")]
+    assert len(lines) == 1, proc.stdout[-3000:]
+    sharded = json.loads(lines[0][len("FSDP2 "):])
+    spec = importlib.util.spec_from_file_location("fsdp2_worker", ROOT / "tests" / "fsdp2_worker.py")
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    single = worker.train(1, 0)
+    assert len(sharded) == len(single) == 3
+    for a, b in zip(sharded, single):
+        assert abs(a - b) <= 1e-5 * abs(b), (sharded, single)
