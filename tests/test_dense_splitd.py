@@ -7,29 +7,18 @@ Llama (head_dim 512) whose attention calls run on this kernel.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-_GPU = torch.cuda.is_available()
-if not _GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 triton = pytest.importorskip("triton")
+
+from kernel_checks import INTERP, cpu_only, gpu, rel  # noqa: E402
 
 from sparsepatch.kernels import reference  # noqa: E402
 
 dense = pytest.importorskip("sparsepatch.kernels.dense")
 
-INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
-cpu_only = pytest.mark.skipif(not INTERP, reason="interpreter tests (TRITON_INTERPRET=1, no CUDA)")
-gpu = pytest.mark.gpu
-
-
-def rel(got, want):
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 def inputs(B, Sq, Sk, Hq, Hk, D, dtype, seed=0, device="cpu"):

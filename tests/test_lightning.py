@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from kernel_checks import rel
 from sparsepatch.kernels import lightning_reference as ref
 
 CUDA = torch.cuda.is_available()
@@ -16,11 +17,6 @@ needs_triton = pytest.mark.skipif(not (CUDA or INTERPRET),
                                   reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def naive(q, k, v, decay, scale, h0=None):

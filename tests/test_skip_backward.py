@@ -8,30 +8,19 @@ fp32 reference computed in q-chunks of whole tiles (same function, bounded memor
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-_GPU = torch.cuda.is_available()
-if not _GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 triton = pytest.importorskip("triton")
+
+from kernel_checks import cpu_only, gpu, rel  # noqa: E402
 
 from sparsepatch.kernels import reference  # noqa: E402
 from sparsepatch.kernels.skiplist import SkipList, num_tiles  # noqa: E402
 
 bwd = pytest.importorskip("sparsepatch.kernels.skip_backward")
 
-INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
-cpu_only = pytest.mark.skipif(not INTERP, reason="interpreter tests (TRITON_INTERPRET=1, no CUDA)")
-gpu = pytest.mark.gpu
-
-
-def rel(got, want):
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 def random_mask(B, H, Tq, Tk, density, seed, device="cpu", diag=True):

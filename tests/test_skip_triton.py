@@ -11,16 +11,13 @@ comparison cannot flip on rounding.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-_GPU = torch.cuda.is_available()
-if not _GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 triton = pytest.importorskip("triton")
+
+from kernel_checks import CUDA, INTERP, cpu_only, gpu  # noqa: E402
 
 from sparsepatch.kernels import reference, stateful  # noqa: E402
 from sparsepatch.kernels.reference import LOG2E  # noqa: E402
@@ -28,10 +25,7 @@ from sparsepatch.kernels.skiplist import SkipList  # noqa: E402
 
 skip = pytest.importorskip("sparsepatch.kernels.skip")
 
-INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
-cpu_only = pytest.mark.skipif(not INTERP, reason="interpreter tests (TRITON_INTERPRET=1, no CUDA)")
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not _GPU or INTERP, reason="needs CUDA")
+needs_cuda = pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA")
 
 
 def lattice_threshold(D, scale=None, near=-5.0):
