@@ -180,3 +180,21 @@ def test_fsdp2_two_processes_match_one_process(tmp_path):
     assert len(sharded) == len(single) == 3
     for a, b in zip(sharded, single):
         assert abs(a - b) <= 1e-5 * abs(b), (sharded, single)
+
+
+@pytest.mark.parametrize("name", ["train_tiny_video", "train_tiny_llm"])
+def test_tiny_model_training_scripts_record_how_they_ran(name, tmp_path):
+    """The scripts that made the committed reference models: 2 steps into tmp_path, the weights load back through
+    load_trained and training_info.json records the command, the steps and the losses."""
+    import importlib
+    script = importlib.import_module(f"sparsepatch.recipes.{name}")
+    argv = ["--max-steps", "2", "--batch-size", "2", "--output-dir", str(tmp_path), "--log-every", "0"]
+    result = script.main(argv)
+    model, info = script.load_trained(tmp_path)
+    assert info == json.loads((tmp_path / "training_info.json").read_text()) == result["info"]
+    assert info["command"].endswith(" ".join(argv)) and name in info["command"]
+    assert info["steps"] == 2 and info["final_loss"] == result["losses"][-1]
+    assert math.isfinite(info["final_loss"]) and info["wall_seconds"] > 0
+    trained = result["model"]
+    for (n1, p1), (n2, p2) in zip(trained.state_dict().items(), model.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2.to(p1.dtype))

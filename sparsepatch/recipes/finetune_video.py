@@ -205,6 +205,33 @@ def list_density(handle) -> float:
     return float(torch.stack([lst.density().to("cpu") for lst in lists.values()]).mean())
 
 
+def train_from_initial(module: str, argv, build_initial, finetune_main, finetune_args: list, output_dir,
+                       tail: int, **info) -> dict:
+    """Save `build_initial`'s seeded weights to a temporary directory, fine-tune from them with
+    `finetune_main(["--model-path", <dir>, *finetune_args])`, then record how (command, wall seconds, device, final
+    loss, mean loss of the last `tail` steps, plus `info`) in `output_dir`/training_info.json. Returns the fine-tune's
+    result with "info" added. `argv` None means the command line (sys.argv)."""
+    import sys
+    import tempfile
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as init:
+        build_initial(init)
+        result = finetune_main(["--model-path", init, *finetune_args])
+    losses = result["losses"]
+    given = sys.argv[1:] if argv is None else argv
+    record = {"command": f"PYTHONPATH=. python -m {module} " + " ".join(given),
+              "wall_seconds": round(time.perf_counter() - t0, 1),
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "steps": len(losses), "final_loss": result["final_loss"],
+              f"mean_loss_last_{tail}": sum(losses[-tail:]) / len(losses[-tail:]), **info}
+    if output_dir:
+        with open(os.path.join(output_dir, "training_info.json"), "w") as f:
+            json.dump(record, f, indent=1)
+    print("TRAINED " + json.dumps(record))
+    result["info"] = record
+    return result
+
+
 def summarize(accelerator, name: str, result: dict) -> None:
     times = result["step_times"]
     steady = times[1:] or times   # the first step includes one-off setup (allocations, kernel compiles)

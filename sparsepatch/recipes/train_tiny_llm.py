@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
-import time
 from pathlib import Path
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny_llm"
@@ -59,25 +57,13 @@ def build_initial(path: str):
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     from . import finetune_llm
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as init:
-        build_initial(init)
-        result = finetune_llm.main([
-            "--config", "none", "--model-path", init, "--max-steps", str(args.max_steps),
-            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
-            "--seed", str(SEED), "--corpus", args.corpus, "--output-dir", args.output_dir,
-            "--log-every", str(args.log_every)])
-    wall = time.perf_counter() - t0
-    info = {"command": "PYTHONPATH=. python -m sparsepatch.recipes.train_tiny_llm " + " ".join(argv or []),
-            "wall_seconds": round(wall, 1), "steps": len(result["losses"]), "final_loss": result["final_loss"],
-            "mean_loss_last_25": sum(result["losses"][-25:]) / len(result["losses"][-25:]),
-            "train_corpus": args.corpus, "heldout_corpus": HELDOUT_CORPUS, "seq_len": args.seq_len}
-    if args.output_dir:
-        with open(os.path.join(args.output_dir, "training_info.json"), "w") as f:
-            json.dump(info, f, indent=1)
-    print("TRAINED " + json.dumps(info))
-    result["info"] = info
-    return result
+    from .finetune_video import train_from_initial
+    return train_from_initial(
+        "sparsepatch.recipes.train_tiny_llm", argv, build_initial, finetune_llm.main,
+        ["--config", "none", "--max-steps", str(args.max_steps), "--batch-size", str(args.batch_size),
+         "--seq-len", str(args.seq_len), "--lr", str(args.lr), "--seed", str(SEED), "--corpus", args.corpus,
+         "--output-dir", args.output_dir, "--log-every", str(args.log_every)],
+        args.output_dir, tail=25, train_corpus=args.corpus, heldout_corpus=HELDOUT_CORPUS, seq_len=args.seq_len)
 
 
 def heldout_tokens(max_bytes: int | None = None):

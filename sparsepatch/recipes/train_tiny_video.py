@@ -19,9 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny_video"
@@ -65,36 +62,15 @@ def build_initial(path: str):
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     from . import finetune_video
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as init:
-        build_initial(init)
-        result = finetune_video.main([
-            "--config", "dense", "--model-path", init, "--max-steps", str(args.max_steps),
-            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(SEED),
-            "--frames", str(args.frames), "--latent-size", str(args.latent_size), "--text-len", str(TEXT_LEN),
-            "--output-dir", args.output_dir, "--log-every", str(args.log_every),
-            "--lr-schedule", args.lr_schedule, "--lr-warmup", str(args.lr_warmup),
-            "--num-workers", str(args.num_workers)])
-    wall = time.perf_counter() - t0
-    given = sys.argv[1:] if argv is None else argv
-    info = {"command": "PYTHONPATH=. python -m sparsepatch.recipes.train_tiny_video " + " ".join(given),
-            "wall_seconds": round(wall, 1), "steps": len(result["losses"]),
-            "final_loss": result["final_loss"],
-            "mean_loss_last_50": sum(result["losses"][-50:]) / len(result["losses"][-50:]),
-            "frames": args.frames, "latent_size": args.latent_size, "text_len": TEXT_LEN,
-            "batch_size": args.batch_size, "lr": args.lr, "lr_schedule": args.lr_schedule,
-            "device": _device_name()}
-    if args.output_dir:
-        with open(os.path.join(args.output_dir, "training_info.json"), "w") as f:
-            json.dump(info, f, indent=1)
-    print("TRAINED " + json.dumps(info))
-    result["info"] = info
-    return result
-
-
-def _device_name() -> str:
-    import torch
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return finetune_video.train_from_initial(
+        "sparsepatch.recipes.train_tiny_video", argv, build_initial, finetune_video.main,
+        ["--config", "dense", "--max-steps", str(args.max_steps), "--batch-size", str(args.batch_size),
+         "--lr", str(args.lr), "--seed", str(SEED), "--frames", str(args.frames),
+         "--latent-size", str(args.latent_size), "--text-len", str(TEXT_LEN), "--output-dir", args.output_dir,
+         "--log-every", str(args.log_every), "--lr-schedule", args.lr_schedule, "--lr-warmup", str(args.lr_warmup),
+         "--num-workers", str(args.num_workers)],
+        args.output_dir, tail=50, frames=args.frames, latent_size=args.latent_size, text_len=TEXT_LEN,
+        batch_size=args.batch_size, lr=args.lr, lr_schedule=args.lr_schedule)
 
 
 def load_trained(path: str | os.PathLike | None = None, dtype=None):
