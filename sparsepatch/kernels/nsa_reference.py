@@ -278,19 +278,16 @@ class NSACache:
         self._bufs = {}
 
     def _append(self, name, cur, new):
-        """cur + new along dim 1. Without autograd, into a buffer of doubling capacity (cur a prefix view of it):
-        no per-step allocation and no O(length) copy; with autograd, torch.cat (as before)."""
-        if cur is None:
+        """cur + new along dim 1. Without autograd, into a buffer of doubling capacity whose prefix view `cur` is (no
+        per-step allocation, no O(length) copy); with autograd, torch.cat (the buffer would be written in place)."""
+        if cur is None or torch.is_grad_enabled():
             self._bufs.pop(name, None)
-            return new
-        buf = self._bufs.get(name)
+            return new if cur is None else torch.cat([cur, new], 1)
         n, m = cur.shape[1], new.shape[1]
-        if torch.is_grad_enabled() or new.dtype != cur.dtype or new.device != cur.device \
-                or new.shape[0] != cur.shape[0] or new.shape[2:] != cur.shape[2:]:
-            self._bufs.pop(name, None)
-            return torch.cat([cur, new], 1)
-        if buf is None or buf.data_ptr() != cur.data_ptr() or buf.shape[1] < n + m or buf.dtype != cur.dtype \
-                or buf.shape[0] != cur.shape[0] or buf.shape[2:] != cur.shape[2:] or buf[:, :n].stride() != cur.stride() \
+        buf = self._bufs.get(name)
+        # a new buffer when cur is not the prefix of ours (first append, or the caller replaced it), when ours is full,
+        # or when it was made under inference mode and this call is not (in-place writes to it would fail)
+        if buf is None or buf.data_ptr() != cur.data_ptr() or buf.shape[1] < n + m \
                 or buf.is_inference() != torch.is_inference_mode_enabled():
             buf = cur.new_empty((cur.shape[0], max(2 * (n + m), 64), *cur.shape[2:]))
             buf[:, :n].copy_(cur)
