@@ -97,6 +97,24 @@ def test_decode_splits(monkeypatch, block_n, target):
 
 
 @needs_triton
+@pytest.mark.parametrize("nsel, ties", [(4, False), (20, False), (4, True)])
+def test_decode_topk_chunks(monkeypatch, nsel, ties):
+    """Top-k over several score chunks: each chunk keeps its best min(chunk, next_pow2(nsel)) candidates and the
+    attention kernel ranks their union; the indices must still equal the reference's exactly (ties to the lower
+    index). S = 620 at block 16 -> 39 blocks, NBLK 64 -> 4 chunks of 16; nsel 20 keeps whole chunks."""
+    nsa, dec = _mods()
+    monkeypatch.setattr(dec, "SCORE_CHUNK", 16)
+    cfg = NSAConfig(block_size=16, num_selected=nsel, window=32, compress_block=16, compress_stride=8)
+    q, k, v = rand(2, 1, 4, 2, 16, 620, seed=21, device=DEV)
+    if ties:                  # q = 0: every score is exactly equal, interior blocks tie and the lower index wins
+        q = q * 0
+    out, idx = nsa.nsa_attention(q, k, v, cfg, return_indices=True)
+    want, widx = ref.nsa_attention(q, k, v, cfg, return_indices=True)
+    assert torch.equal(idx.long(), widx)
+    assert (out - want).abs().max().item() < 2e-5
+
+
+@needs_triton
 @pytest.mark.parametrize("store_kv", [True, False])
 def test_decode_cache_steps(store_kv, count_decode):
     """Prefill T through an NSACache, then n decode steps == the reference prefill of T + n at those positions."""

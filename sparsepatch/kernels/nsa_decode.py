@@ -10,12 +10,17 @@ every compressed key (S / 16 of them at the default config). Here the work is sp
    importance sum_c exp2(s - mt) * w(c, j) (overlap weights; a compressed block overlaps its own selection block
    (IMP_A[j]) and spills into the next (IMP_B[j + 1])). Nothing global is needed, so there is no second pass:
    exp2(s - lse) = exp2(s - mt) * exp2(mt - lse) is finished by (2).
-2. `_dec_topk_kernel` grid (B * Hk). LSE of the compressed branch per head (merge of the split partials), block
-   importance = sum over the group's heads of IMP_A[h, j] * exp2(mt(tile(j)) - lse_h) + IMP_B[h, j] *
-   exp2(mt(tile(j - 1)) - lse_h), local block +inf, block 0 3e38, num_selected arg-max rounds with ties to the
-   lower index (as the reference). Indices int32 (B, 1, Hk, num_selected) ascending, -1 padded.
-3. `_dec_attn_kernel` grid (num_selected + n_win, B * Hk): program p < num_selected attends to selected block p
-   (keys <= the query position), the others to one chunk of the sliding window; each writes a partial (m, l, acc).
+2. `_dec_score_kernel` grid (n_chunks, B * Hk), top-k first stage. LSE of the compressed branch per head (merge of
+   the split partials), block importance of a chunk of SCORE_CHUNK blocks = sum over the group's heads of
+   IMP_A[h, j] * exp2(mt(tile(j)) - lse_h) + IMP_B[h, j] * exp2(mt(tile(j - 1)) - lse_h), local block +inf, block 0
+   3e38, future blocks -inf; the chunk's best CW = min(chunk, next_pow2(num_selected)) blocks are written as
+   candidates (score, block). Ranking is by pairwise comparison (rank = number of candidates with a higher score,
+   ties to the lower index, as the reference), so there are no sequential arg-max rounds: the single-program top-k
+   this replaces took 11.8 of a 27 us step at 64K (benchmarks/profile_nsa_decode.py).
+3. `_dec_attn_kernel` grid (num_selected + n_win, B * Hk): every program ranks the n_chunks * CW candidates (top-k
+   second stage); program p < num_selected attends to the block of rank p (keys <= the query position; nothing
+   when that rank holds no selectable block), the others to one chunk of the sliding window; each writes a
+   partial (m, l, acc). With return_indices, program 0 also writes the selected blocks ascending, -1 padded.
 4. `_dec_combine_kernel` grid (B * Hq): LSE merge of the three branches' partials, gates, output in q's dtype.
 
 Host work: no sync, no .item(); a step allocates its fp32 scratch and its output from PyTorch's caching allocator
@@ -38,7 +43,8 @@ FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
 # Launch settings (H100, bf16, D=128, HQ64/H4).
 CMP_BLOCK_N = 64          # compressed keys per tile (a multiple of block_size / compress_stride, which is <= 64)
 TARGET_PROGRAMS = 160     # compressed-branch programs aimed at (tiles per split = cdiv(tiles * B * Hk, this))
-NUM_WARPS = dict(cmp=4, topk=8, attn=4, combine=4)
+NUM_WARPS = dict(cmp=4, score=4, attn=4, combine=4)
+SCORE_CHUNK = 128         # selection blocks scored per program (the first top-k stage ranks within a chunk)
 NUM_STAGES = dict(cmp=2)
 
 
@@ -103,13 +109,23 @@ def _dec_cmp_kernel(Q, KC, VC, WS, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
 
 
 @triton.jit
-def _dec_topk_kernel(WS, IDX, o_pm, o_pl, o_mt, o_ia, o_ib,
-                     Hk, G, n_split, n_tiles, NBW, n_b,
-                     NB: tl.constexpr, NSEL: tl.constexpr, NBLK: tl.constexpr, NSPLITP: tl.constexpr,
-                     GP: tl.constexpr, HC: tl.constexpr, NSELP: tl.constexpr):
-    bh = tl.program_id(0)
+def _beats(s, j):
+    """[N, N] int32: entry (a, b) = 1 when candidate b ranks before candidate a (higher score, ties to the lower
+    block index), so a row sum is a's rank (0 = best) and ranks of distinct blocks are distinct."""
+    sa = s[:, None]
+    sb = s[None, :]
+    return ((sb > sa) | ((sb == sa) & (j[None, :] < j[:, None]))).to(tl.int32)
+
+
+@triton.jit
+def _dec_score_kernel(WS, o_pm, o_pl, o_mt, o_ia, o_ib, o_cs, o_cj,
+                      Hk, G, n_split, n_tiles, NBW, n_b,
+                      NB: tl.constexpr, CH: tl.constexpr, CW: tl.constexpr, NSPLITP: tl.constexpr,
+                      GP: tl.constexpr, HC: tl.constexpr):
+    ch = tl.program_id(0)
+    bh = tl.program_id(1)
     bh64 = bh.to(tl.int64)
-    j = tl.arange(0, NBLK)
+    j = ch * CH + tl.arange(0, CH)
     cur = n_b - 1                                   # the query is the last token: its block is the last one
     n_w = n_tiles * NB                              # IMP_A written for j < n_w, IMP_B for 1 <= j <= n_w
     ok_a = (j < n_w) & (j <= cur)
@@ -118,7 +134,7 @@ def _dec_topk_kernel(WS, IDX, o_pm, o_pl, o_mt, o_ia, o_ib,
     t_b = tl.maximum(j - 1, 0) // NB
     sp = tl.arange(0, NSPLITP)
     sp_ok = sp < n_split
-    score = tl.zeros([NBLK], tl.float32)
+    score = tl.zeros([CH], tl.float32)
     for hc in tl.static_range(GP // HC):
         gg = hc * HC + tl.arange(0, HC)
         gok = gg < G
@@ -142,30 +158,20 @@ def _dec_topk_kernel(WS, IDX, o_pm, o_pl, o_mt, o_ia, o_ib,
     score = tl.where(j == 0, FORCE_FIRST_C, score)
     score = tl.where(j == cur, float("inf"), score)
     score = tl.where(j <= cur, score, float("-inf"))
-    # One max per round over a packed int64 key: high word = the fp32 bits of the score (monotone for scores
-    # >= 0; -inf is a negative int and sorts below them), low word = NBLK - 1 - j (ties to the lower index).
-    bits = score.to(tl.int32, bitcast=True).to(tl.int64)
-    key = (bits << 32) | (NBLK - 1 - j).to(tl.int64)
-    chosen = tl.zeros([NBLK], tl.int32)
-    for _ in tl.static_range(NSEL):
-        kmax = tl.max(key, 0)
-        pick = NBLK - 1 - (kmax & 0xFFFFFFFF).to(tl.int32)
-        chosen = tl.where((j == pick) & (score > float("-inf")), 1, chosen)
-        key = tl.where(j == pick, -9223372036854775807, key)
-    pos = tl.cumsum(chosen, 0) - 1
-    base = IDX + bh64 * NSEL
-    tl.store(base + pos, j, mask=chosen != 0)
-    cnt = tl.sum(chosen, 0)
-    sl = tl.arange(0, NSELP)
-    tl.store(base + sl, tl.full([NSELP], -1, tl.int32), mask=(sl >= cnt) & (sl < NSEL))
+    # The chunk's best CW blocks are the only ones that can be in the global top num_selected (CW >= num_selected
+    # or CW == CH): write them to slots by rank; the attention kernel ranks the n_chunks * CW candidates.
+    rank = tl.sum(_beats(score, j), 1)
+    slot = bh64 * (tl.num_programs(0) * CW) + ch * CW + rank
+    tl.store(WS + o_cs + slot, score, mask=rank < CW)
+    tl.store(WS + o_cj + slot, j.to(tl.float32), mask=rank < CW)
 
 
 @triton.jit
-def _dec_attn_kernel(Q, K, V, IDX, WS, o_sm, o_sl, o_sacc,
+def _dec_attn_kernel(Q, K, V, IDX, WS, o_sm, o_sl, o_sacc, o_cs, o_cj,
                      sqb, sqh, skb, sks, skh, svb, svs, svh,
                      S, Hk, G, window, n_part, qk_scale,
                      NSEL: tl.constexpr, BS: tl.constexpr, BLK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     GP: tl.constexpr):
+                     GP: tl.constexpr, MP: tl.constexpr, NSELP: tl.constexpr, RET_IDX: tl.constexpr):
     p_id = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -178,7 +184,21 @@ def _dec_attn_kernel(Q, K, V, IDX, WS, o_sm, o_sl, o_sacc,
     offs_n = tl.arange(0, BLK)
     qpos = S - 1
     is_slc = p_id < NSEL
-    jb = tl.load(IDX + bh64 * NSEL + tl.minimum(p_id, NSEL - 1))
+    # Top-k, second stage: the rank of each of the MP candidates of this (b, kv head); program p takes rank p.
+    # (Window programs compute it too: a few hundred cycles, cheaper than a branch per program kind.)
+    c = tl.arange(0, MP)
+    cs = tl.load(WS + o_cs + bh64 * MP + c)
+    cj = tl.load(WS + o_cj + bh64 * MP + c).to(tl.int32)
+    rank = tl.sum(_beats(cs, cj), 1)
+    sel = (rank < NSEL) & (cs > float("-inf"))
+    jb = tl.max(tl.where(sel & (rank == p_id), cj, -1), 0)
+    if RET_IDX:
+        if p_id == 0:          # the selected blocks in ascending order, -1 padded (the reference's layout)
+            pos = tl.sum((sel[None, :] & (cj[None, :] < cj[:, None])).to(tl.int32), 1)
+            tl.store(IDX + bh64 * NSEL + pos, cj, mask=sel)
+            cnt = tl.sum(sel.to(tl.int32), 0)
+            sl = tl.arange(0, NSELP)
+            tl.store(IDX + bh64 * NSEL + sl, tl.full([NSELP], -1, tl.int32), mask=(sl >= cnt) & (sl < NSEL))
     w_lo = tl.maximum(qpos - window + 1, 0) + (p_id - NSEL) * BLK
     start = tl.where(is_slc, tl.maximum(jb, 0) * BS, w_lo)
     hi = tl.where(is_slc, tl.where(jb >= 0, start + BS, 0), S)       # exclusive; padding entry (-1): nothing
@@ -294,18 +314,22 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     if k_cmp.stride(-1) != 1 or v_cmp.stride(-1) != 1:
         k_cmp, v_cmp = k_cmp.contiguous(), v_cmp.contiguous()
     # fp32 workspace: cmp partials (m, l, acc), tile maxima, per-head importance (A, B), slc/swa partials
+    # top-k candidates: NBLK block scores in n_chunks chunks of CH, each chunk keeps its best CW
+    NBLK = max(16, triton.next_power_of_2(n_b))
+    CH = min(NBLK, SCORE_CHUNK)
+    CW = min(CH, triton.next_power_of_2(nsel))
+    n_chunks = NBLK // CH
     sizes = [BH * n_split * GP, BH * n_split * GP, BH * n_split * GP * D, BH * max(n_tiles, 1) * GP,
-             BH * GP * NBW, BH * GP * NBW, BH * n_part * GP, BH * n_part * GP, BH * n_part * GP * D]
+             BH * GP * NBW, BH * GP * NBW, BH * n_part * GP, BH * n_part * GP, BH * n_part * GP * D,
+             BH * n_chunks * CW, BH * n_chunks * CW]
     offs, tot = [], 0
     for n in sizes:
         offs.append(tot)
         tot += (n + 31) // 32 * 32
     ws = _workspace(tot, torch.float32, dev)
-    o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc = offs
-    if return_indices:
-        idx = torch.empty((B, 1, Hk, nsel), dtype=torch.int32, device=dev)
-    else:
-        idx = _workspace(BH * nsel, torch.int32, dev)
+    o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc, o_cs, o_cj = offs
+    # without return_indices the attention kernel stores no indices (RET_IDX=False): ws stands in for the argument
+    idx = torch.empty((B, 1, Hk, nsel), dtype=torch.int32, device=dev) if return_indices else ws
     qk_scale = scale * LOG2E
     _dec_cmp_kernel[(n_split, BH)](
         q, k_cmp, v_cmp, ws, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
@@ -314,17 +338,16 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
         n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
         CB=config.compress_block, CS=config.compress_stride, BS=bs, R=R, HEAD_DIM=D, GP=GP, BLOCK_N=CMP_BLOCK_N,
         num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
-    NBLK = max(16, triton.next_power_of_2(n_b))
-    _dec_topk_kernel[(BH,)](
-        ws, idx, o_pm, o_pl, o_mt, o_ia, o_ib, Hk, G, n_split, n_tiles, NBW, n_b,
-        NB=NB, NSEL=nsel, NBLK=NBLK, NSPLITP=max(2, triton.next_power_of_2(n_split)), GP=GP,
-        HC=max(1, min(GP, 4096 // NBLK)), NSELP=max(16, triton.next_power_of_2(nsel)),
-        num_warps=NUM_WARPS["topk"])
+    _dec_score_kernel[(n_chunks, BH)](
+        ws, o_pm, o_pl, o_mt, o_ia, o_ib, o_cs, o_cj, Hk, G, n_split, n_tiles, NBW, n_b,
+        NB=NB, CH=CH, CW=CW, NSPLITP=max(2, triton.next_power_of_2(n_split)), GP=GP,
+        HC=max(1, min(GP, 4096 // CH)), num_warps=NUM_WARPS["score"])
     _dec_attn_kernel[(n_part, BH)](
-        q, k, v, idx, ws, o_sm, o_sl, o_sacc,
+        q, k, v, idx, ws, o_sm, o_sl, o_sacc, o_cs, o_cj,
         q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         S, Hk, G, config.window, n_part, qk_scale,
-        NSEL=nsel, BS=bs, BLK=BLK, HEAD_DIM=D, GP=GP, num_warps=NUM_WARPS["attn"])
+        NSEL=nsel, BS=bs, BLK=BLK, HEAD_DIM=D, GP=GP, MP=n_chunks * CW,
+        NSELP=max(16, triton.next_power_of_2(nsel)), RET_IDX=return_indices, num_warps=NUM_WARPS["attn"])
     out = torch.empty((B, 1, Hq, D), dtype=q.dtype, device=dev)
     gt = gates if gates is not None else out
     _dec_combine_kernel[(B * Hq,)](

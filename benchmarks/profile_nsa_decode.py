@@ -1,0 +1,96 @@
+"""Where a CUDA-graph NSA decode step spends its time: per-kernel GPU durations (torch.profiler/CUPTI) against the
+replay time of the whole step, HQ64/H4 D128 bf16 B=1, at a few context lengths.
+
+    python benchmarks/profile_nsa_decode.py [--out DIR]     # CUDA only; JSON <gpu>-nsa-decode-profile.json
+
+The difference between the replay time and the sum of kernel durations is launch/dependency latency between the
+graph's kernels (what merging launches can save); each kernel's own duration is what tuning it can save.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from sparsepatch.config import NSAConfig
+from sparsepatch.kernels import nsa_decode
+from sparsepatch.kernels import nsa_reference as ref
+
+import common  # noqa: E402  (benchmarks/common.py)
+
+
+def graph_of(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def replay_us(g, n=200):
+    for _ in range(20):
+        g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / n
+
+
+def profile_step(S, HQ=64, H=4, D=128, reps=50):
+    cfg = NSAConfig()
+    k = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(1, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+    cache = ref.NSACache(store_kv=False)
+    with torch.no_grad():
+        cache.update(k, v, cfg)
+    kc, vc = cache.k_cmp, cache.v_cmp
+    scale = 1.0 / math.sqrt(D)
+
+    def step():
+        return nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg)
+    g = graph_of(step)
+    total = replay_us(g)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name.split("(")[0][:60]] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    kernels = {n: t / reps for n, t in per.items()}
+    return dict(S=S, replay_us=total, kernels_us=kernels, kernel_sum_us=sum(kernels.values()),
+                gap_us=total - sum(kernels.values()))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--s", type=int, nargs="+", default=[8192, 65536])
+    args = ap.parse_args(argv)
+    rows = []
+    for S in args.s:
+        r = profile_step(S)
+        rows.append(r)
+        print(f"S={S}: replay {r['replay_us']:.1f} us, kernels {r['kernel_sum_us']:.1f}, gaps {r['gap_us']:.1f}")
+        for n, t in sorted(r["kernels_us"].items(), key=lambda x: -x[1]):
+            print(f"   {t:7.2f} us  {n}")
+    common.save_results({"device": torch.cuda.get_device_name(), "rows": rows}, f"{common.gpu_name()}-nsa-decode-profile.json", args.out)
+
+
+if __name__ == "__main__":
+    main()
