@@ -140,8 +140,20 @@ def bench_decode(fused_recurrent, batches, graph=True):
                                                        output_final_state=True) for st in states], steps)
                 except Exception as exc:  # noqa: BLE001
                     row["fla_graph_error"] = repr(exc)[:200]
+        # bf16 state storage (fp32 math): half the bytes; TB/s below counts the bf16 bytes actually moved
+        sb = [st.to(torch.bfloat16) for st in states]
+        s16, s32 = sb[0].clone(), sb[0].float()
+        o16 = tri.lightning_decode(q, k, v, s16, decay, scale=1.0)
+        o32 = ref.lightning_decode(q, k, v, s32, decay, scale=1.0)
+        row["bf16_rel_err_out"], row["bf16_rel_err_state"] = _rel(o16, o32), _rel(s16, s32)
+        row["bf16_us"] = _bench(lambda: tri.lightning_decode(q, k, v, sb[0], decay, scale=1.0))
+        if graph:
+            row["bf16_graph_us"] = graph_time(
+                [lambda st=st: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=out) for st in sb], steps)
+        del sb, s16, s32
         for key in [k_ for k_ in row if k_.endswith("_us")]:
-            row[key.replace("_us", "_TBps")] = 2 * state_bytes / (row[key] * 1e-6) / 1e12
+            nbytes = state_bytes // 2 if key.startswith("bf16") else state_bytes
+            row[key.replace("_us", "_TBps")] = 2 * nbytes / (row[key] * 1e-6) / 1e12
         if B == 1:
             row["host_us_ours"] = host_time(lambda: tri.lightning_decode(q, k, v, states[0], decay, scale=1.0))
             row["host_us_ours_out"] = host_time(
@@ -243,6 +255,100 @@ def sweep(lengths, batches):
     return out
 
 
+def _grid(B):
+    """Decode configs swept at batch B: (kind, BV, warps, PM, LOAD_HINT, STORE_HINT)."""
+    if B == 1:
+        cfgs = [("grid", bv, w, 0, 0, 0) for bv, w in ((8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (64, 2))]
+        cfgs += [("grid", 16, 1, 0, lh, sh) for lh, sh in ((1, 0), (2, 0), (3, 0), (0, 1), (0, 2), (0, 3), (1, 1))]
+        cfgs += [("grid", 8, 1, 0, 2, 0), ("grid", 8, 1, 0, 0, 3)]
+        cfgs += [("persist", 16, 1, pm, 0, 0) for pm in (1, 2, 4)] + [("persist", 8, 1, 4, 0, 0),
+                                                                    ("persist", 32, 2, 1, 0, 0)]
+        return cfgs
+    cfgs = [("grid", bv, w, 0, 0, 0) for bv, w in ((32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 4), (128, 8))]
+    cfgs += [("grid", 64, 2, 0, lh, sh) for lh, sh in ((1, 0), (2, 0), (0, 1), (0, 2), (0, 3))]
+    cfgs += [("persist", 16, 1, pm, 0, 0) for pm in (8, 12)]
+    cfgs += [("persist", 32, 2, pm, 0, 0) for pm in (4, 6, 8)]
+    cfgs += [("persist", 64, 4, pm, 0, 0) for pm in (2, 3, 4)]
+    cfgs += [("persist", 128, 8, pm, 0, 0) for pm in (1, 2)]
+    cfgs += [("persist", 32, 2, 6, lh, sh) for lh, sh in ((1, 1), (2, 0), (0, 1))]
+    return cfgs
+
+
+def sweep_decode(batches, bf16_batches=(64, 256)):
+    """Every decode launch variant at each B (eager do_bench; B=1 also per CUDA-graph step). The default config
+    is timed twice (first and last) to show the run's noise."""
+    from sparsepatch.kernels import lightning as tri
+    rows = []
+    decay = minimax_slopes().cuda()
+    for sdt, bs in ((torch.float32, batches), (torch.bfloat16, bf16_batches)):
+        for B in bs:
+            q, k, v = (torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            st = (torch.randn(B, H, D, D, device="cuda") * 0.1).to(sdt)
+            o = torch.empty(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+            sts = [torch.randn_like(st, dtype=torch.float32).to(sdt) for _ in range(16)] if B == 1 else None
+            nbytes = 2 * st.numel() * st.element_size()
+            cfgs = [("default",)] + _grid(B) + [("default",)]
+            for c in cfgs:
+                tri._DECODE_OVERRIDE.clear()
+                if c[0] != "default":
+                    tri._DECODE_OVERRIDE.update(kind=c[0], BV=c[1], num_warps=c[2], PM=c[3], LOAD_HINT=c[4],
+                                                STORE_HINT=c[5])
+                r = {"B": B, "state": str(sdt).split(".")[-1], "cfg": list(c)}
+                try:
+                    s_ref, s_tri = st.clone(), st.clone()
+                    o_ref = ref.lightning_decode(q, k, v, s_ref, decay, scale=1.0)
+                    o_tri = tri.lightning_decode(q, k, v, s_tri, decay, scale=1.0)
+                    r["rel_err"] = max(_rel(o_tri, o_ref), _rel(s_tri, s_ref))
+                    del s_ref, s_tri
+                    r["us"] = _bench(lambda: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=o), rep=100)
+                    r["TBps"] = nbytes / (r["us"] * 1e-6) / 1e12
+                    if B == 1:
+                        r["graph_us"] = graph_time(
+                            [lambda x=x: tri.lightning_decode(q, k, v, x, decay, scale=1.0, out=o) for x in sts], 16)
+                except Exception as exc:  # noqa: BLE001
+                    r["error"] = repr(exc)[:200]
+                rows.append(r)
+            tri._DECODE_OVERRIDE.clear()
+            mine = [r for r in rows if r["B"] == B and r["state"] == str(sdt).split(".")[-1]]
+            ok = [r for r in mine if "us" in r]
+            fmt = lambda r: (round(r["us"], 2), round(r.get("graph_us", 0), 2), round(r["TBps"], 3), r["cfg"])  # noqa
+            print(f"sweep decode B={B} {sdt}: default", [fmt(r) for r in ok if r["cfg"] == ["default"]],
+                  "best eager", [fmt(r) for r in sorted(ok, key=lambda r: r["us"])[:4]],
+                  "best graph", [fmt(r) for r in sorted(ok, key=lambda r: r.get("graph_us", 1e9))[:4]] if B == 1 else "",
+                  "errors/wrong", [r["cfg"] for r in mine if "error" in r or r.get("rel_err", 0) > 2e-2], flush=True)
+            del st, sts
+            torch.cuda.empty_cache()
+    return rows
+
+
+def drift(steps=4096, B=4, layers=(0, 40, 79)):
+    """bf16-state vs fp32-state decode over `steps` tokens from a zero state: relative error of the state and of
+    o at checkpoints, MiniMax slopes of a few layers (79 of 80: almost no decay, the state keeps growing).
+    Inputs silu(randn) like MiniMax's activated qkv projection."""
+    from sparsepatch.kernels import lightning as tri
+    out = []
+    for layer in layers:
+        decay = minimax_slopes(layer=layer).cuda()
+        g = torch.Generator(device="cuda").manual_seed(layer)
+        s32 = torch.zeros(B, H, D, D, device="cuda")
+        s16 = torch.zeros(B, H, D, D, device="cuda", dtype=torch.bfloat16)
+        marks = {1, 16, 256, 1024, steps}
+        err_o = []
+        for t in range(1, steps + 1):
+            q, k, v = (torch.nn.functional.silu(torch.randn(B, 1, H, D, device="cuda", generator=g))
+                       .to(torch.bfloat16) for _ in range(3))
+            o32 = tri.lightning_decode(q, k, v, s32, decay, scale=1.0).float()
+            o16 = tri.lightning_decode(q, k, v, s16, decay, scale=1.0).float()
+            err_o.append(((o16 - o32).norm() / o32.norm()).item() if t in marks else None)
+            if t in marks:
+                out.append({"layer": layer, "step": t, "rel_err_state": _rel(s16, s32), "rel_err_out": err_o[-1],
+                            "state_rms": s32.pow(2).mean().sqrt().item(),
+                            "rel_err_out_bf16_rounding_floor": _rel(o32.to(torch.bfloat16), o32)})
+        print("drift layer", layer, [(r["step"], f"{r['rel_err_state']:.2e}", f"{r['rel_err_out']:.2e}")
+                                     for r in out if r["layer"] == layer], flush=True)
+    return out
+
+
 def table(res):
     lines = ["| B | ours eager us | ours graph us/step | fla eager us | fla graph us/step | torch eager us | "
              "ours TB/s (eager / graph) | fla TB/s (eager / graph) | ours/fla |",
@@ -269,6 +375,8 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="also sweep kernel configs")
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--sweep-only", action="store_true", help="only the config sweep and the B=1 decode row")
+    p.add_argument("--decode-sweep", action="store_true",
+                   help="only the decode launch-variant sweep (fp32 and bf16 state) and the bf16 drift run")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -282,6 +390,15 @@ def main(argv=None):
            "fla_error": fla_err, "shape": {"H": H, "K": D, "V": D, "dtype": "bfloat16", "state": "float32"}}
     res["copy_TBps"], res["copy_us_1GiB"] = copy_ceiling()
     print(f"{name}: device copy {res['copy_TBps']:.3f} TB/s; fla: {fla_err or 'ok'}", flush=True)
+    if args.decode_sweep:
+        res["decode_sweep"] = sweep_decode([1, 16, 64, 128, 256])
+        res["drift"] = drift()
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"{gpu}-lightning-decode-sweep.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        print("wrote", path)
+        return 0
     batches = [1, 64, 256] if args.quick else DECODE_B
     lengths = [4096, 32768] if args.quick else PREFILL_T
     if args.sweep_only:

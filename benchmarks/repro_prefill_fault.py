@@ -15,11 +15,16 @@ Lead (not verified): the pattern matches a known Triton 3.6-3.7 Hopper code-gene
 (triton-lang/triton issues #11366 and #10486); `_prefill_kernel` has three tl.dot on (64 x 32) tiles with 4 warps.
 Next: run this script with `lightning._PREFILL_OVERRIDE` set to {"BV": 64} and to {"num_warps": 8}; if either
 passes, take it as the default after re-timing the prefill (benchmarks/bench_lightning.py)."""
+import json
+import os
 import sys
 import torch
 sys.path.insert(0, "tests")
 import sparsepatch as sp
 from sparsepatch.kernels import lightning as tri
+# LIGHTNING_PREFILL_OVERRIDE='{"BV": 64}' (or '{"num_warps": 8}'): the prefill launch settings to try
+tri._PREFILL_OVERRIDE.update(json.loads(os.environ.get("LIGHTNING_PREFILL_OVERRIDE", "{}")))
+print("prefill override", tri._PREFILL_OVERRIDE, flush=True)
 import test_dense_splitd as D
 import test_lightning as T
 if "llama" in sys.argv:

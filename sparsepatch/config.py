@@ -76,7 +76,16 @@ class NSAConfig:
 
 @dataclass
 class LightningConfig:
-    """Lightning (linear) attention layers of MiniMax models. Lands with issue 6."""
+    """Lightning (linear) attention layers of MiniMax models.
+
+    state_dtype: storage of the recurrent (K, V) state per head in the model's cache: "float32" (default),
+        "bfloat16" (half the decode bytes; math stays fp32, one rounding per step, drift in BENCHMARKS.md) or
+        "float16" (can overflow on slowly decaying heads).
+    """
 
     state_dtype: str = "float32"
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.state_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"state_dtype must be 'float32', 'bfloat16' or 'float16', got {self.state_dtype!r}")

@@ -118,7 +118,9 @@ def test_bad_input_raises_value_error_naming_argument():
     with pytest.raises(ValueError, match="decay"):
         ref.lightning_decode(q, k, v, st, decay[:2])
     with pytest.raises(ValueError, match="state"):
-        ref.lightning_decode(q, k, v, st.half(), decay)
+        ref.lightning_decode(q, k, v, st.double(), decay)           # fp64 state only with fp64 q
+    with pytest.raises(ValueError, match="state_dtype"):
+        ref.lightning_prefill(q, k, v, decay, state_dtype=torch.int32)
     with pytest.raises(ValueError, match="state"):
         ref.lightning_decode(q, k, v, st[:1], decay)
     with pytest.raises(ValueError, match="k"):
@@ -183,6 +185,12 @@ def test_triton_decode_strided_qkv_and_uneven_dims():
         o_tri2 = tri.lightning_decode(q, k, v, s_tri, decay)
     assert qt.stride(3) != 1 and st.stride(3) != 1
     assert rel(o_tri, o_ref) < 1e-5 and rel(st, s_ref) < 1e-6 and rel(o_tri2, o_ref) < 1e-5
+    # "bhvk" given as a transposed view of a (B, H, K, V) buffer: unit stride along V, not K (the generic kernel)
+    buf = h0.clone()
+    s_ref = h0.clone()
+    o_ref = ref.lightning_decode(q, k, v, s_ref, decay)
+    o_tri = tri.lightning_decode(q, k, v, buf.transpose(-1, -2), decay, state_layout="bhvk")
+    assert rel(o_tri, o_ref) < 1e-5 and rel(buf, s_ref) < 1e-6
 
 
 @needs_triton
@@ -225,6 +233,72 @@ def test_triton_prefill_then_decode_equals_longer_prefill(dtype):
     tol = 1e-5 if dtype == torch.float32 and not CUDA else 5e-3
     assert rel(o_pre, o_all[:, :66]) < tol
     assert rel(o_dec, o_all[:, 66:]) < tol and rel(state, s_all) < tol
+
+
+@needs_triton
+@pytest.mark.parametrize("cfg", [dict(kind="persist", BV=8, num_warps=1, PM=1, LOAD_HINT=1, STORE_HINT=1),
+                                 dict(kind="persist", BV=16, num_warps=2, PM=2, LOAD_HINT=0, STORE_HINT=0),
+                                 dict(kind="grid", BV=8, num_warps=1, LOAD_HINT=2, STORE_HINT=2)])
+def test_triton_decode_launch_variants_match_reference(cfg):
+    """Every decode launch variant the sweep may pick (persistent loop with prefetch; cache hints), both layouts;
+    tile counts not a multiple of the program count (the last programs do one tile fewer)."""
+    from sparsepatch.kernels import lightning as tri
+    dev = "cuda" if CUDA else "cpu"
+    q, k, v, decay, h0 = inputs(3, 1, 3, 16, 32, torch.float32, dev, seed=13)
+    tri._DECODE_OVERRIDE.update(cfg)
+    try:
+        for layout in ("bhkv", "bhvk"):
+            s0 = h0.transpose(-1, -2).contiguous() if layout == "bhvk" else h0
+            for sdt in (torch.float32, torch.float16):
+                s_ref, s_tri = s0.to(sdt).clone(), s0.to(sdt).clone()
+                out = torch.full((3, 1, 3, 32), float("nan"), device=dev)
+                for _ in range(2):
+                    o_ref = ref.lightning_decode(q, k, v, s_ref, decay, scale=0.3, state_layout=layout)
+                    tri.lightning_decode(q, k, v, s_tri, decay, scale=0.3, out=out, state_layout=layout)
+                assert rel(out, o_ref) < 2e-3 and rel(s_tri, s_ref) < (1e-6 if sdt == torch.float32 else 2e-3)
+    finally:
+        tri._DECODE_OVERRIDE.clear()
+
+
+def test_reference_narrow_state_is_fp32_math_rounded_once_per_step():
+    """bf16/fp16 storage: the reference widens, updates in fp32 and rounds once (= fp32 step, then .to(dtype))."""
+    q, k, v, decay, h0 = inputs(2, 1, 3, 8, 8, seed=11)
+    for dt in (torch.bfloat16, torch.float16):
+        st = h0.to(dt)
+        s32 = st.float()
+        o = ref.lightning_decode(q, k, v, st, decay, scale=0.5)
+        o32 = ref.lightning_decode(q, k, v, s32, decay, scale=0.5)
+        assert st.dtype == dt and torch.equal(st, s32.to(dt)) and torch.equal(o, o32)
+    o, s = ref.lightning_prefill(q, k, v, decay, initial_state=h0.bfloat16())
+    assert s.dtype == torch.bfloat16
+    o2, s2 = ref.lightning_prefill(q, k, v, decay, initial_state=h0.bfloat16().float(), state_dtype=torch.bfloat16)
+    assert torch.equal(s, s2) and torch.equal(o, o2)
+
+
+@needs_triton
+@pytest.mark.parametrize("sdt", [torch.float16, torch.bfloat16])
+def test_triton_narrow_state_decode_and_prefill(sdt):
+    """bf16/fp16 state storage on the Triton kernels vs the reference, over 8 steps, both layouts, + prefill.
+    The interpreter rounds fp32 -> bf16 toward zero (the GPU and the reference to nearest even)."""
+    from sparsepatch.kernels import lightning as tri
+    dev = "cuda" if CUDA else "cpu"
+    q, k, v, decay, h0 = inputs(2, 8, 3, 16, 32, torch.float16, dev, seed=12)
+    # interpreter truncation is biased toward zero and compounds over the 8 steps (1.4% measured): looser there
+    tol_s = 2e-3 if sdt == torch.float16 else (6e-3 if CUDA else 3e-2)
+    for layout in ("bhkv", "bhvk"):
+        s0 = h0.transpose(-1, -2).contiguous() if layout == "bhvk" else h0
+        s_ref, s_tri = s0.to(sdt).clone(), s0.to(sdt).clone()
+        for t in range(8):
+            sl = slice(t, t + 1)
+            o_ref = ref.lightning_decode(q[:, sl], k[:, sl], v[:, sl], s_ref, decay, scale=0.3, state_layout=layout)
+            o_tri = tri.lightning_decode(q[:, sl], k[:, sl], v[:, sl], s_tri, decay, scale=0.3, state_layout=layout)
+            assert s_tri.dtype == sdt and rel(o_tri, o_ref) < max(tol_s, 2e-3)
+        assert rel(s_tri, s_ref) < tol_s
+    o_ref, f_ref = ref.lightning_prefill(q, k, v, decay, scale=0.3, initial_state=h0.to(sdt))
+    o_tri, f_tri = tri.lightning_prefill(q, k, v, decay, scale=0.3, initial_state=h0.to(sdt))
+    assert f_tri.dtype == sdt and rel(o_tri, o_ref) < 5e-3 and rel(f_tri, f_ref) < tol_s
+    _, f32 = tri.lightning_prefill(q, k, v, decay, scale=0.3, initial_state=h0, state_dtype=sdt)
+    assert f32.dtype == sdt and rel(f32, f_ref) < tol_s
 
 
 @needs_triton
@@ -389,11 +463,45 @@ def test_minimax_chunked_prefill_from_cached_state():
     assert handle.calls[("model.layers.2.self_attn", "prefill")] == 2
 
 
+def test_minimax_bf16_state_config():
+    """LightningConfig(state_dtype="bfloat16"): the cache holds bf16 states, logits stay close to the fp32-state
+    patch, and a bf16 state written by the unpatched (bf16) path is taken as is."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+    from sparsepatch.config import LightningConfig
+    from sparsepatch.patcher.transformers_lightning import patch_lightning_layers
+    model = tiny_minimax(seed=3)
+    ids = torch.randint(2, 96, (2, 40), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        cache = MiniMaxCache()
+        with torch.no_grad():
+            model(input_ids=ids[:, :30], past_key_values=cache, use_cache=True)
+            logits = [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+                      for t in range(30, 40)]
+        return torch.cat(logits, 1), cache
+
+    h32 = StandInHandle()
+    patch_lightning_layers(model, None, h32)
+    l32, c32 = run()
+    h32.remove()
+    h16 = StandInHandle()
+    patch_lightning_layers(model, LightningConfig(state_dtype="bfloat16"), h16)
+    l16, c16 = run()
+    h16.remove()
+    assert c32.linear_cache[0].dtype == torch.float32 and c16.linear_cache[0].dtype == torch.bfloat16
+    assert c16.linear_cache[0].shape == c32.linear_cache[0].shape
+    assert rel(l16, l32) < 1e-2 and rel(c16.linear_cache[0], c32.linear_cache[0]) < 1e-2
+    assert h16.calls[("model.layers.0.self_attn", "decode")] == 10
+
+
 def test_minimax_rejects_bad_config_and_models():
     from sparsepatch.config import LightningConfig
     from sparsepatch.patcher.transformers_lightning import patch_lightning_layers
+    import types
     with pytest.raises(ValueError, match="state_dtype"):
-        patch_lightning_layers(tiny_minimax(), LightningConfig(state_dtype="bfloat16"), StandInHandle())
+        LightningConfig(state_dtype="int8")
+    with pytest.raises(ValueError, match="state_dtype"):
+        patch_lightning_layers(tiny_minimax(), types.SimpleNamespace(state_dtype="fp8"), StandInHandle())
     with pytest.raises(ValueError, match="no MiniMaxLightningAttention"):
         patch_lightning_layers(torch.nn.Linear(2, 2), LightningConfig(), StandInHandle())
 

@@ -80,16 +80,18 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
 
 
 def lightning_decode(q, k, v, state, decay, *, scale=None, out=None, state_layout: str = "bhkv"):
-    """One lightning-attention decode step; updates the fp32 `state` in place. See `lightning_reference`."""
+    """One lightning-attention decode step; updates `state` (fp32, or bf16/fp16 storage) in place. See
+    `lightning_reference`."""
     tri = _triton_module("lightning")
     impl = tri if _use_triton(tri, q) else lightning_reference
     return impl.lightning_decode(q, k, v, state, decay, scale=scale, out=out, state_layout=state_layout)
 
 
 def lightning_prefill(q, k, v, decay, *, scale=None, initial_state=None, cu_seqlens=None,
-                      state_layout: str = "bhkv"):
-    """Chunked lightning-attention prefill -> (o (B, T, H, V), final state fp32). See `lightning_reference`."""
+                      state_layout: str = "bhkv", state_dtype=None):
+    """Chunked lightning-attention prefill -> (o (B, T, H, V), final state; fp32 unless `state_dtype` or a
+    bf16/fp16 initial_state says otherwise). See `lightning_reference`."""
     tri = _triton_module("lightning")
     impl = tri if _use_triton(tri, q) else lightning_reference
     return impl.lightning_prefill(q, k, v, decay, scale=scale, initial_state=initial_state,
-                                  cu_seqlens=cu_seqlens, state_layout=state_layout)
+                                  cu_seqlens=cu_seqlens, state_layout=state_layout, state_dtype=state_dtype)

@@ -3,11 +3,15 @@
 Same functions as `lightning_reference` (read its docstring for the recurrence and layouts):
 
     lightning_decode(q, k, v, state, decay, *, scale=None, out=None, state_layout="bhkv") -> o (B, 1, H, V)
-        state fp32 (B, H, K, V) is updated in place: state <- exp(-decay) state + k^T v; o = scale q @ state.
-    lightning_prefill(q, k, v, decay, *, scale=None, initial_state=None, cu_seqlens=None, state_layout="bhkv")
-        -> (o (B, T, H, V), final_state fp32 (N, H, K, V))
+        state (B, H, K, V) is updated in place: state <- exp(-decay) state + k^T v; o = scale q @ state.
+    lightning_prefill(q, k, v, decay, *, scale=None, initial_state=None, cu_seqlens=None, state_layout="bhkv",
+                      state_dtype=None) -> (o (B, T, H, V), final_state (N, H, K, V))
 
-Decode: one program per (batch, head, V-block) streams its (K, BV) fp32 state tile once (read + write); the
+The state is fp32 by default; a bf16 (or fp16) state is stored in that dtype and widened to fp32 in registers
+(math fp32, one round-to-nearest per step at the store), halving the decode's bytes (drift: lightning_reference).
+
+Decode: each program streams (K, BV) state tiles once (read + write): one program per tile, or (for sizes where
+the sweep found it faster) a persistent grid looping over tiles with a one-tile prefetch (`_decode_config`). The
 only allocation is the output (none with `out=`), there is no host sync after the first call with a given decay
 tensor, so it is CUDA-graph capturable. Prefill: one program per (sequence, head, V-block) walks the sequence in
 chunks of 64 tokens carrying the fp32 state in registers: o = (q k^T * decay_mask) v + decay_q * (q @ state); the
@@ -28,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lightning_reference import CHUNK, check_decode_args, check_prefill_args
+from .lightning_reference import CHUNK, check_decode_args, check_prefill_args, resolve_state_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ def _decode_kernel(Q, Kt, Vt, S, G, O, scale, H,
                    ssb, ssh, ssk, ssv, sob, soh, sod,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    EVEN_K: tl.constexpr, EVEN_V: tl.constexpr):
+    """Any strides. The state is widened to fp32 after the load and rounded to its own dtype at the store."""
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -60,14 +65,14 @@ def _decode_kernel(Q, Kt, Vt, S, G, O, scale, H,
     g = tl.exp(-tl.load(G + h))
     sp = S + b * ssb + h * ssh + ok[:, None] * ssk + ov[None, :] * ssv
     if EVEN_K and EVEN_V:
-        s = tl.load(sp)
+        s = tl.load(sp).to(tl.float32)
         q = tl.load(Q + b * sqb + h * sqh + ok * sqd).to(tl.float32)
         k = tl.load(Kt + b * skb + h * skh + ok * skd).to(tl.float32)
         v = tl.load(Vt + b * svb + h * svh + ov * svd).to(tl.float32)
     else:
         mk = ok < K
         mv = ov < V
-        s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0)
+        s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
         q = tl.load(Q + b * sqb + h * sqh + ok * sqd, mask=mk, other=0.0).to(tl.float32)
         k = tl.load(Kt + b * skb + h * skh + ok * skd, mask=mk, other=0.0).to(tl.float32)
         v = tl.load(Vt + b * svb + h * svh + ov * svd, mask=mv, other=0.0).to(tl.float32)
@@ -75,19 +80,64 @@ def _decode_kernel(Q, Kt, Vt, S, G, O, scale, H,
     o = tl.sum(s * (q * scale)[:, None], axis=0)
     op = O + b * sob + h * soh + ov * sod
     if EVEN_K and EVEN_V:
-        tl.store(sp, s)
+        tl.store(sp, s.to(S.dtype.element_ty))
         tl.store(op, o.to(O.dtype.element_ty))
     else:
-        tl.store(sp, s, mask=mk[:, None] & mv[None, :])
+        tl.store(sp, s.to(S.dtype.element_ty), mask=mk[:, None] & mv[None, :])
         tl.store(op, o.to(O.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _load_state(sp, mask, EVEN: tl.constexpr, LOAD_HINT: tl.constexpr):
+    """(BK, BV) state tile widened to fp32 (masked unless EVEN). LOAD_HINT: 0 none, 1 evict_first, 2 .cg (L2
+    only), 3 evict_last."""
+    if EVEN:
+        if LOAD_HINT == 1:
+            s = tl.load(sp, eviction_policy="evict_first")
+        elif LOAD_HINT == 2:
+            s = tl.load(sp, cache_modifier=".cg")
+        elif LOAD_HINT == 3:
+            s = tl.load(sp, eviction_policy="evict_last")
+        else:
+            s = tl.load(sp)
+    else:
+        if LOAD_HINT == 1:
+            s = tl.load(sp, mask=mask, other=0.0, eviction_policy="evict_first")
+        elif LOAD_HINT == 2:
+            s = tl.load(sp, mask=mask, other=0.0, cache_modifier=".cg")
+        elif LOAD_HINT == 3:
+            s = tl.load(sp, mask=mask, other=0.0, eviction_policy="evict_last")
+        else:
+            s = tl.load(sp, mask=mask, other=0.0)
+    return s.to(tl.float32)
+
+
+@triton.jit
+def _store_state(sp, s, mask, EVEN: tl.constexpr, STORE_HINT: tl.constexpr):
+    """Store an fp32 tile rounded to the state's dtype. STORE_HINT: 0 none, 1 .cs (streaming), 2 evict_first,
+    3 .wt (write-through)."""
+    s = s.to(sp.dtype.element_ty)
+    if EVEN:
+        if STORE_HINT == 1:
+            tl.store(sp, s, cache_modifier=".cs")
+        elif STORE_HINT == 2:
+            tl.store(sp, s, eviction_policy="evict_first")
+        elif STORE_HINT == 3:
+            tl.store(sp, s, cache_modifier=".wt")
+        else:
+            tl.store(sp, s)
+    else:
+        tl.store(sp, s, mask=mask)
 
 
 @triton.jit
 def _decode_unit_kernel(Q, Kt, Vt, S, G, O, scale, H,
                         sqb, sqh, skb, skh, svb, svh, ssb, ssh, ssr, sob, soh,
                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, VK: tl.constexpr, STREAM: tl.constexpr):
-    """_decode_kernel for unit last-dim strides of q/k/v/out and of the state's inner axis (ssr: the other one)."""
+                        EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, VK: tl.constexpr,
+                        LOAD_HINT: tl.constexpr, STORE_HINT: tl.constexpr):
+    """_decode_kernel for unit last-dim strides of q/k/v/out and of the state's inner axis (ssr: the other one).
+    One program per (V-block, batch * head)."""
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -101,66 +151,138 @@ def _decode_unit_kernel(Q, Kt, Vt, S, G, O, scale, H,
         sp = S + b * ssb + h * ssh + ok[:, None] * ssr + ov[None, :]
     mk = ok < K
     mv = ov < V
-    if EVEN_K and EVEN_V:
-        if STREAM:
-            s = tl.load(sp, eviction_policy="evict_first")
-        else:
-            s = tl.load(sp)
-    else:
-        s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0)
+    s = _load_state(sp, mk[:, None] & mv[None, :], EVEN_K and EVEN_V, LOAD_HINT)
     q = tl.load(Q + b * sqb + h * sqh + ok, mask=mk, other=0.0).to(tl.float32)
     k = tl.load(Kt + b * skb + h * skh + ok, mask=mk, other=0.0).to(tl.float32)
     v = tl.load(Vt + b * svb + h * svh + ov, mask=mv, other=0.0).to(tl.float32)
     s = s * g + k[:, None] * v[None, :]
     o = tl.sum(s * (q * scale)[:, None], axis=0)
-    if EVEN_K and EVEN_V:
-        if STREAM:
-            tl.store(sp, s, cache_modifier=".cs")
-        else:
-            tl.store(sp, s)
-    else:
-        tl.store(sp, s, mask=mk[:, None] & mv[None, :])
+    _store_state(sp, s, mk[:, None] & mv[None, :], EVEN_K and EVEN_V, STORE_HINT)
     tl.store(O + b * sob + h * soh + ov, o.to(O.dtype.element_ty), mask=mv)
 
 
-def _decode_config(BH: int, K: int, V: int) -> tuple[int, int]:
-    """(BV, num_warps) for the decode kernel, from the H100 sweep (benchmarks/NOTES.md): (K, 64) fp32
-    tiles per 2-warp program stream best at B*H >= 1K; a grid under one wave (B=1, H=64) does better with (K, 16)
-    tiles on 1 warp (4.8 vs 6.0 us per CUDA-graph step)."""
+@triton.jit
+def _persist_tile(t, H, NVB: tl.constexpr, BV: tl.constexpr, ssb, ssh, ssr, VK: tl.constexpr):
+    """Tile t -> (b, h, first V column, state offset of the tile); V-blocks of one (b, h) are consecutive tiles."""
+    bh = t // NVB
+    v0 = (t % NVB) * BV
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    if VK:
+        off = b * ssb + h * ssh + v0 * ssr
+    else:
+        off = b * ssb + h * ssh + v0
+    return b, h, v0, off
+
+
+@triton.jit
+def _decode_persist_kernel(Q, Kt, Vt, S, G, O, scale, H, NT,
+                           sqb, sqh, skb, skh, svb, svh, ssb, ssh, ssr, sob, soh,
+                           K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, VK: tl.constexpr,
+                           LOAD_HINT: tl.constexpr, STORE_HINT: tl.constexpr):
+    """Persistent variant (unit strides, K and V multiples of the tile): program p walks tiles p, p + P, ... of
+    the NT = B*H*V/BV (K, BV) tiles and loads tile i+1's state before updating and storing tile i, so every
+    program keeps a load in flight behind its store and all programs finish within one tile of each other
+    (no partial last wave)."""
+    NVB: tl.constexpr = V // BV
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    ok = tl.arange(0, K)
+    ob = tl.arange(0, BV)
+    if VK:
+        tile = ok[:, None] + ob[None, :] * ssr
+    else:
+        tile = ok[:, None] * ssr + ob[None, :]
+    t = pid
+    b, h, v0, off = _persist_tile(t, H, NVB, BV, ssb, ssh, ssr, VK)
+    s_nx = _load_state(S + off + tile, None, True, LOAD_HINT)
+    q_nx = tl.load(Q + b * sqb + h * sqh + ok).to(tl.float32)
+    k_nx = tl.load(Kt + b * skb + h * skh + ok).to(tl.float32)
+    v_nx = tl.load(Vt + b * svb + h * svh + v0 + ob).to(tl.float32)
+    g_nx = tl.load(G + h)
+    for _ in range(0, tl.cdiv(NT - pid, P)):
+        s, q, k, v, g = s_nx, q_nx, k_nx, v_nx, g_nx
+        sp = S + off + tile
+        op = O + b * sob + h * soh + v0 + ob
+        tn = t + P
+        more = tl.full((K, BV), tn, tl.int32) < NT          # uniform mask (keeps the 16-byte loads)
+        bn, hn, v0n, offn = _persist_tile(tl.minimum(tn, NT - 1), H, NVB, BV, ssb, ssh, ssr, VK)
+        s_nx = _load_state(S + offn + tile, more, False, LOAD_HINT)
+        q_nx = tl.load(Q + bn * sqb + hn * sqh + ok).to(tl.float32)
+        k_nx = tl.load(Kt + bn * skb + hn * skh + ok).to(tl.float32)
+        v_nx = tl.load(Vt + bn * svb + hn * svh + v0n + ob).to(tl.float32)
+        g_nx = tl.load(G + hn)
+        s = s * tl.exp(-g) + k[:, None] * v[None, :]
+        o = tl.sum(s * (q * scale)[:, None], axis=0)
+        _store_state(sp, s, None, True, STORE_HINT)
+        tl.store(op, o.to(O.dtype.element_ty))
+        t, b, h, v0, off = tn, bn, hn, v0n, offn
+
+
+# Decode launch settings per regime, from the H100 sweeps (benchmarks/NOTES.md, lightning section). "grid": one
+# program per (K, BV) tile; "persist": min(tiles, PM * SMs) programs looping over tiles with a one-tile prefetch.
+_SMALL_GRID = {"kind": "grid", "BV": 16, "num_warps": 1, "LOAD_HINT": 0, "STORE_HINT": 0}
+_LARGE_GRID = {"kind": "grid", "BV": 64, "num_warps": 2, "LOAD_HINT": 0, "STORE_HINT": 0}
+
+
+def _decode_config(BH: int, K: int, V: int, state_dtype=torch.float32) -> dict:
+    """Launch settings for the decode kernel (see the table above): a grid under one wave (B=1 at H=64) does best
+    with many small 1-warp programs (latency-bound); large grids stream (K, 64) tiles on 2 warps."""
     bk = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), max(16, 8192 // bk))
     if BH * triton.cdiv(V, BV) <= 132 and bk <= 256:
-        return min(16, triton.next_power_of_2(V)), 1
-    return BV, 2
+        return dict(_SMALL_GRID, BV=min(16, triton.next_power_of_2(V)))
+    return dict(_LARGE_GRID, BV=BV)
 
 
-_DECODE_OVERRIDE: dict = {}  # {"BV", "num_warps", "STREAM"}: benchmark sweeps only
+_DECODE_OVERRIDE: dict = {}  # keys of _decode_config's dict (+ "PM"): benchmark sweeps only
 _FAST: dict = {}             # launch signature -> compiled kernel (relaunched without triton's binder)
 _FAST_OK = [os.environ.get("TRITON_INTERPRET") != "1"]
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 4
+    n = _NUM_SMS.get(device.index)
+    if n is None:
+        n = _NUM_SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
 def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
     B, _, H, K = q.shape
     V = v.shape[3]
     ss = state.stride()
-    inner = ss[2] if vk else ss[3]
+    inner = ss[3]           # the unit-stride axis: V of (B, H, K, V), or K of the "bhvk" (B, H, V, K) layout
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     if inner == 1 and qs[3] == 1 and ks[3] == 1 and vs[3] == 1 and os_[3] == 1:
-        BV, warps = _decode_config(B * H, K, V)
-        stream = False
+        cfg = _decode_config(B * H, K, V, state.dtype)
         if _DECODE_OVERRIDE:
-            BV, warps = _DECODE_OVERRIDE.get("BV", BV), _DECODE_OVERRIDE.get("num_warps", warps)
-            stream = _DECODE_OVERRIDE.get("STREAM", stream)
+            cfg = dict(cfg, **_DECODE_OVERRIDE)
+        BV, warps = cfg["BV"], cfg["num_warps"]
         BK = triton.next_power_of_2(K)
-        grid = ((V + BV - 1) // BV, B * H, 1)
-        args = (q, k, v, state, decay, out, scale, H, qs[0], qs[2], ks[0], ks[2], vs[0], vs[2],
-                ss[0], ss[1], ss[3] if vk else ss[2], os_[0], os_[2],
-                K, V, BK, BV, BK == K, V % BV == 0, vk, stream)
+        persist = cfg["kind"] == "persist" and BK == K and V % BV == 0
+        ssr = ss[2]             # stride of the other axis (K rows, or V rows for "bhvk")
+        if persist:
+            NT = B * H * (V // BV)
+            P = max(1, min(NT, int(cfg.get("PM", 4) * _num_sms(q.device))))
+            grid = (P, 1, 1)
+            args = (q, k, v, state, decay, out, scale, H, NT, qs[0], qs[2], ks[0], ks[2], vs[0], vs[2],
+                    ss[0], ss[1], ssr, os_[0], os_[2], K, V, BV, vk, cfg["LOAD_HINT"], cfg["STORE_HINT"])
+            nint = 7
+        else:
+            grid = ((V + BV - 1) // BV, B * H, 1)
+            args = (q, k, v, state, decay, out, scale, H, qs[0], qs[2], ks[0], ks[2], vs[0], vs[2],
+                    ss[0], ss[1], ssr, os_[0], os_[2],
+                    K, V, BK, BV, BK == K, V % BV == 0, vk, cfg["LOAD_HINT"], cfg["STORE_HINT"])
+            nint = 7
         # Triton specializes int args (== 1, % 16) and pointers (16-byte alignment): the key holds every int arg
         # and requires all pointers aligned, so a cached kernel is only reused where triton would pick it again.
         aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | state.data_ptr() | out.data_ptr()
                    | decay.data_ptr()) % 16 == 0
-        key = (q.device.index, q.dtype, warps, args[7:]) if aligned and _FAST_OK[0] else None
+        key = (q.device.index, q.dtype, state.dtype, persist, warps, args[nint:]) \
+            if aligned and _FAST_OK[0] else None
         kern = _FAST.get(key) if key is not None else None
         if kern is not None:
             try:
@@ -170,8 +292,13 @@ def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
                 logger.warning("sparsepatch lightning: direct relaunch failed (%s); using triton's launcher", exc)
                 _FAST_OK[0] = False
                 _FAST.clear()
-        kern = _decode_unit_kernel[grid](*args[:19], K=K, V=V, BK=BK, BV=BV, EVEN_K=BK == K, EVEN_V=V % BV == 0,
-                                         VK=vk, STREAM=stream, num_warps=warps)
+        if persist:
+            kern = _decode_persist_kernel[grid](*args[:20], K=K, V=V, BV=BV, VK=vk, LOAD_HINT=cfg["LOAD_HINT"],
+                                                STORE_HINT=cfg["STORE_HINT"], num_warps=warps)
+        else:
+            kern = _decode_unit_kernel[grid](*args[:19], K=K, V=V, BK=BK, BV=BV, EVEN_K=BK == K,
+                                             EVEN_V=V % BV == 0, VK=vk, LOAD_HINT=cfg["LOAD_HINT"],
+                                             STORE_HINT=cfg["STORE_HINT"], num_warps=warps)
         if key is not None and kern is not None and hasattr(kern, "__getitem__"):
             if len(_FAST) > 64:
                 _FAST.clear()
@@ -182,7 +309,8 @@ def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
     else:
         ssb, ssh, ssk, ssv = ss
     BK = triton.next_power_of_2(K)
-    BV, warps = _decode_config(B * H, K, V)
+    BV = _decode_config(B * H, K, V, state.dtype)["BV"]
+    warps = 1 if BV <= 16 else 2
     _decode_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, state, decay, out, scale, H,
         qs[0], qs[2], qs[3], ks[0], ks[2], ks[3], vs[0], vs[2], vs[3],
@@ -247,7 +375,7 @@ def _prefill_kernel(Q, Kt, Vt, G, H0, HT, O, CU, scale, T, H,
 
     if HAS_H0:
         s = tl.load(H0 + n * s0n + h * s0h + ok[:, None] * s0k + ov[None, :] * s0v,
-                    mask=mk[:, None] & mv[None, :], other=0.0)
+                    mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
     else:
         s = tl.zeros((BK, BV), dtype=tl.float32)
 
@@ -272,7 +400,8 @@ def _prefill_kernel(Q, Kt, Vt, G, H0, HT, O, CU, scale, T, H,
         kp += C * skt
         vp += C * svt
         op += C * sot
-    tl.store(HT + n * stn + h * sth + ok[:, None] * stk + ov[None, :] * stv, s, mask=mk[:, None] & mv[None, :])
+    tl.store(HT + n * stn + h * sth + ok[:, None] * stk + ov[None, :] * stv, s.to(HT.dtype.element_ty),
+             mask=mk[:, None] & mv[None, :])
 
 
 def _prefill_config(N: int, H: int, K: int, V: int) -> tuple[int, int, int]:
@@ -289,12 +418,12 @@ def _state_strides(t: torch.Tensor, vk: bool):
     return (s0, s1, s3, s2) if vk else (s0, s1, s2, s3)
 
 
-def _launch_prefill(q, k, v, decay, initial_state, cu_seqlens, scale: float, vk: bool):
+def _launch_prefill(q, k, v, decay, initial_state, cu_seqlens, scale: float, vk: bool, state_dtype=torch.float32):
     B, T, H, K = q.shape
     V = v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     o = torch.empty((B, T, H, V), dtype=q.dtype, device=q.device)
-    final = torch.empty((N, H, V, K) if vk else (N, H, K, V), dtype=torch.float32, device=q.device)
+    final = torch.empty((N, H, V, K) if vk else (N, H, K, V), dtype=state_dtype, device=q.device)
     if N == 0:
         return o, final
     BK = max(16, triton.next_power_of_2(K))
@@ -318,29 +447,31 @@ def _launch_prefill(q, k, v, decay, initial_state, cu_seqlens, scale: float, vk:
 @torch.library.custom_op("sparsepatch::lightning_prefill", mutates_args=())
 def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
                 initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
-                state_vk: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_prefill(q, k, v, decay, initial_state, cu_seqlens, scale, state_vk)
+                state_vk: bool, state_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_prefill(q, k, v, decay, initial_state, cu_seqlens, scale, state_vk, state_dtype)
 
 
 @_prefill_op.register_fake
-def _(q, k, v, decay, initial_state, cu_seqlens, scale, state_vk):
+def _(q, k, v, decay, initial_state, cu_seqlens, scale, state_vk, state_dtype=torch.float32):
     B, T, H, K = q.shape
     V = v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     o = q.new_empty((B, T, H, V))
-    final = q.new_empty((N, H, V, K) if state_vk else (N, H, K, V), dtype=torch.float32)
+    final = q.new_empty((N, H, V, K) if state_vk else (N, H, K, V), dtype=state_dtype)
     return o, final
 
 
 def lightning_prefill(q, k, v, decay, *, scale=None, initial_state=None, cu_seqlens=None,
-                      state_layout: str = "bhkv"):
-    """Chunked prefill on the Triton kernel; see the module docstring. Returns (o, final_state fp32)."""
+                      state_layout: str = "bhkv", state_dtype=None):
+    """Chunked prefill on the Triton kernel; see the module docstring. Returns (o, final_state); the final state's
+    dtype is `state_dtype` (None: initial_state's dtype, else fp32), the math fp32 either way."""
     N, T, H, K, V, scale, vk = check_prefill_args(q, k, v, decay, scale, initial_state, cu_seqlens, state_layout)
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype must be one of {SUPPORTED_DTYPES} for the Triton kernel, got {q.dtype}")
+    sdt = resolve_state_dtype(state_dtype, initial_state, q)
     if torch.compiler.is_compiling():
-        return _prefill_op(q, k, v, decay, initial_state, cu_seqlens, scale, vk)
-    return _launch_prefill(q, k, v, decay, initial_state, cu_seqlens, scale, vk)
+        return _prefill_op(q, k, v, decay, initial_state, cu_seqlens, scale, vk, sdt)
+    return _launch_prefill(q, k, v, decay, initial_state, cu_seqlens, scale, vk, sdt)
 
 
 __all__ = ["lightning_decode", "lightning_prefill", "supports"]

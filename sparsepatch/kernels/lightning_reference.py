@@ -12,6 +12,14 @@ exp(-s * (i + 1))). MiniMax uses scale = 1.0; scale=None means 1 / sqrt(K) (the 
 
 Layouts: q, k (B, T, H, K); v (B, T, H, V); o (B, T, H, V) in q's dtype; decay (H,) fp32; state fp32 (B, H, K, V),
 or (B, H, V, K) with state_layout="bhvk" (V-first, the transposed matrix). Math is fp32 (fp64 inputs stay fp64).
+
+Reduced-precision state storage: a bf16 (or fp16) state is accepted wherever an fp32 one is. The math stays fp32
+(the stored state is widened, updated, used for o, and rounded to nearest-even once when stored), so a decode step
+moves half the bytes. Each step adds one rounding of relative size <= 2^-9 (bf16) to every state element; the
+decay damps old errors, so the drift stays bounded (measured numbers: BENCHMARKS.md, lightning section). fp16 has
+the finer mantissa but overflows past 65504 (a slowly decaying head accumulating large k^T v can get there); bf16
+is the recommended reduced format. The prefill's final state takes `state_dtype` (default: initial_state's dtype,
+else fp32).
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import torch
 
 STATE_LAYOUTS = ("bhkv", "bhvk")
 CHUNK = 64  # prefill chunk length (tokens) of the reference and of the Triton kernel
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # storage dtypes of the state (math is fp32)
 
 # id(decay) -> (weakref to it, its version when checked): decay tensors already checked for >= 0, so the hot
 # decode path syncs once per tensor. Keyed by the live object (not its data pointer, which the caching allocator
@@ -57,9 +66,9 @@ def check_state_layout(state_layout: str) -> bool:
 def _check_state(name: str, state: torch.Tensor, want: tuple, vk: bool, q: torch.Tensor) -> None:
     if not isinstance(state, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(state).__name__}")
-    allowed = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+    allowed = (torch.float32, torch.float64) if q.dtype == torch.float64 else STATE_DTYPES
     if state.dtype not in allowed:
-        raise ValueError(f"{name} must be float32 (fp64 only with fp64 q), got {state.dtype}")
+        raise ValueError(f"{name} must be float32, bfloat16 or float16 (fp64 only with fp64 q), got {state.dtype}")
     shape = want[:2] + (want[3], want[2]) if vk else want
     if tuple(state.shape) != shape:
         lay = "(B, H, V, K)" if vk else "(B, H, K, V)"
@@ -118,7 +127,7 @@ def check_decode_args(q, k, v, state, decay, scale, out, state_layout):
         dt = q.dtype
         vk = state_layout == "bhvk"
         ok = (T == 1 and k.shape == q.shape and v.shape[:3] == q.shape[:3] and k.dtype == dt and v.dtype == dt
-              and decay.dtype == torch.float32 and decay.shape == (H,) and state.dtype == torch.float32
+              and decay.dtype == torch.float32 and decay.shape == (H,) and state.dtype in STATE_DTYPES
               and state.shape == ((B, H, V, K) if vk else (B, H, K, V)) and (vk or state_layout == "bhkv")
               and (out is None or (out.shape == (B, 1, H, V) and out.dtype == dt))
               and q.is_cuda == k.is_cuda == v.is_cuda == state.is_cuda == decay.is_cuda and K > 0 and V > 0 and H > 0)
@@ -142,6 +151,18 @@ def _check_decode_args_slow(q, k, v, state, decay, scale, out, state_layout):
             raise ValueError(f"out must be a {q.dtype} tensor of shape (B, 1, H, V) = {(B, 1, H, V)} on {q.device}, "
                              f"got {getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}")
     return B, H, K, V, resolve_scale(scale, K), vk
+
+
+def resolve_state_dtype(state_dtype, initial_state, q) -> torch.dtype:
+    """dtype of the prefill's final state: `state_dtype`, else initial_state's dtype, else fp32 (fp64 for fp64 q)."""
+    if state_dtype is None:
+        if initial_state is not None:
+            return initial_state.dtype
+        return torch.float64 if q.dtype == torch.float64 else torch.float32
+    allowed = STATE_DTYPES + ((torch.float64,) if q.dtype == torch.float64 else ())
+    if state_dtype not in allowed:
+        raise ValueError(f"state_dtype must be one of {allowed} (storage of the final state), got {state_dtype!r}")
+    return state_dtype
 
 
 def check_prefill_args(q, k, v, decay, scale, initial_state, cu_seqlens, state_layout):
@@ -169,18 +190,24 @@ def check_prefill_args(q, k, v, decay, scale, initial_state, cu_seqlens, state_l
 
 
 def lightning_decode(q, k, v, state, decay, *, scale=None, out=None, state_layout: str = "bhkv"):
-    """One decode step. q, k (B, 1, H, K), v (B, 1, H, V), decay (H,), state fp32 (B, H, K, V) UPDATED IN PLACE.
+    """One decode step. q, k (B, 1, H, K), v (B, 1, H, V), decay (H,), state (B, H, K, V) UPDATED IN PLACE.
 
     state <- exp(-decay) * state + k^T v; o = (scale * q) @ state (new state). Returns o (B, 1, H, V), written into
-    `out` when given. state_layout="bhvk": state is (B, H, V, K) (the same matrix transposed).
+    `out` when given. state_layout="bhvk": state is (B, H, V, K) (the same matrix transposed). A bf16/fp16 state is
+    widened to fp32, updated, used for o in fp32, and stored rounded (o sees the unrounded new state, as the
+    Triton kernel does).
     """
     B, H, K, V, scale, vk = check_decode_args(q, k, v, state, decay, scale, out, state_layout)
     S = state.transpose(-1, -2) if vk else state                      # (B, H, K, V) view
-    g = torch.exp(-decay.to(S.dtype))[None, :, None, None]
-    kt = k[:, 0].to(S.dtype)
-    vt = v[:, 0].to(S.dtype)
-    S.mul_(g).add_(kt[..., :, None] * vt[..., None, :])
-    o = torch.einsum("bhk,bhkv->bhv", q[:, 0].to(S.dtype) * scale, S)[:, None]
+    narrow = S.dtype in (torch.bfloat16, torch.float16)
+    Sc = S.float() if narrow else S
+    g = torch.exp(-decay.to(Sc.dtype))[None, :, None, None]
+    kt = k[:, 0].to(Sc.dtype)
+    vt = v[:, 0].to(Sc.dtype)
+    Sc.mul_(g).add_(kt[..., :, None] * vt[..., None, :])
+    o = torch.einsum("bhk,bhkv->bhv", q[:, 0].to(Sc.dtype) * scale, Sc)[:, None]
+    if narrow:
+        S.copy_(Sc)
     if out is None:
         return o.to(q.dtype)
     out.copy_(o)
@@ -210,16 +237,17 @@ def _prefill_one(q, k, v, decay, scale, S, chunk):
 
 
 def lightning_prefill(q, k, v, decay, *, scale=None, initial_state=None, cu_seqlens=None,
-                      state_layout: str = "bhkv", chunk_size: int = CHUNK):
-    """Chunked prefill. q, k (B, T, H, K), v (B, T, H, V), decay (H,) -> (o (B, T, H, V), final_state fp32).
+                      state_layout: str = "bhkv", state_dtype=None, chunk_size: int = CHUNK):
+    """Chunked prefill. q, k (B, T, H, K), v (B, T, H, V), decay (H,) -> (o (B, T, H, V), final_state).
 
-    initial_state: fp32 (N, H, K, V) (or (N, H, V, K) with state_layout="bhvk"), None = zeros. cu_seqlens: int
-    (N + 1,) offsets of N packed sequences in q of batch 1 (varlen); otherwise N = B. final_state has
-    initial_state's layout, fp32 (fp64 for fp64 inputs). Same function as T decode steps from initial_state.
+    initial_state: fp32/bf16/fp16 (N, H, K, V) (or (N, H, V, K) with state_layout="bhvk"), None = zeros.
+    cu_seqlens: int (N + 1,) offsets of N packed sequences in q of batch 1 (varlen); otherwise N = B. final_state
+    has initial_state's layout and dtype `state_dtype` (None: initial_state's dtype, else fp32; fp64 for fp64
+    inputs); the math is fp32. Same function as T decode steps from initial_state.
     """
     N, T, H, K, V, scale, vk = check_prefill_args(q, k, v, decay, scale, initial_state, cu_seqlens, state_layout)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    sdtype = initial_state.dtype if initial_state is not None else compute
+    sdtype = resolve_state_dtype(state_dtype, initial_state, q)
     if cu_seqlens is None:
         spans = [(b, 0, T) for b in range(N)]
     else:
@@ -241,4 +269,5 @@ def lightning_prefill(q, k, v, decay, *, scale=None, initial_state=None, cu_seql
     return o, final
 
 
-__all__ = ["lightning_decode", "lightning_prefill", "check_decode_args", "check_prefill_args", "STATE_LAYOUTS", "CHUNK"]
+__all__ = ["lightning_decode", "lightning_prefill", "check_decode_args", "check_prefill_args", "resolve_state_dtype",
+           "STATE_LAYOUTS", "STATE_DTYPES", "CHUNK"]

@@ -8,8 +8,10 @@ its PyTorch block loop / per-token decode loop with `lightning_prefill` / `light
 - a cached state and one new token: one in-place decode step on the cached state;
 - a cached state and several tokens (chunked prefill, assisted decoding): prefill from the cached state.
 
-The recurrent state lives in the model's own `MiniMaxCache.linear_cache[layer_idx]` as fp32 (B, H, K, V), the same
-(K, V) layout the model uses (the unpatched model keeps it in the model dtype; fp32 is at least as accurate).
+The recurrent state lives in the model's own `MiniMaxCache.linear_cache[layer_idx]` as (B, H, K, V), the same
+(K, V) layout the model uses, stored in `LightningConfig.state_dtype`: fp32 by default (the unpatched model keeps it
+in the model dtype; fp32 is at least as accurate), or bf16/fp16 (half the decode bytes; fp32 math, one rounding per
+step). A cached state of another dtype (written by the unpatched model) is converted once.
 Decay per head is the layer's `slope_rate`, scale 1.0 (MiniMax does not scale q). CUDA tensors run the Triton
 kernels; anything else runs the PyTorch reference. A layer in training mode with grad enabled runs the model's own
 forward (the Triton ops have no backward). The state tensor the layer returns as its second output is updated in
@@ -37,7 +39,7 @@ def _kernels(q: torch.Tensor):
     return kernels.lightning_decode, kernels.lightning_prefill
 
 
-def _make_forward(module, layer_name: str, handle, original):
+def _make_forward(module, layer_name: str, handle, original, state_dtype: torch.dtype):
     from transformers.models.minimax.modeling_minimax import apply_mask_to_padding_states
 
     H, D = module.num_attention_heads, module.head_dim
@@ -65,11 +67,11 @@ def _make_forward(module, layer_name: str, handle, original):
 
         state = past_key_values.get_linear_cache(module.layer_idx) if past_key_values is not None else None
         if state is None or (isinstance(state, list) and not state):
-            out, state = prefill(q, k, v, decay, scale=1.0)
+            out, state = prefill(q, k, v, decay, scale=1.0, state_dtype=state_dtype)
             branch = "prefill"
         else:
-            if state.dtype != torch.float32:                          # written by the unpatched model
-                state = state.to(torch.float32)
+            if state.dtype != state_dtype:                            # written by the unpatched model
+                state = state.to(state_dtype)
             if T == 1:
                 out = decode(q, k, v, state, decay, scale=1.0)       # state updated in place
                 branch = "decode"
@@ -93,29 +95,30 @@ def patch_lightning_layers(model, config, handle) -> None:
     """Route `model`'s MiniMax lightning layers through sparsepatch's lightning kernels; undo registered on handle.
 
     model: a transformers MiniMax model (any module tree holding `MiniMaxLightningAttention` layers).
-    config: sp.LightningConfig (state_dtype must be "float32") or None.
+    config: sp.LightningConfig (state_dtype "float32", "bfloat16" or "float16") or None (fp32 state).
     handle: `add_undo(fn)` (zero-arg, run on unpatch), `record_call(layer_name, branch, density)`;
     branch is "prefill" or "decode", density 1.0.
     """
-    state_dtype = getattr(config, "state_dtype", "float32") if config is not None else "float32"
-    if state_dtype != "float32":
-        raise ValueError(f"config.state_dtype must be 'float32' (the lightning kernels keep an fp32 state), "
-                         f"got {state_dtype!r}")
+    name = getattr(config, "state_dtype", "float32") if config is not None else "float32"
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"config.state_dtype must be one of {sorted(dtypes)}, got {name!r}")
+    state_dtype = dtypes[name]
     cls = _lightning_class()
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, cls)]
+    layers = [(lname, m) for lname, m in model.named_modules() if isinstance(m, cls)]
     if not layers:
         raise ValueError(f"model: {type(model).__name__} has no MiniMaxLightningAttention layers to patch")
     if any(getattr(m, _PATCH_FLAG, False) for _, m in layers):
         raise ValueError(f"model: the lightning layers of this {type(model).__name__} are already patched; "
                          "unpatch first")
-    for name, m in layers:
+    for lname, m in layers:
         # accelerate's hooks keep the real forward in `_old_forward` and call it from an instance `forward`:
         # replace the inner one so the hook (device moves, offload) keeps running.
         attr = "_old_forward" if hasattr(m, "_hf_hook") and "_old_forward" in m.__dict__ else "forward"
         had = attr in m.__dict__
         prev = m.__dict__.get(attr)
         original = prev if had else type(m).forward.__get__(m)
-        m.__dict__[attr] = _make_forward(m, name or type(m).__name__, handle, original)
+        m.__dict__[attr] = _make_forward(m, lname or type(m).__name__, handle, original, state_dtype)
         m.__dict__[_PATCH_FLAG] = True
 
         def undo(m=m, attr=attr, had=had, prev=prev):
