@@ -36,13 +36,19 @@ if "llama" in sys.argv:
     torch.cuda.synchronize()
     print("llama done", torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(), flush=True)
 q, k, v, decay, h0 = T.inputs(4, 1, 64, 128, 128, torch.bfloat16, "cuda", seed=9)
-for name, fn in [("eager", lambda: tri.lightning_prefill(q, k, v, decay, initial_state=h0.clone())),
-                 ("compiled", torch.compile(lambda: tri.lightning_prefill(q, k, v, decay, initial_state=h0.clone()),
-                                            fullgraph=True))]:
+q2, k2, v2, _, h2 = T.inputs(1, 4096, 64, 128, 128, torch.bfloat16, "cuda", seed=10)
+q2, k2 = q2 * 0.1, k2 * 0.1
+compiled = torch.compile(lambda: tri.lightning_prefill(q, k, v, decay, initial_state=h0.clone()), fullgraph=True)
+cases = [("eager B4 T1", lambda: tri.lightning_prefill(q, k, v, decay, initial_state=h0.clone()), (q, k, v, h0)),
+         ("eager B1 T4096", lambda: tri.lightning_prefill(q2, k2, v2, decay, initial_state=h2.clone()),
+          (q2, k2, v2, h2)),
+         ("compiled B4 T1", compiled, (q, k, v, h0))]
+for name, fn, (qq, kk, vv, hh) in cases:
     try:
-        fn()
+        o, s = fn()
         torch.cuda.synchronize()
-        print(name, "ok", flush=True)
+        o_r, s_r = T.ref.lightning_prefill(qq.cpu(), kk.cpu(), vv.cpu(), decay.cpu(), initial_state=hh.cpu())
+        print(name, "ok", "rel err out %.1e state %.1e" % (T.rel(o.cpu(), o_r), T.rel(s.cpu(), s_r)), flush=True)
     except Exception as exc:
         print(name, "FAIL", repr(exc)[:150], flush=True)
         break
