@@ -22,15 +22,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+def _f(M, N, BD, DC, NC, w, st, q, qs=3):
+    return dict(BLOCK_M=M, BLOCK_N=N, BLOCK_D=BD, DC=DC, NC=NC, num_warps=w, num_stages=st, q=q, qk_stages=qs)
+
+
+# Forward variants timed with --sweep (the default config of each D is timed in the main row). q: "res" resident Q
+# + (K, V) pipelined num_stages deep; "flat" pipelined run-time loop over QK^T chunks; "v1" the previous kernel.
 FWD_SWEEP = {
-    512: [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=4, num_warps=8, num_stages=1)],
-    1024: [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=128, NC=4, num_warps=8, num_stages=1),
-           dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=4, num_warps=8, num_stages=1)],
+    320: [_f(64, 64, 64, 64, 5, 8, 2, "res"), _f(64, 64, 64, 64, 5, 8, 3, "res"), _f(64, 64, 32, 64, 5, 8, 2, "res")],
+    512: [_f(128, 64, 128, 256, 1, 8, 1, "flat"), _f(128, 64, 128, 256, 1, 8, 1, "flat2"),
+          _f(128, 64, 128, 256, 1, 8, 1, "flat2", 4), _f(64, 64, 128, 256, 2, 8, 1, "flat2"),
+          _f(64, 32, 128, 128, 4, 8, 2, "res")],
+    768: [_f(128, 64, 128, 256, 1, 8, 1, "flat"), _f(128, 64, 128, 256, 1, 8, 1, "flat2"),
+          _f(128, 64, 128, 256, 1, 8, 1, "flat2", 4), _f(64, 64, 128, 128, 3, 8, 1, "flat2")],
+    1024: [_f(64, 64, 128, 256, 2, 8, 1, "flat"), _f(128, 64, 128, 256, 1, 8, 1, "flat2"),
+           _f(128, 64, 128, 256, 1, 8, 1, "flat2", 4), _f(64, 64, 128, 256, 2, 8, 1, "flat2")],
 }
 BWD_SWEEP = {
-    512: [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=64, DC=64, NC=2, num_warps=8, num_stages=1),
-          dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=4, num_warps=8, num_stages=1)],
+    512: [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=4, num_warps=8, num_stages=1)],
 }
+FP8_SWEEP = [dict(qk_format="int8", cfg=dict(num_stages=3)), dict(qk_format="int8", cfg=dict(num_stages=3, exp16=True)),
+             dict(qk_format="int8", cfg=dict(num_stages=4, exp16=True)),
+             dict(qk_format="e4m3", cfg=dict(num_stages=3, exp16=True)), dict(qk_format="e4m3", cfg=dict(num_stages=3))]
 
 
 def _gpu_name():
@@ -77,17 +90,19 @@ def _time_pair(attn, q, k, v, do, with_bwd=True):
     return f, fb
 
 
-def _prewarm(dims, H, S, sweep):
+def _prewarm(dims, H, S, sweep, fp8_seqs=()):
     """Compile every kernel config in parallel processes (Triton's disk cache is shared) to save wall time."""
     import multiprocessing as mp
     tasks = []
     for D in dims:
         tasks.append((D, H, None, None))
         if sweep:
-            tasks += [(D, H, c, None) for c in FWD_SWEEP.get(D, [])]
+            tasks += [(D, H, dict(c, strict=True), None) for c in FWD_SWEEP.get(D, [])]
             tasks += [(D, H, None, c) for c in BWD_SWEEP.get(D, [])]
+    if fp8_seqs:
+        tasks += [("fp8", H, f, None) for f in FP8_SWEEP]
     ctx = mp.get_context("spawn")
-    with ctx.Pool(min(8, len(tasks))) as pool:
+    with ctx.Pool(min(14, len(tasks))) as pool:
         for r in pool.imap_unordered(_warm_one, tasks):
             print("prewarm", r, flush=True)
 
@@ -97,13 +112,20 @@ def _warm_one(task):
     t0 = time.time()
     try:
         from sparsepatch.kernels import dense
+        if D == "fp8":
+            q, k, v = (torch.randn(1, 256, H, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            dense.attention_fp8(q, k, v, qk_format=fcfg["qk_format"], cfg=fcfg["cfg"])
+            dense.attention_fp8(q, k, v, qk_format=fcfg["qk_format"], cfg=fcfg["cfg"], causal=True)
+            torch.cuda.synchronize()
+            return (D, "ok", round(time.time() - t0, 1))
         q, k, v = (torch.randn(1, 128, H, D, device="cuda", dtype=torch.float16) for _ in range(3))
         if fcfg is not None:
-            dense._fwd_impl(q, k, v, False, D ** -0.5, True, cfg=fcfg)
+            dense._fwd_impl(q, k, v, False, D ** -0.5, False, cfg=fcfg)
         elif bcfg is not None:
             o, lse = dense._fwd_impl(q, k, v, False, D ** -0.5, True)
             dense._bwd_impl(q, k, v, o, lse, torch.randn_like(o), None, False, D ** -0.5, cfg=bcfg)
         else:
+            dense._fwd_impl(q, k, v, False, D ** -0.5, False)
             o, lse = dense._fwd_impl(q, k, v, False, D ** -0.5, True)
             dense._bwd_impl(q, k, v, o, lse, torch.randn_like(o), None, False, D ** -0.5)
         torch.cuda.synchronize()
@@ -122,17 +144,22 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-prewarm", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fp8", default="", help="sequence lengths for the fp8 vs cuDNN bf16 rows at D128 (e.g. 8192)")
+    ap.add_argument("--prewarm-only", action="store_true")
     args = ap.parse_args(argv)
     from sparsepatch.kernels import dense
 
     dims = [int(x) for x in args.dims.split(",")]
     B, S, H = args.batch, args.seq, args.heads
     dt = torch.float16
+    fp8_seqs = [int(x) for x in args.fp8.split(",") if x]
     if not args.no_prewarm:
-        _prewarm(dims, H, S, args.sweep)
+        _prewarm(dims, H, S, args.sweep, fp8_seqs)
+    if args.prewarm_only:
+        return None
     gpu = _gpu_name()
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shape=dict(B=B, S=S, H=H), dtype="fp16",
-               flops="fwd 4*B*H*S*S*D, bwd 2.5x fwd", rows=[], sweep=[])
+               flops="fwd 4*B*H*S*S*D, bwd 2.5x fwd", rows=[], sweep=[], fp8=[])
     out_dirs = [os.path.join(ROOT, "benchmarks", "results")] + ([os.environ["OUT"]] if os.environ.get("OUT") else [])
     if args.out:
         out_dirs.append(args.out)
@@ -171,6 +198,7 @@ def main(argv=None):
         dump()
         if args.sweep:
             for c in FWD_SWEEP.get(D, []):
+                c = dict(c, strict=True)
                 with torch.no_grad():
                     t = _bench(lambda: dense._fwd_impl(q, k, v, False, D ** -0.5, False, cfg=c))
                 e = dict(D=D, kind="fwd", cfg=c, ms=t, tflops=round(fl / t * 1e-9, 1) if isinstance(t, float) else None)
@@ -192,7 +220,69 @@ def main(argv=None):
             dump()
         del q, k, v, do
         torch.cuda.empty_cache()
+    for S8 in fp8_seqs:
+        res["fp8"] += _fp8_rows(B, S8, H)
+        dump()
+    _table(res)
     return res
+
+
+def _cos(a, b):
+    return float(F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
+
+
+def _fp8_rows(B, S, H, D=128):
+    """fp8/int8 forward (quantize included, and kernel only) vs cuDNN bf16 at head dim D; cos-sim vs cuDNN bf16."""
+    from sparsepatch.kernels import dense
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    fl = 4 * B * H * S * S * D
+    cud = _sdpa("cudnn")
+    with torch.no_grad():
+        ref = cud(q, k, v).transpose(1, 2)
+        t_ref = _bench(lambda: cud(q, k, v))
+    rows = [dict(S=S, D=D, impl="cudnn_bf16", ms=t_ref, tflops=round(fl / t_ref * 1e-9, 1))]
+    print(json.dumps(rows[-1]), flush=True)
+    for v8 in FP8_SWEEP:
+        fmt, cfg = v8["qk_format"], v8["cfg"]
+        try:
+            with torch.no_grad():
+                out = dense.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg)
+                t = _bench(lambda: dense.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg))
+                qq = dense.quantize_fp8(q, k, v, fmt)
+                tq = _bench(lambda: dense.quantize_fp8(q, k, v, fmt))
+                tk = _bench(lambda: dense.attention_fp8_quantized(*qq, Sk=S, cfg=cfg))
+                outc = dense.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg, causal=True)
+                refc = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      is_causal=True).transpose(1, 2)
+            r = dict(S=S, D=D, impl=f"ours_{fmt}", cfg=cfg, ms=t, tflops=round(fl / t * 1e-9, 1),
+                     kernel_ms=tk, kernel_tflops=round(fl / tk * 1e-9, 1), quant_ms=tq,
+                     x_vs_cudnn=round(t_ref / t, 3), cos_vs_bf16=round(_cos(out, ref), 6),
+                     cos_vs_bf16_causal=round(_cos(outc, refc), 6), rel_vs_bf16=float((out.float() - ref.float()).norm()
+                                                                                      / ref.float().norm()))
+        except Exception as exc:  # noqa: BLE001
+            r = dict(S=S, D=D, impl=f"ours_{fmt}", cfg=cfg, error=str(exc)[:300])
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    del q, k, v
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _table(res):
+    print("\nD | ours fwd TF | eff fwd TF | x | ours f+b TF | eff f+b TF | x")
+    for r in res["rows"]:
+        print(r["D"], r.get("ours_fwd_tflops"), r.get("efficient_fwd_tflops"), r.get("x_vs_efficient_fwd"),
+              r.get("ours_fwdbwd_tflops"), r.get("efficient_fwdbwd_tflops"), r.get("x_vs_efficient_fwdbwd"), sep=" | ")
+    best = {}
+    for e in res["sweep"]:
+        if e["kind"] == "fwd" and e.get("tflops") and e["tflops"] > best.get(e["D"], (0,))[0]:
+            best[e["D"]] = (e["tflops"], {k: v for k, v in e["cfg"].items() if k != "strict"})
+    for D, (t, c) in sorted(best.items()):
+        print("best sweep fwd", D, t, json.dumps(c))
+    for r in res["fp8"]:
+        print("fp8", r.get("S"), r.get("impl"), r.get("tflops"), r.get("kernel_tflops"), r.get("x_vs_cudnn"),
+              r.get("cos_vs_bf16"), r.get("cos_vs_bf16_causal"), r.get("error", "")[:80])
 
 
 if __name__ == "__main__":

@@ -207,3 +207,17 @@ def test_llama_head_dim_512_gpu_kernel(monkeypatch):
     assert calls and max(calls) == 40 and min(calls) == 1
     assert rel(logits, want_logits) <= 2e-2
     assert (got == want).float().mean().item() >= 0.9
+
+
+@cpu_only
+@pytest.mark.parametrize("mode", ["res", "flat", "flat2", "v1"])
+def test_forward_modes_interpreter(mode):
+    """Each Q handling of the forward (resident chunks, run-time chunk loop, v1) on one causal GQA case with two
+    output groups and a partial last group (D 320 = 2 x 128 + 64 columns: MASK_D)."""
+    q, k, v, _ = inputs(1, 20, 27, 2, 1, 320, torch.float32, seed=11)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=64, DC=64, NC=4, num_warps=4, num_stages=2, q=mode, qk_stages=2)
+    out, lse = dense._fwd_impl(q, k, v, True, 320 ** -0.5, True, cfg=cfg)
+    want, wlse = reference.attention(q, k, v, causal=True, return_lse=True)
+    assert rel(out, want) <= 1e-3
+    fin = torch.isfinite(wlse)
+    assert (lse[fin] - wlse[fin]).abs().max().item() <= 1e-3
