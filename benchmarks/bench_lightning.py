@@ -100,7 +100,7 @@ def bench_decode(fused_recurrent, batches, graph=True):
         g = torch.Generator(device="cuda").manual_seed(B)
         q, k, v = (torch.randn(B, 1, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
         state_bytes = B * H * D * D * 4
-        nbuf = min(16, max(1, math.ceil((160 << 20) / state_bytes)))
+        nbuf = min(40, max(1, math.ceil((160 << 20) / state_bytes)))    # >= 160 MiB: 3x the 50 MB L2
         states = [torch.randn(B, H, D, D, device="cuda", generator=g) * 0.1 for _ in range(nbuf)]
         out = torch.empty(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
         row = {"B": B, "state_MB": state_bytes / 1e6}
@@ -127,7 +127,7 @@ def bench_decode(fused_recurrent, batches, graph=True):
             del s_ref, o_f, s_f
             row["fla_us"] = _bench(fla_step)
         if graph:
-            steps = 16 if B <= 32 else 4
+            steps = max(16 if B <= 32 else 4, len(states))
             row["graph_steps"] = steps
             row["ours_graph_us"] = graph_time(
                 [lambda st=st: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=out) for st in states], steps)
@@ -141,7 +141,8 @@ def bench_decode(fused_recurrent, batches, graph=True):
                 except Exception as exc:  # noqa: BLE001
                     row["fla_graph_error"] = repr(exc)[:200]
         # bf16 state storage (fp32 math): half the bytes; TB/s below counts the bf16 bytes actually moved
-        sb = [st.to(torch.bfloat16) for st in states]
+        nb16 = min(80, max(1, math.ceil((160 << 20) / (state_bytes // 2))))
+        sb = [(torch.randn(B, H, D, D, device="cuda", generator=g) * 0.1).to(torch.bfloat16) for _ in range(nb16)]
         s16, s32 = sb[0].clone(), sb[0].float()
         o16 = tri.lightning_decode(q, k, v, s16, decay, scale=1.0)
         o32 = ref.lightning_decode(q, k, v, s32, decay, scale=1.0)
@@ -149,7 +150,8 @@ def bench_decode(fused_recurrent, batches, graph=True):
         row["bf16_us"] = _bench(lambda: tri.lightning_decode(q, k, v, sb[0], decay, scale=1.0))
         if graph:
             row["bf16_graph_us"] = graph_time(
-                [lambda st=st: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=out) for st in sb], steps)
+                [lambda st=st: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=out) for st in sb],
+                max(steps, len(sb)))
         del sb, s16, s32
         for key in [k_ for k_ in row if k_.endswith("_us")]:
             nbytes = state_bytes // 2 if key.startswith("bf16") else state_bytes
@@ -285,7 +287,8 @@ def sweep_decode(batches, bf16_batches=(1, 64, 256)):
             q, k, v = (torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             st = (torch.randn(B, H, D, D, device="cuda") * 0.1).to(sdt)
             o = torch.empty(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
-            sts = [torch.randn_like(st, dtype=torch.float32).to(sdt) for _ in range(16)] if B == 1 else None
+            nst = math.ceil((160 << 20) / (st.numel() * st.element_size()))   # >= 160 MiB of states: no L2 reuse
+            sts = [torch.randn_like(st, dtype=torch.float32).to(sdt) for _ in range(nst)] if B == 1 else None
             nbytes = 2 * st.numel() * st.element_size()
             cfgs = _grid(B)
             if sdt != torch.float32:     # fewer variants for the bf16 state: tile shapes and the persistent loop
@@ -308,7 +311,8 @@ def sweep_decode(batches, bf16_batches=(1, 64, 256)):
                     r["TBps"] = nbytes / (r["us"] * 1e-6) / 1e12
                     if B == 1:
                         r["graph_us"] = graph_time(
-                            [lambda x=x: tri.lightning_decode(q, k, v, x, decay, scale=1.0, out=o) for x in sts], 16)
+                            [lambda x=x: tri.lightning_decode(q, k, v, x, decay, scale=1.0, out=o) for x in sts],
+                            len(sts))
                 except Exception as exc:  # noqa: BLE001
                     r["error"] = repr(exc)[:200]
                 rows.append(r)
@@ -336,6 +340,8 @@ def drift(steps=4096, B=4, layers=(0, 40, 79)):
         g = torch.Generator(device="cuda").manual_seed(layer)
         s32 = torch.zeros(B, H, D, D, device="cuda")
         s16 = torch.zeros(B, H, D, D, device="cuda", dtype=torch.bfloat16)
+        shf = torch.zeros(B, H, D, D, device="cuda", dtype=torch.bfloat16)   # transformers' bf16 decode update
+        ratio = torch.exp(-decay.to(torch.bfloat16))[None, :, None, None]
         marks = {1, 16, 256, 1024, steps}
         err_o = []
         for t in range(1, steps + 1):
@@ -343,13 +349,18 @@ def drift(steps=4096, B=4, layers=(0, 40, 79)):
                        .to(torch.bfloat16) for _ in range(3))
             o32 = tri.lightning_decode(q, k, v, s32, decay, scale=1.0).float()
             o16 = tri.lightning_decode(q, k, v, s16, decay, scale=1.0).float()
+            qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))            # (B, H, 1, D), as MiniMax does
+            shf = ratio * shf + torch.matmul(kh.transpose(-1, -2), vh)
+            ohf = torch.matmul(qh, shf).transpose(1, 2).float()
             err_o.append(((o16 - o32).norm() / o32.norm()).item() if t in marks else None)
             if t in marks:
                 out.append({"layer": layer, "step": t, "rel_err_state": _rel(s16, s32), "rel_err_out": err_o[-1],
+                            "hf_bf16_rel_err_state": _rel(shf, s32), "hf_bf16_rel_err_out": _rel(ohf, o32),
                             "state_rms": s32.pow(2).mean().sqrt().item(),
                             "rel_err_out_bf16_rounding_floor": _rel(o32.to(torch.bfloat16), o32)})
-        print("drift layer", layer, [(r["step"], f"{r['rel_err_state']:.2e}", f"{r['rel_err_out']:.2e}")
-                                     for r in out if r["layer"] == layer], flush=True)
+        print("drift layer", layer, "(step, ours bf16 state/out, transformers bf16 state/out)",
+              [(r["step"], f"{r['rel_err_state']:.2e}", f"{r['rel_err_out']:.2e}", f"{r['hf_bf16_rel_err_state']:.2e}",
+                f"{r['hf_bf16_rel_err_out']:.2e}") for r in out if r["layer"] == layer], flush=True)
     return out
 
 
@@ -365,6 +376,14 @@ def table(res):
                          f=r["ours_TBps"], g=r.get("ours_graph_TBps", float("nan")),
                          h=r.get("fla_TBps", float("nan")), i=r.get("fla_graph_TBps", float("nan")),
                          j=r.get("fla_us", float("nan")) / r["ours_us"]))
+    lines += ["", "| B | bf16-state eager us | bf16-state graph us/step | TB/s (bf16 bytes) eager / graph | "
+              "fla / bf16-state (eager) | rel err out / state vs fp32 step |", "|---|---|---|---|---|---|"]
+    for r in res["decode"]:
+        if "bf16_us" in r:
+            lines.append("| {B} | {a:.1f} | {b:.1f} | {c:.2f} / {d:.2f} | {e:.2f}x | {f:.1e} / {g:.1e} |".format(
+                B=r["B"], a=r["bf16_us"], b=r.get("bf16_graph_us", float("nan")), c=r["bf16_TBps"],
+                d=r.get("bf16_graph_TBps", float("nan")), e=r.get("fla_us", float("nan")) / r["bf16_us"],
+                f=r["bf16_rel_err_out"], g=r["bf16_rel_err_state"]))
     lines += ["", "| T | ours us | fla us | speedup | ours TFLOP/s | rel err vs fla |", "|---|---|---|---|---|---|"]
     for r in res["prefill"]:
         lines.append("| {T} | {a:.0f} | {b:.0f} | {c:.2f}x | {d:.0f} | {e:.1e} |".format(
@@ -379,6 +398,7 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="also sweep kernel configs")
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--sweep-only", action="store_true", help="only the config sweep and the B=1 decode row")
+    p.add_argument("--drift", action="store_true", help="also: bf16-state drift vs fp32 over 4096 steps")
     p.add_argument("--decode-sweep", action="store_true",
                    help="only the decode launch-variant sweep (fp32 and bf16 state) and the bf16 drift run")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -417,6 +437,8 @@ def main(argv=None):
         return 0
     res["decode"] = bench_decode(fused_rec, batches, graph=not args.no_graph)
     res["prefill"] = bench_prefill(chunk_gla, lengths)
+    if args.drift:
+        res["drift"] = drift()
     if args.sweep:
         res["sweep"] = sweep([4096, 32768], [1, 64, 256])
     os.makedirs(args.out, exist_ok=True)

@@ -219,16 +219,23 @@ def _decode_persist_kernel(Q, Kt, Vt, S, G, O, scale, H, NT,
         t, b, h, v0, off = tn, bn, hn, v0n, offn
 
 
-# Decode launch settings per regime, from the H100 sweeps (benchmarks/NOTES.md, lightning section). "grid": one
-# program per (K, BV) tile; "persist": min(tiles, PM * SMs) programs looping over tiles with a one-tile prefetch.
+# Decode launch settings per regime, from the H100 sweeps (benchmarks/NOTES.md, lightning section, v3 and v4).
+# "grid": one program per (K, BV) tile; "persist": min(tiles, PM * SMs) programs looping over tiles with a
+# one-tile prefetch (swept, never faster at H64 K=V=128: kept for the sweeps only).
 _SMALL_GRID = {"kind": "grid", "BV": 16, "num_warps": 1, "LOAD_HINT": 0, "STORE_HINT": 0}
 _LARGE_GRID = {"kind": "grid", "BV": 64, "num_warps": 2, "LOAD_HINT": 0, "STORE_HINT": 0}
+_NARROW_GRID = {"kind": "grid", "BV": 32, "num_warps": 1, "LOAD_HINT": 0, "STORE_HINT": 0}
 
 
 def _decode_config(BH: int, K: int, V: int, state_dtype=torch.float32) -> dict:
-    """Launch settings for the decode kernel (see the table above): a grid under one wave (B=1 at H=64) does best
-    with many small 1-warp programs (latency-bound); large grids stream (K, 64) tiles on 2 warps."""
+    """Launch settings for the decode kernel. fp32 state: a grid under one wave (B=1 at H=64) does best with many
+    small 1-warp programs ((K, 16) tiles: latency-bound); large grids stream (K, 64) tiles on 2 warps (H100 v4
+    sweep at B=64: 186.3 us vs 187.9 for (K, 128) / 4 warps, 191.6 for (K, 32) / 1 warp, persistent >= 194).
+    bf16/fp16 state: (K, 32) tiles on 1 warp at every B (B=64: 104 us vs 114 for the fp32 choice; B=1 3.8 us per
+    graph step) -- the widened fp32 copy of a bigger 2-byte tile needs more registers than one warp holds."""
     bk = triton.next_power_of_2(K)
+    if state_dtype in (torch.bfloat16, torch.float16) and bk <= 128:
+        return dict(_NARROW_GRID, BV=min(32, triton.next_power_of_2(V)))
     BV = min(triton.next_power_of_2(V), max(16, 8192 // bk))
     if BH * triton.cdiv(V, BV) <= 132 and bk <= 256:
         return dict(_SMALL_GRID, BV=min(16, triton.next_power_of_2(V)))
@@ -405,7 +412,14 @@ def _prefill_kernel(Q, Kt, Vt, G, H0, HT, O, CU, scale, T, H,
 
 
 def _prefill_config(N: int, H: int, K: int, V: int) -> tuple[int, int, int]:
-    """(BV, num_warps, num_stages) for the prefill kernel; measured on H100 (benchmarks/NOTES.md)."""
+    """(BV, num_warps, num_stages) for the prefill kernel; measured on H100 (benchmarks/NOTES.md).
+
+    V >= 64 takes 64-wide V blocks although 32 measured ~8-10% faster (H100 sweep v2): the BV=32, 4-warp,
+    3-stage binary for K=V=128 hits an illegal shared-memory address on Triton 3.6 / Hopper once some other
+    kernels ran in the process (benchmarks/repro_prefill_fault.py; pattern of triton-lang/triton#11366), while
+    BV=64 passes the same reproducer (and num_warps=8 does not)."""
+    if V >= 64:
+        return 64, 4, 3
     BV = min(32, max(16, triton.next_power_of_2(V)))
     return BV, 4, 3
 
