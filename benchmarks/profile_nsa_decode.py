@@ -49,7 +49,7 @@ def replay_us(g, n=200):
     return a.elapsed_time(b) * 1e3 / n
 
 
-def profile_step(S, HQ=64, H=4, D=128, reps=50):
+def inputs(S, HQ=64, H=4, D=128):
     cfg = NSAConfig()
     k = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -57,8 +57,40 @@ def profile_step(S, HQ=64, H=4, D=128, reps=50):
     cache = ref.NSACache(store_kv=False)
     with torch.no_grad():
         cache.update(k, v, cfg)
-    kc, vc = cache.k_cmp, cache.v_cmp
-    scale = 1.0 / math.sqrt(D)
+    return q, k, v, cache.k_cmp, cache.v_cmp, 1.0 / math.sqrt(D), cfg
+
+
+def sweep(S, variants):
+    """Replay us of one captured step per launch-setting variant (dicts of module attributes to set), with the
+    selected indices checked against the default settings'."""
+    q, k, v, kc, vc, scale, cfg = inputs(S)
+    _, idx0 = nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg, True)
+    rows = []
+    for var in variants:
+        saved = {n: (dict(getattr(nsa_decode, n)) if isinstance(getattr(nsa_decode, n), dict) else getattr(nsa_decode, n))
+                 for n in var}
+        try:
+            for n, val in var.items():
+                if isinstance(val, dict):
+                    getattr(nsa_decode, n).update(val)
+                else:
+                    setattr(nsa_decode, n, val)
+            _, idx = nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg, True)
+            g = graph_of(lambda: nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg))
+            rows.append(dict(variant=repr(var), same_idx=bool(torch.equal(idx, idx0)), replay_us=replay_us(g)))
+        finally:
+            for n, val in saved.items():
+                setattr(nsa_decode, n, val)
+        print(f"  {rows[-1]['replay_us']:6.1f} us  same_idx={rows[-1]['same_idx']}  {var}", flush=True)
+    return rows
+
+
+VARIANTS = [{}, {"NUM_WARPS": {"score": 8}}, {"NUM_WARPS": {"attn": 8}}, {"NUM_WARPS": {"combine": 8}},
+            {"SCORE_CHUNK": 64}, {"SCORE_CHUNK": 256}, {"NUM_WARPS": {"combine": 2}}]
+
+
+def profile_step(S, reps=50):
+    q, k, v, kc, vc, scale, cfg = inputs(S)
 
     def step():
         return nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg)
@@ -81,15 +113,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--s", type=int, nargs="+", default=[8192, 65536])
+    ap.add_argument("--sweep", action="store_true", help="also replay launch-setting variants at the largest S")
     args = ap.parse_args(argv)
     rows = []
+    res = {"device": torch.cuda.get_device_name(), "rows": rows}
+    if args.sweep:
+        print(f"sweep at S={max(args.s)}:")
+        res["sweep"] = sweep(max(args.s), VARIANTS)
     for S in args.s:
         r = profile_step(S)
         rows.append(r)
         print(f"S={S}: replay {r['replay_us']:.1f} us, kernels {r['kernel_sum_us']:.1f}, gaps {r['gap_us']:.1f}")
         for n, t in sorted(r["kernels_us"].items(), key=lambda x: -x[1]):
             print(f"   {t:7.2f} us  {n}")
-    common.save_results({"device": torch.cuda.get_device_name(), "rows": rows}, f"{common.gpu_name()}-nsa-decode-profile.json", args.out)
+    common.save_results(res, f"{common.gpu_name()}-nsa-decode-profile.json", args.out)
 
 
 if __name__ == "__main__":

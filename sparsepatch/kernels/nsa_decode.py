@@ -14,8 +14,9 @@ every compressed key (S / 16 of them at the default config). Here the work is sp
    the split partials), block importance of a chunk of SCORE_CHUNK blocks = sum over the group's heads of
    IMP_A[h, j] * exp2(mt(tile(j)) - lse_h) + IMP_B[h, j] * exp2(mt(tile(j - 1)) - lse_h), local block +inf, block 0
    3e38, future blocks -inf; the chunk's best CW = min(chunk, next_pow2(num_selected)) blocks are written as
-   candidates (score, block). Ranking is by pairwise comparison (rank = number of candidates with a higher score,
-   ties to the lower index, as the reference), so there are no sequential arg-max rounds: the single-program top-k
+   candidates (int64 keys: score bits, reversed block index). Ranking is by pairwise comparison of keys (rank = number
+   of candidates with a larger key: higher score, ties to the lower index, as the reference), so there are no
+   sequential arg-max rounds: the single-program top-k
    this replaces took 11.8 of a 27 us step at 64K (benchmarks/profile_nsa_decode.py).
 3. `_dec_attn_kernel` grid (num_selected + n_win, B * Hk): every program ranks the n_chunks * CW candidates (top-k
    second stage); program p < num_selected attends to the block of rank p (keys <= the query position; nothing
@@ -109,19 +110,24 @@ def _dec_cmp_kernel(Q, KC, VC, WS, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
 
 
 @triton.jit
-def _beats(s, j):
-    """[N, N] int32: entry (a, b) = 1 when candidate b ranks before candidate a (higher score, ties to the lower
-    block index), so a row sum is a's rank (0 = best) and ranks of distinct blocks are distinct."""
-    sa = s[:, None]
-    sb = s[None, :]
-    return ((sb > sa) | ((sb == sa) & (j[None, :] < j[:, None]))).to(tl.int32)
+def _rank_keys(score, j, NJ: tl.constexpr):
+    """int64 sort keys of block scores: high word = the fp32 bits of the score (monotone for scores >= 0; -inf is a
+    negative int and sorts below them, and its key is negative), low word = NJ - 1 - j (ties to the lower index).
+    Keys of distinct blocks are distinct, so one integer compare orders a pair."""
+    return (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (NJ - 1 - j).to(tl.int64)
 
 
 @triton.jit
-def _dec_score_kernel(WS, o_pm, o_pl, o_mt, o_ia, o_ib, o_cs, o_cj,
+def _rank(key):
+    """Rank of each key among `key` (0 = largest): a row sum of the pairwise comparison matrix."""
+    return tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
+
+
+@triton.jit
+def _dec_score_kernel(WS, CAND, o_pm, o_pl, o_mt, o_ia, o_ib,
                       Hk, G, n_split, n_tiles, NBW, n_b,
-                      NB: tl.constexpr, CH: tl.constexpr, CW: tl.constexpr, NSPLITP: tl.constexpr,
-                      GP: tl.constexpr, HC: tl.constexpr):
+                      NB: tl.constexpr, CH: tl.constexpr, CW: tl.constexpr, NBLK: tl.constexpr,
+                      NSPLITP: tl.constexpr, GP: tl.constexpr, HC: tl.constexpr):
     ch = tl.program_id(0)
     bh = tl.program_id(1)
     bh64 = bh.to(tl.int64)
@@ -160,18 +166,18 @@ def _dec_score_kernel(WS, o_pm, o_pl, o_mt, o_ia, o_ib, o_cs, o_cj,
     score = tl.where(j <= cur, score, float("-inf"))
     # The chunk's best CW blocks are the only ones that can be in the global top num_selected (CW >= num_selected
     # or CW == CH): write them to slots by rank; the attention kernel ranks the n_chunks * CW candidates.
-    rank = tl.sum(_beats(score, j), 1)
-    slot = bh64 * (tl.num_programs(0) * CW) + ch * CW + rank
-    tl.store(WS + o_cs + slot, score, mask=rank < CW)
-    tl.store(WS + o_cj + slot, j.to(tl.float32), mask=rank < CW)
+    key = _rank_keys(score, j, NBLK)
+    rank = _rank(key)
+    tl.store(CAND + bh64 * (tl.num_programs(0) * CW) + ch * CW + rank, key, mask=rank < CW)
 
 
 @triton.jit
-def _dec_attn_kernel(Q, K, V, IDX, WS, o_sm, o_sl, o_sacc, o_cs, o_cj,
+def _dec_attn_kernel(Q, K, V, IDX, WS, CAND, o_sm, o_sl, o_sacc,
                      sqb, sqh, skb, sks, skh, svb, svs, svh,
                      S, Hk, G, window, n_part, qk_scale,
                      NSEL: tl.constexpr, BS: tl.constexpr, BLK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     GP: tl.constexpr, MP: tl.constexpr, NSELP: tl.constexpr, RET_IDX: tl.constexpr):
+                     GP: tl.constexpr, MP: tl.constexpr, NBLK: tl.constexpr, NSELP: tl.constexpr,
+                     RET_IDX: tl.constexpr):
     p_id = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -186,11 +192,10 @@ def _dec_attn_kernel(Q, K, V, IDX, WS, o_sm, o_sl, o_sacc, o_cs, o_cj,
     is_slc = p_id < NSEL
     # Top-k, second stage: the rank of each of the MP candidates of this (b, kv head); program p takes rank p.
     # (Window programs compute it too: a few hundred cycles, cheaper than a branch per program kind.)
-    c = tl.arange(0, MP)
-    cs = tl.load(WS + o_cs + bh64 * MP + c)
-    cj = tl.load(WS + o_cj + bh64 * MP + c).to(tl.int32)
-    rank = tl.sum(_beats(cs, cj), 1)
-    sel = (rank < NSEL) & (cs > float("-inf"))
+    key = tl.load(CAND + bh64 * MP + tl.arange(0, MP))
+    cj = NBLK - 1 - (key & 0xFFFFFFFF).to(tl.int32)
+    rank = _rank(key)
+    sel = (rank < NSEL) & (key >= 0)                      # key < 0: score -inf (a block after the query's)
     jb = tl.max(tl.where(sel & (rank == p_id), cj, -1), 0)
     if RET_IDX:
         if p_id == 0:          # the selected blocks in ascending order, -1 padded (the reference's layout)
@@ -320,14 +325,13 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     CW = min(CH, triton.next_power_of_2(nsel))
     n_chunks = NBLK // CH
     sizes = [BH * n_split * GP, BH * n_split * GP, BH * n_split * GP * D, BH * max(n_tiles, 1) * GP,
-             BH * GP * NBW, BH * GP * NBW, BH * n_part * GP, BH * n_part * GP, BH * n_part * GP * D,
-             BH * n_chunks * CW, BH * n_chunks * CW]
+             BH * GP * NBW, BH * GP * NBW, BH * n_part * GP, BH * n_part * GP, BH * n_part * GP * D]
     offs, tot = [], 0
     for n in sizes:
         offs.append(tot)
         tot += (n + 31) // 32 * 32
     ws = _workspace(tot, torch.float32, dev)
-    o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc, o_cs, o_cj = offs
+    o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc = offs
     # without return_indices the attention kernel stores no indices (RET_IDX=False): ws stands in for the argument
     idx = torch.empty((B, 1, Hk, nsel), dtype=torch.int32, device=dev) if return_indices else ws
     qk_scale = scale * LOG2E
@@ -338,15 +342,16 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
         n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
         CB=config.compress_block, CS=config.compress_stride, BS=bs, R=R, HEAD_DIM=D, GP=GP, BLOCK_N=CMP_BLOCK_N,
         num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
+    cand = _workspace(BH * n_chunks * CW, torch.int64, dev)
     _dec_score_kernel[(n_chunks, BH)](
-        ws, o_pm, o_pl, o_mt, o_ia, o_ib, o_cs, o_cj, Hk, G, n_split, n_tiles, NBW, n_b,
-        NB=NB, CH=CH, CW=CW, NSPLITP=max(2, triton.next_power_of_2(n_split)), GP=GP,
+        ws, cand, o_pm, o_pl, o_mt, o_ia, o_ib, Hk, G, n_split, n_tiles, NBW, n_b,
+        NB=NB, CH=CH, CW=CW, NBLK=NBLK, NSPLITP=max(2, triton.next_power_of_2(n_split)), GP=GP,
         HC=max(1, min(GP, 4096 // CH)), num_warps=NUM_WARPS["score"])
     _dec_attn_kernel[(n_part, BH)](
-        q, k, v, idx, ws, o_sm, o_sl, o_sacc, o_cs, o_cj,
+        q, k, v, idx, ws, cand, o_sm, o_sl, o_sacc,
         q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         S, Hk, G, config.window, n_part, qk_scale,
-        NSEL=nsel, BS=bs, BLK=BLK, HEAD_DIM=D, GP=GP, MP=n_chunks * CW,
+        NSEL=nsel, BS=bs, BLK=BLK, HEAD_DIM=D, GP=GP, MP=n_chunks * CW, NBLK=NBLK,
         NSELP=max(16, triton.next_power_of_2(nsel)), RET_IDX=return_indices, num_warps=NUM_WARPS["attn"])
     out = torch.empty((B, 1, Hq, D), dtype=q.dtype, device=dev)
     gt = gates if gates is not None else out
