@@ -148,6 +148,9 @@ def bench_decode(fused_recurrent, batches, graph=True):
         o32 = ref.lightning_decode(q, k, v, s32, decay, scale=1.0)
         row["bf16_rel_err_out"], row["bf16_rel_err_state"] = _rel(o16, o32), _rel(s16, s32)
         row["bf16_us"] = _bench(lambda: tri.lightning_decode(q, k, v, sb[0], decay, scale=1.0))
+        tri._DECODE_OVERRIDE["SROUND"] = True
+        row["bf16_sround_us"] = _bench(lambda: tri.lightning_decode(q, k, v, sb[0], decay, scale=1.0))
+        tri._DECODE_OVERRIDE.clear()
         if graph:
             row["bf16_graph_us"] = graph_time(
                 [lambda st=st: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=out) for st in sb],
@@ -341,6 +344,7 @@ def drift(steps=4096, B=4, layers=(0, 40, 79)):
         s32 = torch.zeros(B, H, D, D, device="cuda")
         s16 = torch.zeros(B, H, D, D, device="cuda", dtype=torch.bfloat16)
         shf = torch.zeros(B, H, D, D, device="cuda", dtype=torch.bfloat16)   # transformers' bf16 decode update
+        ssr = torch.zeros(B, H, D, D, device="cuda", dtype=torch.bfloat16)   # ours, stochastic rounding
         ratio = torch.exp(-decay.to(torch.bfloat16))[None, :, None, None]
         marks = {1, 16, 256, 1024, steps}
         err_o = []
@@ -349,6 +353,9 @@ def drift(steps=4096, B=4, layers=(0, 40, 79)):
                        .to(torch.bfloat16) for _ in range(3))
             o32 = tri.lightning_decode(q, k, v, s32, decay, scale=1.0).float()
             o16 = tri.lightning_decode(q, k, v, s16, decay, scale=1.0).float()
+            tri._DECODE_OVERRIDE["SROUND"] = True
+            osr = tri.lightning_decode(q, k, v, ssr, decay, scale=1.0).float()
+            tri._DECODE_OVERRIDE.clear()
             qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))            # (B, H, 1, D), as MiniMax does
             shf = ratio * shf + torch.matmul(kh.transpose(-1, -2), vh)
             ohf = torch.matmul(qh, shf).transpose(1, 2).float()
@@ -356,11 +363,14 @@ def drift(steps=4096, B=4, layers=(0, 40, 79)):
             if t in marks:
                 out.append({"layer": layer, "step": t, "rel_err_state": _rel(s16, s32), "rel_err_out": err_o[-1],
                             "hf_bf16_rel_err_state": _rel(shf, s32), "hf_bf16_rel_err_out": _rel(ohf, o32),
+                            "sround_rel_err_state": _rel(ssr, s32), "sround_rel_err_out": _rel(osr, o32),
                             "state_rms": s32.pow(2).mean().sqrt().item(),
                             "rel_err_out_bf16_rounding_floor": _rel(o32.to(torch.bfloat16), o32)})
-        print("drift layer", layer, "(step, ours bf16 state/out, transformers bf16 state/out)",
-              [(r["step"], f"{r['rel_err_state']:.2e}", f"{r['rel_err_out']:.2e}", f"{r['hf_bf16_rel_err_state']:.2e}",
-                f"{r['hf_bf16_rel_err_out']:.2e}") for r in out if r["layer"] == layer], flush=True)
+        print("drift layer", layer, "(step, state/out rel err: ours bf16 nearest | ours bf16 stochastic | "
+              "transformers bf16)", [(r["step"], f"{r['rel_err_state']:.1e}/{r['rel_err_out']:.1e}",
+                                      f"{r['sround_rel_err_state']:.1e}/{r['sround_rel_err_out']:.1e}",
+                                      f"{r['hf_bf16_rel_err_state']:.1e}/{r['hf_bf16_rel_err_out']:.1e}")
+                                     for r in out if r["layer"] == layer], flush=True)
     return out
 
 

@@ -260,6 +260,27 @@ def test_triton_decode_launch_variants_match_reference(cfg):
         tri._DECODE_OVERRIDE.clear()
 
 
+@needs_triton
+def test_triton_bf16_state_stochastic_rounding_experiment():
+    """The experimental stochastic rounding (sweep-only switch): each element lands on one of the two bf16
+    neighbours of the fp32 update, both directions occur, o is the fp32-state output."""
+    from sparsepatch.kernels import lightning as tri
+    dev = "cuda" if CUDA else "cpu"
+    q, k, v, decay, h0 = inputs(2, 1, 3, 16, 32, torch.float16, dev, seed=14)
+    s16 = h0.bfloat16()
+    s32 = s16.float()
+    tri._DECODE_OVERRIDE.update(SROUND=True)
+    try:
+        o = tri.lightning_decode(q, k, v, s16, decay)
+    finally:
+        tri._DECODE_OVERRIDE.clear()
+    o32 = ref.lightning_decode(q, k, v, s32, decay)
+    d = s16.float()
+    assert bool(((d - s32).abs() <= s32.abs() * 2 ** -7).all()) and rel(o, o32) < 2e-3
+    down, up = (d.abs() < s32.abs()).float().mean().item(), (d.abs() > s32.abs()).float().mean().item()
+    assert 0.3 < down < 0.7 and 0.3 < up < 0.7
+
+
 def test_reference_narrow_state_is_fp32_math_rounded_once_per_step():
     """bf16/fp16 storage: the reference widens, updates in fp32 and rounds once (= fp32 step, then .to(dtype))."""
     q, k, v, decay, h0 = inputs(2, 1, 3, 8, 8, seed=11)

@@ -131,11 +131,25 @@ def _store_state(sp, s, mask, EVEN: tl.constexpr, STORE_HINT: tl.constexpr):
 
 
 @triton.jit
+def _round_bf16_stochastic(s, idx):
+    """fp32 -> bf16 rounding up or down with probability given by the dropped 16 bits (unbiased in expectation).
+    The random 16 bits hash the value's own bits with the element index, so no seed or step counter is needed:
+    the unrounded value changes every step (decay, new k^T v). Finite inputs only."""
+    bits = s.to(tl.uint32, bitcast=True)
+    h = bits * 0x27D4EB2D + idx.to(tl.uint32) * 0x165667B1
+    h = h ^ (h >> 15)
+    h = h * 0x2C1B3C6D
+    h = h ^ (h >> 12)
+    r = (bits + (h & 0xFFFF)) >> 16
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _decode_unit_kernel(Q, Kt, Vt, S, G, O, scale, H,
                         sqb, sqh, skb, skh, svb, svh, ssb, ssh, ssr, sob, soh,
                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, VK: tl.constexpr,
-                        LOAD_HINT: tl.constexpr, STORE_HINT: tl.constexpr):
+                        LOAD_HINT: tl.constexpr, STORE_HINT: tl.constexpr, SROUND: tl.constexpr = False):
     """_decode_kernel for unit last-dim strides of q/k/v/out and of the state's inner axis (ssr: the other one).
     One program per (V-block, batch * head)."""
     pid_v = tl.program_id(0)
@@ -157,7 +171,10 @@ def _decode_unit_kernel(Q, Kt, Vt, S, G, O, scale, H,
     v = tl.load(Vt + b * svb + h * svh + ov, mask=mv, other=0.0).to(tl.float32)
     s = s * g + k[:, None] * v[None, :]
     o = tl.sum(s * (q * scale)[:, None], axis=0)
-    _store_state(sp, s, mk[:, None] & mv[None, :], EVEN_K and EVEN_V, STORE_HINT)
+    if SROUND:      # experimental (benchmarks only): bf16 state, stochastic rounding
+        tl.store(sp, _round_bf16_stochastic(s, ok[:, None] * BV + ov[None, :]), mask=mk[:, None] & mv[None, :])
+    else:
+        _store_state(sp, s, mk[:, None] & mv[None, :], EVEN_K and EVEN_V, STORE_HINT)
     tl.store(O + b * sob + h * soh + ov, o.to(O.dtype.element_ty), mask=mv)
 
 
@@ -242,7 +259,7 @@ def _decode_config(BH: int, K: int, V: int, state_dtype=torch.float32) -> dict:
     return dict(_LARGE_GRID, BV=BV)
 
 
-_DECODE_OVERRIDE: dict = {}  # keys of _decode_config's dict (+ "PM"): benchmark sweeps only
+_DECODE_OVERRIDE: dict = {}  # keys of _decode_config's dict (+ "PM", "SROUND"): benchmark sweeps only
 _FAST: dict = {}             # launch signature -> compiled kernel (relaunched without triton's binder)
 _FAST_OK = [os.environ.get("TRITON_INTERPRET") != "1"]
 _NUM_SMS: dict = {}
@@ -280,9 +297,10 @@ def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
             nint = 7
         else:
             grid = ((V + BV - 1) // BV, B * H, 1)
+            sround = bool(cfg.get("SROUND", False)) and state.dtype == torch.bfloat16
             args = (q, k, v, state, decay, out, scale, H, qs[0], qs[2], ks[0], ks[2], vs[0], vs[2],
                     ss[0], ss[1], ssr, os_[0], os_[2],
-                    K, V, BK, BV, BK == K, V % BV == 0, vk, cfg["LOAD_HINT"], cfg["STORE_HINT"])
+                    K, V, BK, BV, BK == K, V % BV == 0, vk, cfg["LOAD_HINT"], cfg["STORE_HINT"], sround)
             nint = 7
         # Triton specializes int args (== 1, % 16) and pointers (16-byte alignment): the key holds every int arg
         # and requires all pointers aligned, so a cached kernel is only reused where triton would pick it again.
@@ -305,7 +323,7 @@ def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
         else:
             kern = _decode_unit_kernel[grid](*args[:19], K=K, V=V, BK=BK, BV=BV, EVEN_K=BK == K,
                                              EVEN_V=V % BV == 0, VK=vk, LOAD_HINT=cfg["LOAD_HINT"],
-                                             STORE_HINT=cfg["STORE_HINT"], num_warps=warps)
+                                             STORE_HINT=cfg["STORE_HINT"], SROUND=sround, num_warps=warps)
         if key is not None and kern is not None and hasattr(kern, "__getitem__"):
             if len(_FAST) > 64:
                 _FAST.clear()
