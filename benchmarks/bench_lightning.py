@@ -387,13 +387,14 @@ def table(res):
                          h=r.get("fla_TBps", float("nan")), i=r.get("fla_graph_TBps", float("nan")),
                          j=r.get("fla_us", float("nan")) / r["ours_us"]))
     lines += ["", "| B | bf16-state eager us | bf16-state graph us/step | TB/s (bf16 bytes) eager / graph | "
-              "fla / bf16-state (eager) | rel err out / state vs fp32 step |", "|---|---|---|---|---|---|"]
+              "fla / bf16-state (eager) | stochastic-rounding eager us | rel err out / state vs fp32 step |",
+              "|---|---|---|---|---|---|---|"]
     for r in res["decode"]:
         if "bf16_us" in r:
-            lines.append("| {B} | {a:.1f} | {b:.1f} | {c:.2f} / {d:.2f} | {e:.2f}x | {f:.1e} / {g:.1e} |".format(
+            lines.append("| {B} | {a:.1f} | {b:.1f} | {c:.2f} / {d:.2f} | {e:.2f}x | {h:.1f} | {f:.1e} / {g:.1e} |".format(
                 B=r["B"], a=r["bf16_us"], b=r.get("bf16_graph_us", float("nan")), c=r["bf16_TBps"],
                 d=r.get("bf16_graph_TBps", float("nan")), e=r.get("fla_us", float("nan")) / r["bf16_us"],
-                f=r["bf16_rel_err_out"], g=r["bf16_rel_err_state"]))
+                h=r.get("bf16_sround_us", float("nan")), f=r["bf16_rel_err_out"], g=r["bf16_rel_err_state"]))
     lines += ["", "| T | ours us | fla us | speedup | ours TFLOP/s | rel err vs fla |", "|---|---|---|---|---|---|"]
     for r in res["prefill"]:
         lines.append("| {T} | {a:.0f} | {b:.0f} | {c:.2f}x | {d:.0f} | {e:.1e} |".format(
