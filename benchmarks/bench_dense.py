@@ -29,21 +29,15 @@ def _f(M, N, BD, DC, NC, w, st, q, qs=3):
 # Forward variants timed with --sweep (the default config of each D is timed in the main row). q: "res" resident Q
 # + (K, V) pipelined num_stages deep; "flat" pipelined run-time loop over QK^T chunks; "v1" the previous kernel.
 FWD_SWEEP = {
-    320: [_f(64, 64, 64, 64, 5, 8, 2, "res"), _f(64, 64, 64, 64, 5, 8, 3, "res"), _f(64, 64, 32, 64, 5, 8, 2, "res")],
-    512: [_f(128, 64, 128, 256, 1, 8, 1, "flat"), _f(128, 64, 128, 256, 1, 8, 1, "flat2"),
-          _f(128, 64, 128, 256, 1, 8, 1, "flat2", 4), _f(64, 64, 128, 256, 2, 8, 1, "flat2"),
-          _f(64, 32, 128, 128, 4, 8, 2, "res")],
-    768: [_f(128, 64, 128, 256, 1, 8, 1, "flat"), _f(128, 64, 128, 256, 1, 8, 1, "flat2"),
-          _f(128, 64, 128, 256, 1, 8, 1, "flat2", 4), _f(64, 64, 128, 128, 3, 8, 1, "flat2")],
-    1024: [_f(64, 64, 128, 256, 2, 8, 1, "flat"), _f(128, 64, 128, 256, 1, 8, 1, "flat2"),
-           _f(128, 64, 128, 256, 1, 8, 1, "flat2", 4), _f(64, 64, 128, 256, 2, 8, 1, "flat2")],
+    768: [_f(128, 64, 128, 128, 3, 8, 1, "flat2", 3)],
+    1024: [_f(128, 64, 128, 256, 1, 8, 1, "flat2", 3)],
 }
 BWD_SWEEP = {
     512: [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=4, num_warps=8, num_stages=1)],
 }
-FP8_SWEEP = [dict(qk_format="int8", cfg=dict(num_stages=3)), dict(qk_format="int8", cfg=dict(num_stages=3, exp16=True)),
-             dict(qk_format="int8", cfg=dict(num_stages=4, exp16=True)),
-             dict(qk_format="e4m3", cfg=dict(num_stages=3, exp16=True)), dict(qk_format="e4m3", cfg=dict(num_stages=3))]
+FP8_SWEEP = [dict(qk_format="int8", cfg=dict()), dict(qk_format="int8", cfg=dict(fuse_q=False)),
+             dict(qk_format="int8", cfg=dict(magic=False)), dict(qk_format="int8", cfg=dict(exp16=True)),
+             dict(qk_format="e4m3", cfg=dict())]
 
 
 def _gpu_name():

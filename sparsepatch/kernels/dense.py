@@ -7,11 +7,15 @@ CUDA (fp32 only under TRITON_INTERPRET=1); GQA Hq % Hk == 0; causal is bottom-ri
 in the scores, never stored).
 
 Split-D, so no tile grows with D:
-  * S = Q K^T is accumulated over D in BLOCK_D chunks (Q and K chunks are (re)loaded per k-block; they live in
-    L2 / shared memory only as long as one chunk's matmul).
+  * S = Q K^T is accumulated over D in BLOCK_D chunks; P @ V is produced per DC-wide output chunk.
   * The output is split into groups of NC chunks of DC columns (NC <= 8, held as separate named accumulators
     acc0..acc7 so D need not be a power of two: 320 = 5 x 64). A program owns one (q-tile, output group); with
-    more than one group (D > ~512) each group re-walks the k-tiles and recomputes S (cost: one QK^T per group).
+    more than one group each group re-walks the k-tiles and recomputes S (cost: one QK^T per group).
+  * Forward Q handling (config "q"), chosen per head dim from H100 sweeps (benchmarks/NOTES.md):
+    "res" (D <= 384): the Q chunks are loaded once and stay in shared memory; the k-block loop pipelines K/V
+    num_stages deep. "flat2" (D >= 512): one run-time loop over (k-block, D chunk) pairs loads a Q chunk and a K
+    chunk per iteration through a qk_stages-deep ring that never drains between k-blocks; softmax and P @ V run on
+    each k-block's last chunk. ("flat": the chunk loop per k-block; "v1": everything unrolled, one stage.)
 Backward (FlashAttention-2 order, same split): `_prep_kernel` (delta = rowsum(dO * O) - dlse, lse2 = lse*log2e),
 then `_dkdv_kernel`, one program per (k-block, output group, batch, kv head) holding dK/dV chunks of its group
 (NCB <= 4 named chunks each), recomputing S^T and dP^T over the full D, and adding dQ for its own columns with
@@ -19,6 +23,9 @@ fp32 atomics (so no separate dQ pass). GQA query heads of a kv head are looped i
 
 Ops: `sparsepatch::dense_splitd_fwd` (autograd attached with torch.library.register_autograd) and
 `sparsepatch::dense_splitd_bwd`, both with fake impls. `attention` calls the op body directly in eager inference.
+
+`attention_fp8` (head dim 64/128, inference): int8 Q K^T (or e4m3) and e4m3 P V with per-block q/k and
+per-channel v scales, inputs quantized inside the call; see the section at the end of this file.
 """
 from __future__ import annotations
 
@@ -45,15 +52,15 @@ NCB_MAX = 4   # backward dK (and dV) chunks per program
 # Q chunks resident in shared memory so the k-block loop pipelines K/V num_stages deep (fits while
 # ~(BLOCK_M + 2 * num_stages * BLOCK_N) * D * 2 B <= 227 KB), "flat" runs a pipelined loop over the D chunks of
 # QK^T (Q and K chunk per iteration, qk_stages deep) and loads V per k-block.
-FWD_CONFIGS = {  # run 1 sweep (benchmarks/NOTES.md): TFLOP/s at B1 H48 S8192 fp16
+FWD_CONFIGS = {  # runs 1-2 sweeps (benchmarks/NOTES.md): TFLOP/s at B1 H48 S8192 fp16
     320: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=5, num_warps=8, num_stages=2, q="res"),  # 260
     384: dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, DC=128, NC=3, num_warps=8, num_stages=3, q="res"),
-    512: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, DC=256, NC=1, num_warps=8, num_stages=1, q="flat",
-              qk_stages=3),  # 226
-    768: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, DC=256, NC=1, num_warps=8, num_stages=1, q="flat",
-              qk_stages=3),  # 171
-    1024: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DC=256, NC=2, num_warps=8, num_stages=1, q="flat",
-               qk_stages=3),  # 146
+    512: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, DC=256, NC=1, num_warps=8, num_stages=1, q="flat2",
+              qk_stages=3),  # 260
+    768: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, DC=256, NC=1, num_warps=8, num_stages=1, q="flat2",
+              qk_stages=4),  # 195
+    1024: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, DC=256, NC=1, num_warps=8, num_stages=1, q="flat2",
+               qk_stages=4),  # 152
 }
 BWD_CONFIGS = {}  # generic: BLOCK 64 x 64, DC 64, NC <= 4 chunks per group (bwd_config)
 
@@ -67,20 +74,21 @@ def _pow2_divisor(D: int, cap: int) -> int:
 
 
 def fwd_config(D: int, Sq: int = 1 << 30) -> dict:
-    """Forward launch config for head dim D (table entry, else a generic split)."""
+    """Forward launch config for head dim D (table entry, else a generic one of the same families)."""
     cfg = FWD_CONFIGS.get(D)
     if cfg is None:
         bd = _pow2_divisor(D, 128)
-        dc = _pow2_divisor(D, 128 if D > 256 else 64)
-        n = D // dc
-        groups = -(-n // (NC_MAX if D <= 512 else 4))
-        nc = -(-n // groups)
-        if D <= 384 and D // bd <= 8:  # resident Q + 3 stages of (K, V) at BLOCK_N 32: ~512 * D bytes
-            cfg = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=bd, DC=dc, NC=nc, num_warps=8 if D > 128 else 4,
-                       num_stages=3, q="res")
+        if D <= 384 and D // bd <= 8:
+            # Resident Q (64 x D) + num_stages (K, V) blocks: (64 + 4 * BLOCK_N) * D * 2 B <= ~227 KB.
+            dc = _pow2_divisor(D, 64)
+            bn, st = (64, 2) if D <= 352 else (32, 3)
+            cfg = dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_D=bd, DC=dc, NC=-(-D // dc) if D // dc <= NC_MAX else NC_MAX,
+                       num_warps=8 if D > 128 else 4, num_stages=st, q="res")
         else:
-            cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=bd, DC=dc, NC=nc, num_warps=8, num_stages=1, q="flat",
-                       qk_stages=3)
+            # Flat (k-block, chunk) loop, 128 rows, 256 output columns per program (D / 256 groups).
+            dc = _pow2_divisor(D, 256)
+            cfg = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=bd, DC=dc, NC=max(1, 256 // dc), num_warps=8, num_stages=1,
+                       q="flat2", qk_stages=3)
     cfg = dict(cfg)
     if _interpret():
         cfg.update(BLOCK_M=16 if Sq <= 16 else 32, BLOCK_N=16)
@@ -857,7 +865,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
 FP8_MAX = 448.0
 FP8_BLOCK = 128  # rows per q/k scale; equals the kernel's BLOCK_M and BLOCK_N
 FP8_LOG2_P_SCALE = 8.0  # P is cast to e4m3 as P * 2^8 (max 256 < 448)
-FP8_CONFIG = dict(num_warps=8, num_stages=3, ws=False, exp16=False)
+FP8_CONFIG = dict(num_warps=8, num_stages=3, ws=False, exp16=False, magic=True, fuse_q=True)
 
 
 @triton.jit
@@ -910,11 +918,24 @@ def _exp2_f16x2(x):
 
 
 @triton.jit
+def _i32_to_f32(x, MAGIC: tl.constexpr):
+    """int32 -> fp32 for |x| < 2^22 without I2F (a quarter-rate conversion; 64 per thread per k-block here): add
+    the bits of 1.5 * 2^23, reinterpret, subtract 1.5 * 2^23. An int8 . int8 dot over D <= 128 stays < 2^21."""
+    if MAGIC:
+        return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, stride_oh,
                     Sq, Sk, Sk_pad, Hq, Hk, n_rep, nqb, nkb, qk_scale, causal_off,
+                    stride_qb, stride_qs, stride_qh,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     WRITE_LSE: tl.constexpr, WARP_SPEC: tl.constexpr, LOG2_PS: tl.constexpr,
-                    QK_ACC: tl.constexpr, EXP16: tl.constexpr):
+                    QK_ACC: tl.constexpr, EXP16: tl.constexpr, MAGIC: tl.constexpr, QFUSED: tl.constexpr,
+                    QMAX: tl.constexpr):
+    """One (BLOCK_M rows, query head) tile. QFUSED: Q8 is the fp16/bf16 q (B, Sq, Hq, D) itself, quantized here
+    (one block = this tile, the same blocks as `quantize_fp8`), saving the separate pass over q."""
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -926,13 +947,23 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    q_desc = tl.make_tensor_descriptor(Q8 + bh.to(tl.int64) * Sq * D, shape=[Sq, D], strides=[D, 1],
-                                       block_shape=[BLOCK_M, D])
     k_desc = tl.make_tensor_descriptor(K8 + bhk * Sk * D, shape=[Sk, D], strides=[D, 1], block_shape=[BLOCK_N, D])
     v_desc = tl.make_tensor_descriptor(VT8 + bhk * D * Sk_pad, shape=[D, Sk], strides=[Sk_pad, 1],
                                        block_shape=[D, BLOCK_N])
-    q = q_desc.load([start_m, 0])
-    cq = tl.load(QS + bh.to(tl.int64) * nqb + pid_m) * qk_scale
+    if QFUSED:
+        qf = tl.load(Q8 + b.to(tl.int64) * stride_qb + h * stride_qh + rows[:, None] * stride_qs + offs_d[None, :],
+                     mask=(rows < Sq)[:, None], other=0.0).to(tl.float32)
+        sq = tl.maximum(tl.max(tl.max(tl.abs(qf), 1), 0), 1e-30) / QMAX
+        qy = qf * (1.0 / sq)
+        if QK_ACC == tl.int32:
+            qy = tl.where(qy >= 0, qy + 0.5, qy - 0.5).to(tl.int32)
+        q = qy.to(K8.dtype.element_ty)
+        cq = sq * qk_scale
+    else:
+        q_desc = tl.make_tensor_descriptor(Q8 + bh.to(tl.int64) * Sq * D, shape=[Sq, D], strides=[D, 1],
+                                           block_shape=[BLOCK_M, D])
+        q = q_desc.load([start_m, 0])
+        cq = tl.load(QS + bh.to(tl.int64) * nqb + pid_m) * qk_scale
     ks_base = KS + bhk * nkb
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -947,7 +978,7 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
         k = k_desc.load([start_n, 0])
         vt = v_desc.load([0, start_n])
         c = cq * tl.load(ks_base + start_n // BLOCK_N)
-        s = tl.dot(q, tl.trans(k), out_dtype=QK_ACC).to(tl.float32)
+        s = _i32_to_f32(tl.dot(q, tl.trans(k), out_dtype=QK_ACC), MAGIC and QK_ACC == tl.int32)
         m_new = tl.maximum(m_i, tl.max(s, 1) * c)
         # P is produced already scaled by 2^LOG2_PS (exponent offset, no multiply); l carries the same factor.
         if EXP16:
@@ -968,7 +999,8 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
         valid = (cols < Sk)[None, :]
         if CAUSAL:
             valid = valid & (cols[None, :] <= rows[:, None] + causal_off)
-        s = tl.where(valid, tl.dot(q, tl.trans(k), out_dtype=QK_ACC).to(tl.float32) * c, float("-inf"))
+        s = tl.where(valid, _i32_to_f32(tl.dot(q, tl.trans(k), out_dtype=QK_ACC), MAGIC and QK_ACC == tl.int32) * c,
+                     float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - (m_use - LOG2_PS)[:, None])
@@ -999,17 +1031,18 @@ QK_FORMATS = ("int8", "e4m3")
 _QMAX = {"int8": 127.0, "e4m3": FP8_MAX}
 
 
-def quantize_fp8(q, k, v, qk_format: str = "int8"):
+def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True):
     """Quantize for `attention_fp8`: -> (q8 (B, Hq, Sq, D), q_scale (B, Hq, ceil(Sq/128)), k8, k_scale (same for
     k), vt8 (B, Hk, D, Sk rounded up to 16), v_scale (B, Hk, D)); fp32 scales (dequant = x8 * scale). q8/k8 are
-    int8 (qk_format "int8", scale amax/127) or e4m3 ("e4m3", amax/448); vt8 is always e4m3."""
+    int8 (qk_format "int8", scale amax/127) or e4m3 ("e4m3", amax/448); vt8 is always e4m3. quantize_q=False:
+    q8 and q_scale are None (the kernel quantizes q itself)."""
     B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, v)
     if qk_format not in QK_FORMATS:
         raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
     dev, f8 = q.device, torch.float8_e4m3fn
     qk_dt = torch.int8 if qk_format == "int8" else f8
-    out = []
-    for t, S, H in ((q, Sq, Hq), (k, Sk, Hk)):
+    out = [None, None]
+    for t, S, H in (((q, Sq, Hq),) if quantize_q else ()) + ((k, Sk, Hk),):
         nb = triton.cdiv(S, FP8_BLOCK)
         y = torch.empty((B, H, S, D), dtype=qk_dt, device=dev)
         sc = torch.empty((B, H, nb), dtype=torch.float32, device=dev)
@@ -1017,6 +1050,7 @@ def quantize_fp8(q, k, v, qk_format: str = "int8"):
                                             D=D, BLK=FP8_BLOCK, FMAX=_QMAX[qk_format], INT8=qk_format == "int8",
                                             num_warps=8)
         out += [y, sc]
+    out = out[-4:]
     s_pad = -(-Sk // 16) * 16
     vt = torch.empty((B, Hk, D, s_pad), dtype=f8, device=dev)
     vs = (v.abs().amax(dim=1).float().clamp_min(1e-30) / FP8_MAX).contiguous()  # (B, Hk, D): one pass over v
@@ -1025,25 +1059,33 @@ def quantize_fp8(q, k, v, qk_format: str = "int8"):
     return out[0], out[1], out[2], out[3], vt, vs
 
 
+def _fp8_launch(qa, qs, k8, ks, vt8, vs, *, B, Sq, Hq, Sk, causal, scale, return_lse, out_dtype, cfg, qfused):
+    D, Hk = k8.shape[-1], k8.shape[1]
+    cfg = dict(FP8_CONFIG, **(cfg or {}))
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = torch.empty((B, Sq, Hq, D), dtype=out_dtype, device=k8.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=k8.device) if return_lse else out.new_empty(
+        (0,), dtype=torch.float32)
+    int8 = k8.dtype == torch.int8
+    qstr = (qa.stride(0), qa.stride(1), qa.stride(2)) if qfused else (0, 0, 0)
+    set_tma_allocator()
+    _fp8_fwd_kernel[(triton.cdiv(Sq, FP8_BLOCK), B * Hq)](
+        qa, k8, vt8, qs if qs is not None else ks, ks, vs, out, lse, out.stride(0), out.stride(1), out.stride(2),
+        Sq, Sk, vt8.shape[-1], Hq, Hk, Hq // Hk, qs.shape[-1] if qs is not None else 0, ks.shape[-1],
+        scale * LOG2E, Sk - Sq, *qstr,
+        D=D, BLOCK_M=FP8_BLOCK, BLOCK_N=FP8_BLOCK, CAUSAL=bool(causal), WRITE_LSE=bool(return_lse),
+        WARP_SPEC=bool(cfg["ws"]), LOG2_PS=FP8_LOG2_P_SCALE, EXP16=bool(cfg["exp16"]),
+        QK_ACC=tl.int32 if int8 else tl.float32, MAGIC=bool(cfg["magic"]), QFUSED=bool(qfused),
+        QMAX=127.0 if int8 else FP8_MAX, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return (out, lse) if return_lse else out
+
+
 def attention_fp8_quantized(q8, qs, k8, ks, vt8, vs, *, Sk, causal=False, scale=None, return_lse=False,
                             out_dtype=torch.bfloat16, cfg=None):
     """The fp8 attention kernel on `quantize_fp8` outputs -> out (B, Sq, Hq, D) out_dtype [, lse (B, Hq, Sq)]."""
     B, Hq, Sq, D = q8.shape
-    Hk = k8.shape[1]
-    cfg = dict(FP8_CONFIG, **(cfg or {}))
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    out = torch.empty((B, Sq, Hq, D), dtype=out_dtype, device=q8.device)
-    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q8.device) if return_lse else out.new_empty(
-        (0,), dtype=torch.float32)
-    set_tma_allocator()
-    _fp8_fwd_kernel[(triton.cdiv(Sq, FP8_BLOCK), B * Hq)](
-        q8, k8, vt8, qs, ks, vs, out, lse, out.stride(0), out.stride(1), out.stride(2),
-        Sq, Sk, vt8.shape[-1], Hq, Hk, Hq // Hk, qs.shape[-1], ks.shape[-1], scale * LOG2E, Sk - Sq,
-        D=D, BLOCK_M=FP8_BLOCK, BLOCK_N=FP8_BLOCK, CAUSAL=bool(causal), WRITE_LSE=bool(return_lse),
-        WARP_SPEC=bool(cfg["ws"]), LOG2_PS=FP8_LOG2_P_SCALE, EXP16=bool(cfg["exp16"]),
-        QK_ACC=tl.int32 if q8.dtype == torch.int8 else tl.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return (out, lse) if return_lse else out
+    return _fp8_launch(q8, qs, k8, ks, vt8, vs, B=B, Sq=Sq, Hq=Hq, Sk=Sk, causal=causal, scale=scale,
+                       return_lse=return_lse, out_dtype=out_dtype, cfg=cfg, qfused=False)
 
 
 def attention_fp8(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = False, qk_format: str = "int8",
@@ -1051,19 +1093,23 @@ def attention_fp8(q, k, v, *, causal: bool = False, scale=None, return_lse: bool
     """Low-precision dense flash forward (inference only): q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) fp16/bf16 CUDA,
     D in {64, 128} -> out (B, Sq, Hq, D) in q's dtype [, lse (B, Hq, Sq) fp32].
 
-    Quantizes the inputs itself (`quantize_fp8`, part of the call's time): P @ V always in e4m3 (v per channel,
-    transposed; P as P * 256); Q K^T in int8 (qk_format "int8", the default: per-block int8 has ~4x less rounding
-    error than e4m3 on Gaussian data at the same tensor-core rate) or e4m3 ("e4m3": all-fp8). Measured cos-sim vs
-    bf16 attention on N(0, 1) inputs (benchmarks/NOTES.md): int8 ~0.9992, e4m3 ~0.9986."""
-    check_qkv(q, k, v)
+    Quantizes the inputs itself (part of the call's time): k and v in a pass before the kernel (`quantize_fp8`),
+    q inside the kernel (cfg fuse_q, default; same blocks). P @ V always in e4m3 (v per channel, transposed; P as
+    P * 256); Q K^T in int8 (qk_format "int8", the default: per-block int8 has ~4x less rounding error than e4m3
+    on Gaussian data at the same tensor-core rate) or e4m3 ("e4m3": all-fp8). Measured cos-sim vs bf16 attention
+    on N(0, 1) inputs (benchmarks/NOTES.md): int8 ~0.9992, e4m3 ~0.9986."""
+    B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, v)
     if not fp8_supported(q):
         raise ValueError("attention_fp8 needs fp16/bf16 CUDA q/k/v with head dim 64 or 128 on a Hopper-class GPU, "
                          f"got {q.dtype} {tuple(q.shape)} on {q.device}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q/k/v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
-    q8, qs, k8, ks, vt8, vs = quantize_fp8(q, k, v, qk_format)
-    return attention_fp8_quantized(q8, qs, k8, ks, vt8, vs, Sk=k.shape[1], causal=causal, scale=scale,
-                                   return_lse=return_lse, out_dtype=q.dtype, cfg=cfg)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    fuse = dict(FP8_CONFIG, **(cfg or {}))["fuse_q"]
+    q8, qs, k8, ks, vt8, vs = quantize_fp8(q, k, v, qk_format, quantize_q=not fuse)
+    return _fp8_launch(q if fuse else q8, qs, k8, ks, vt8, vs, B=B, Sq=Sq, Hq=Hq, Sk=Sk, causal=causal,
+                       scale=scale, return_lse=return_lse, out_dtype=q.dtype, cfg=cfg, qfused=fuse)
 
 
 def quantize_fp8_reference(q, k, v, qk_format: str = "int8"):
