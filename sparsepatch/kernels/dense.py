@@ -1037,6 +1037,7 @@ def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True):
     int8 (qk_format "int8", scale amax/127) or e4m3 ("e4m3", amax/448); vt8 is always e4m3. quantize_q=False:
     q8 and q_scale are None (the kernel quantizes q itself)."""
     B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, v)
+    q, k, v = (_unit(t) for t in (q, k, v))
     if qk_format not in QK_FORMATS:
         raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
     dev, f8 = q.device, torch.float8_e4m3fn
@@ -1104,8 +1105,7 @@ def attention_fp8(q, k, v, *, causal: bool = False, scale=None, return_lse: bool
                          f"got {q.dtype} {tuple(q.shape)} on {q.device}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q/k/v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, k, v = (_unit(t) for t in (q, k, v))  # the quantize kernels and the fused q load index D with stride 1
     fuse = dict(FP8_CONFIG, **(cfg or {}))["fuse_q"]
     q8, qs, k8, ks, vt8, vs = quantize_fp8(q, k, v, qk_format, quantize_q=not fuse)
     return _fp8_launch(q if fuse else q8, qs, k8, ks, vt8, vs, B=B, Sq=Sq, Hq=Hq, Sk=Sk, causal=causal,
