@@ -73,19 +73,11 @@ def _graph_us(fn, reps_ms=200):
     """us per replay of one CUDA graph of fn() (warmed up on a side stream first), or an error string."""
     import triton
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
+        from common import graph_replay
+        replay = graph_replay(fn, warmup=2)
+        replay()
         torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(g.replay, warmup=25, rep=reps_ms, return_mode="median") * 1e3
+        return triton.testing.do_bench(replay, warmup=25, rep=reps_ms, return_mode="median") * 1e3
     except Exception as exc:  # noqa: BLE001
         torch.cuda.synchronize()
         return f"{type(exc).__name__}: {str(exc)[:160]}"

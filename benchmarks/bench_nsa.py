@@ -431,17 +431,8 @@ def main(argv=None):
 
 
 def _graph_replay(fn):
-    """fn captured in a CUDA graph (after a warm-up on a side stream); returns the graph's replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay          # the bound method keeps the graph alive
+    from common import graph_replay
+    return graph_replay(fn)
 
 
 def _sdpa_decode(qh, kh, vh, backend=None):

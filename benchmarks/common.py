@@ -56,3 +56,19 @@ def wan_1_3b_shaped(layers: int = 30, device="cuda"):
             qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
         )
     return model.to(torch.bfloat16).eval()
+
+
+def graph_replay(fn, warmup: int = 3):
+    """fn() captured in a CUDA graph after `warmup` calls on a side stream (so lazy initialisation and autotuning
+    stay out of the graph); returns the graph's replay method (the bound method keeps the graph alive)."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay

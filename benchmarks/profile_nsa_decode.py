@@ -23,27 +23,15 @@ from sparsepatch.kernels import nsa_reference as ref
 import common  # noqa: E402  (benchmarks/common.py)
 
 
-def graph_of(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def replay_us(g, n=200):
+def replay_us(replay, n=200):
+    """Mean us per replay (L2 warm: back-to-back replays, no flush)."""
     for _ in range(20):
-        g.replay()
+        replay()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(n):
-        g.replay()
+        replay()
     b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b) * 1e3 / n
@@ -76,7 +64,7 @@ def sweep(S, variants):
                 else:
                     setattr(nsa_decode, n, val)
             _, idx = nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg, True)
-            g = graph_of(lambda: nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg))
+            g = common.graph_replay(lambda: nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg))
             rows.append(dict(variant=repr(var), same_idx=bool(torch.equal(idx, idx0)), replay_us=replay_us(g)))
         finally:
             for n, val in saved.items():
@@ -94,11 +82,11 @@ def profile_step(S, reps=50):
 
     def step():
         return nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg)
-    g = graph_of(step)
+    g = common.graph_replay(step)
     total = replay_us(g)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            g.replay()
+            g()
         torch.cuda.synchronize()
     per = collections.defaultdict(float)
     for ev in prof.events():
