@@ -32,20 +32,28 @@ DEVICE, DTYPE = "cuda", torch.bfloat16
 SKIPS = [0.0, 0.5, 0.875, 0.95]
 TILE = (128, 128)
 
-DKDV_VARIANTS = [
-    dict(M1=64, N1=128, w1=8, s1=2),
-    dict(M1=64, N1=128, w1=8, s1=3),
-    dict(M1=32, N1=128, w1=8, s1=3),
-    dict(M1=64, N1=64, w1=4, s1=3),
-    dict(M1=64, N1=128, w1=8, s1=2, atomic=True),
-    dict(M1=32, N1=128, w1=8, s1=3, atomic=True),
-]
-DQ_VARIANTS = [
-    dict(M2=128, N2=64, w2=8, s2=2),
-    dict(M2=128, N2=64, w2=8, s2=3),
-    dict(M2=128, N2=128, w2=8, s2=2),
-    dict(M2=64, N2=64, w2=4, s2=3),
-]
+# Named launch variants (merged over CONFIGS[D]); each is timed on the dense backward and on the skip lists, and the
+# fastest by the sum over all of them is used for the table. flat: one loop over (listed tile, sub-block) pairs
+# with the index prefetched; fused: dK/dV and dQ programs in one launch (no atomics); tma: host TMA descriptors
+# for the loop loads (q/dO in dK/dV, k/v in dQ).
+VARIANTS = {
+    "atomic (old default)": dict(M1=64, N1=128, w1=8, s1=2, M2=128, N2=64, w2=8, s2=2, atomic=True, flat=False,
+                                 tma=False),
+    "split s3 flat": dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, atomic=False, flat=True, tma=False),
+    "split s3 flat tma": dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, atomic=False, flat=True,
+                              tma=True),
+    "fused s3 flat": dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, atomic=False, fused=True, flat=True, tma=False),
+    "fused s3 flat tma": dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, atomic=False, fused=True, flat=True,
+                              tma=True),
+    "fused s2 flat tma": dict(M1=64, N1=128, w1=8, s1=2, M2=128, N2=64, atomic=False, fused=True, flat=True,
+                              tma=True),
+    "fused s4 flat tma": dict(M1=64, N1=128, w1=8, s1=4, M2=128, N2=64, atomic=False, fused=True, flat=True,
+                              tma=True),
+    "split s3 flat tma dq128": dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=128, w2=8, s2=2, atomic=False, flat=True,
+                                    tma=True),
+    "split s4 flat tma": dict(M1=64, N1=128, w1=8, s1=4, M2=128, N2=64, w2=8, s2=4, atomic=False, flat=True,
+                              tma=True),
+}
 
 
 def bench_ms(fn, rep=250):
@@ -71,47 +79,52 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def sweep(bwd, q, k, v, out, lse, do, log):
-    """Time the dense backward over DKDV_VARIANTS x default dq, then DQ_VARIANTS with the best dkdv."""
+def sweep(bwd, skip, q, k, v, do, log, names=None):
+    """Time VARIANTS on the dense backward and on the skip-level lists (backward alone, from saved out/lse).
+    Returns (rows, best merged config by the summed time); gradients are checked against the current default."""
     base = dict(bwd.CONFIGS[D])
-    ref = bwd._backward_impl(q, k, v, out, lse, do, None, None, None, 0, 0, D ** -0.5, False, base)
-    flops = 2.5 * 4 * B * H * S * S * D
+    cases = [("dense", None)] + [(f"skip{f}", random_list(B, H, S, 1.0 - f)) for f in SKIPS]
+    saved, refs = {}, {}
+    for name, lst in cases:
+        if lst is None:
+            o, l = skip.attention(q, k, v, return_lse=True)
+            args = (None, None, 0, 0)
+        else:
+            o, _n, l = skip.skip_attention(q, k, v, lst, -5.0, return_lse=True)
+            args = (lst.counts, lst.indices) + tuple(lst.tile)
+        saved[name] = (o, l, args)
+        refs[name] = bwd._backward_impl(q, k, v, o, l, do, None, *args, D ** -0.5, False, base)
     rows = []
-
-    def trial(cfg, stage):
-        row = dict(stage=stage, **cfg)
+    for vname in names or VARIANTS:
+        cfg = {**base, **VARIANTS[vname]}
+        row = dict(variant=vname, cfg=cfg, ms={}, max_rel_err_vs_default=0.0)
         try:
             t0 = time.time()
-            got = bwd._backward_impl(q, k, v, out, lse, do, None, None, None, 0, 0, D ** -0.5, False, cfg)
+            for name, (o, l, args) in saved.items():
+                got = bwd._backward_impl(q, k, v, o, l, do, None, *args, D ** -0.5, False, cfg)
+                row["max_rel_err_vs_default"] = max(row["max_rel_err_vs_default"],
+                                                    *(rel_err(g, r) for g, r in zip(got, refs[name])))
             _sync()
             row["compile_s"] = round(time.time() - t0, 1)
-            row["max_rel_err_vs_default"] = max(rel_err(g, r) for g, r in zip(got, ref))
-            row["bwd_ms"] = bench_ms(lambda: bwd._backward_impl(q, k, v, out, lse, do, None, None, None, 0, 0,
-                                                                D ** -0.5, False, cfg))
-            row["bwd_tflops"] = flops / row["bwd_ms"] * 1e-9
+            for name, (o, l, args) in saved.items():
+                row["ms"][name] = bench_ms(lambda o=o, l=l, args=args: bwd._backward_impl(
+                    q, k, v, o, l, do, None, *args, D ** -0.5, False, cfg))
+            row["sum_ms"] = sum(row["ms"].values())
         except Exception as exc:  # a variant that does not compile here is reported, not fatal
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         log(f"sweep {row}")
         rows.append(row)
-        return row
-
-    def ok(r):
-        return "bwd_ms" in r and r["max_rel_err_vs_default"] < 1e-2
-
-    best1 = None
-    for var in DKDV_VARIANTS:
-        r = trial({**base, **var, "atomic": var.get("atomic", False)}, "dkdv")
-        if ok(r) and (best1 is None or r["bwd_ms"] < best1[1]["bwd_ms"]):
-            best1 = (var, r)
-    cfg = {**base, **(best1[0] if best1 else {})}
-    cfg["atomic"] = bool(cfg.get("atomic", False))
-    best = (cfg, best1[1] if best1 else None)
-    if not cfg["atomic"]:
-        for var in DQ_VARIANTS[1:]:
-            r = trial({**cfg, **var}, "dq")
-            if ok(r) and best[1] is not None and r["bwd_ms"] < best[1]["bwd_ms"]:
-                best = ({**cfg, **var}, r)
-    return rows, best[0]
+    ok = [r for r in rows if "sum_ms" in r and r["max_rel_err_vs_default"] < 1e-2]
+    best = min(ok, key=lambda r: r["sum_ms"])["cfg"] if ok else base
+    cols = [n for n, _ in cases]
+    log("| variant | " + " | ".join(cols) + " | sum |")
+    log("|---|" + "---|" * (len(cols) + 1))
+    for r in rows:
+        if "sum_ms" in r:
+            log(f"| {r['variant']} | " + " | ".join(f"{r['ms'][c]:.2f}" for c in cols) + f" | {r['sum_ms']:.2f} |")
+    for r in rows:
+        r["cfg"] = {kk: vv for kk, vv in r["cfg"].items()}
+    return rows, best
 
 
 def main(argv=None):
@@ -121,6 +134,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter dry run of the script (tiny, fp32)")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--variants", nargs="*", default=None, help="names from VARIANTS to sweep (default: all)")
+    ap.add_argument("--sweep-only", action="store_true", help="stop after the variant sweep")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     if args.smoke:
@@ -151,12 +166,15 @@ def main(argv=None):
     res = dict(gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu-smoke", torch=torch.__version__, triton=triton.__version__,
                shape=dict(B=B, H=H, S=S, D=D), tile=TILE, rows=[], sweep=[])
 
-    out, lse = skip.attention(q, k, v, return_lse=True)
     if not args.no_sweep:
-        res["sweep"], best = sweep(bwd, q, k, v, out, lse, do, log)
+        res["sweep"], best = sweep(bwd, skip, q, k, v, do, log, args.variants or None)
         bwd.CONFIGS[D] = best
         log(f"using config {best}")
+    out, lse = skip.attention(q, k, v, return_lse=True)
     res["config"] = dict(bwd.CONFIGS[D])
+    if args.sweep_only:
+        common.save_results(res, f"{common.gpu_name()}-backward-sweep.json", args.out)
+        return 0
 
     def add(impl, skip_frac, kind, ms):
         mult = 2.5 if kind == "bwd" else (3.5 if kind == "fwd+bwd" else 1.0)

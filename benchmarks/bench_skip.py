@@ -142,6 +142,17 @@ VARIANTS = {
     "dev_desc": dict(host_desc=False, persist=False),     # device-built TMA descriptors, one program per item
     "dev_desc+persist": dict(host_desc=False, persist=True),
     "host_desc+persist": dict(host_desc=True, persist=True),
+    # 2026-11-23 round 2 (issue #3 leftovers): keep bits of the current 32-tile word in one register per row,
+    # merged once per word; q load / out store through host TMA descriptors; list head loaded with its count.
+    # flat2d: the loop's full K/V tiles through 2-D host descriptors over the (B * S, H * D) views.
+    "keep_word": dict(keep_word=True),
+    "keep_word+2d": dict(keep_word=True, flat2d=True),
+    "keep_word+2d+qo+head": dict(keep_word=True, flat2d=True, q_desc=True, o_desc=True, head_chunk=True),
+    "prev_default": dict(q_desc=False, o_desc=False, head_chunk=False),   # the default before round 2
+    "2d": dict(flat2d=True),
+    "qo+head": dict(q_desc=True, o_desc=True, head_chunk=True),
+    "2d+qo+head": dict(flat2d=True, q_desc=True, o_desc=True, head_chunk=True),
+    "ablate_keep": dict(ablate_keep=True),                # no keep test at all (not exact: next lists differ)
 }
 
 

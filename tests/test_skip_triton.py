@@ -99,8 +99,11 @@ def test_skip_two_calls_interp(dtype, tile, D):
 
 
 @cpu_only
-def test_skip_many_tiles_interp():
+@pytest.mark.parametrize("extra", [{}, dict(keep_word=True, head_chunk=True, host_desc=True, flat2d=True)])
+def test_skip_many_tiles_interp(monkeypatch, extra):
     """More than 32 k-tiles per row (several keep-bit words), Sq != Sk, partial last k-tile."""
+    for key in list(skip.SKIP_CONFIGS):
+        monkeypatch.setitem(skip.SKIP_CONFIGS, key, dict(skip.SKIP_CONFIGS[key], **extra))
     dtype, tile, D = torch.float16, (32, 16), 64
     thr = lattice_threshold(D)
     q, k, v, assign = structured_qkv(1, 64, 600, 2, 1, D, dtype, tile, seed=7, clusters=3)
@@ -111,7 +114,9 @@ def test_skip_many_tiles_interp():
 
 
 @cpu_only
-@pytest.mark.parametrize("extra", [dict(host_desc=True, persist=True), dict(persist=True)])
+@pytest.mark.parametrize("extra", [dict(host_desc=True, persist=True), dict(persist=True),
+                                   dict(host_desc=True, keep_word=True, head_chunk=True, q_desc=True, o_desc=True,
+                                        flat2d=True)])
 def test_skip_launch_variants_interp(monkeypatch, extra):
     """Host TMA descriptors over the (B, H, S, D) view and the persistent grid (several items per program, next
     list head prefetched): same outputs and next lists as the reference, GQA, strided inputs, must_do, 2 calls."""

@@ -4,7 +4,8 @@ Layout: q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) with any strides (unit stride on D)
 lse (B, Hq, Sq) fp32 natural log as written by `skip.py` (-inf for rows that attend to nothing).
 fp16/bf16 on CUDA (fp32 only under TRITON_INTERPRET=1), head dim 64 or 128, GQA Hq % Hk == 0, any Sq/Sk.
 
-Three launches (plus the list transpose in skip mode):
+Three launches (plus the list transpose in skip mode; config fused=True merges 2 and 3 into one launch, as Flex's
+backward does; measured faster at 50-87.5 % skip, slower dense, so not the default):
   1. `_prep_kernel`: delta = rowsum(dout * out) - dlse and lse2 = lse * log2(e) (+inf for empty rows), fp32.
   2. `_dkdv_kernel`: one program per (BLOCK_N keys, batch, kv head). It loops over the query heads of its GQA
      group inside the program (no atomics, no fp32 scratch) and over the q-tiles that see its k-tile: all of
@@ -56,10 +57,14 @@ logger = logging.getLogger(__name__)
 # Launch configs keyed by head dim: BLOCK sizes of the dK/dV kernel (keys per program N1, query sub-block M1) and
 # of the dQ kernel (queries per program M2, key sub-block N2). Block sizes shrink to divide the skip tile.
 # atomic=True: the dK/dV kernel also accumulates dq with fp32 atomics (5 matmuls instead of 7, no dQ kernel;
-# dq is then not bitwise deterministic). D=128 is the H100 sweep winner of benchmarks/bench_backward.py (47.5 ms
-# dense bwd at B1 H12 S32768; the deterministic atomic=False, s1=3 variant measured 47.7 ms). D=64 is unswept.
+# dq is then not bitwise deterministic). flat=True: the skip loops walk (listed tile, sub-block) pairs with the next
+# tile index loaded one iteration ahead. tma=True: the loop loads (q/dO in dK/dV, k/v in dQ) through host TMA
+# descriptors over the (B, H, S, D) views. fused=True: dK/dV and dQ programs in one launch (s1/w1 for both).
+# D=128 is the H100 sweep winner of benchmarks/bench_backward.py (2026-11-23: bwd 40.7 ms dense, 39.8 / 19.9 / 5.35
+# / 2.36 ms at 0 / 50 / 87.5 / 95 % skip, B1 H12 S32768; the previous atomic default: 46.9 / 50.9 / 26.1 / 6.9 /
+# 3.2 ms). D=64 is unswept.
 CONFIGS = {
-    128: dict(M1=64, N1=128, w1=8, s1=2, M2=128, N2=64, w2=8, s2=2, atomic=True),
+    128: dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, atomic=False, flat=True, tma=True),
     64: dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, atomic=False),
 }
 
@@ -106,13 +111,14 @@ def transpose_list_torch(skip_list: SkipList) -> tuple[torch.Tensor, torch.Tenso
     return counts_t, order.contiguous()
 
 
-def _transpose_raw(counts, indices):
+def _transpose_raw(counts, indices, zero_tail=True):
+    """zero_tail=False leaves the slots after counts_t uninitialised (the backward kernels never read them)."""
     B, H, Tq, Tk = indices.shape
     counts = counts.contiguous()
     indices = indices.contiguous()
     mask_t = torch.zeros((B, H, Tk, Tq), dtype=torch.int8, device=indices.device)
     counts_t = torch.empty((B, H, Tk), dtype=torch.int32, device=indices.device)
-    indices_t = torch.zeros((B, H, Tk, Tq), dtype=torch.int32, device=indices.device)
+    indices_t = (torch.zeros if zero_tail else torch.empty)((B, H, Tk, Tq), dtype=torch.int32, device=indices.device)
     if B * H * Tq * Tk == 0:
         counts_t.zero_()
         return counts_t, indices_t
@@ -163,11 +169,22 @@ def _prep_kernel(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_os, stride_oh,
 @triton.jit
 def _dkdv_block(dk, dv, k, v, Q, DO, LSE2, DELTA, DQA, start_m, offs_m, offs_d, cols, Sq, stride_qs, stride_ds,
                 stride_as, qk_scale, scale, causal_off, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                DQ_ATOMIC: tl.constexpr):
+                DQ_ATOMIC: tl.constexpr, QD, DOD, tb, th, USE_TMA: tl.constexpr):
     """Add the contribution of queries [start_m, start_m + BLOCK_M) of one head to dk, dv (BLOCK_N, D);
-    with DQ_ATOMIC also atomically add this block's dq (BLOCK_M, D) into the fp32 buffer DQA."""
+    with DQ_ATOMIC also atomically add this block's dq (BLOCK_M, D) into the fp32 buffer DQA.
+    USE_TMA: q/dO come through host TMA descriptors QD/DOD over the (B, H, S, D) views (rows past Sq read 0)."""
     rows = start_m + offs_m
-    if MASK:
+    if USE_TMA:
+        q = QD.load([tb, th, start_m, 0]).reshape(offs_m.shape[0], offs_d.shape[0])
+        do = DOD.load([tb, th, start_m, 0]).reshape(offs_m.shape[0], offs_d.shape[0])
+        if MASK:
+            ok = rows < Sq
+            lse2 = tl.load(LSE2 + rows, mask=ok, other=float("inf"))
+            delta = tl.load(DELTA + rows, mask=ok, other=0.0)
+        else:
+            lse2 = tl.load(LSE2 + rows)
+            delta = tl.load(DELTA + rows)
+    elif MASK:
         ok = rows < Sq
         q = tl.load(Q + rows[:, None] * stride_qs + offs_d[None, :], mask=ok[:, None], other=0.0)
         do = tl.load(DO + rows[:, None] * stride_ds + offs_d[None, :], mask=ok[:, None], other=0.0)
@@ -204,10 +221,28 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
                  stride_dvh, stride_ab, stride_as, stride_ah, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, scale, qk_scale,
                  causal_off, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  TILE_M: tl.constexpr, TILE_N: tl.constexpr, SKIP: tl.constexpr, CAUSAL: tl.constexpr,
-                 Q_PARTIAL: tl.constexpr, DQ_ATOMIC: tl.constexpr):
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+                 Q_PARTIAL: tl.constexpr, DQ_ATOMIC: tl.constexpr, FLAT: tl.constexpr, QD, DOD,
+                 USE_TMA: tl.constexpr):
+    _dkdv_prog(tl.program_id(0), tl.program_id(1), Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
+               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+               stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+               stride_dvh, stride_ab, stride_as, stride_ah, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, scale, qk_scale,
+               causal_off, HEAD_DIM, BLOCK_M, BLOCK_N, TILE_M, TILE_N, SKIP, CAUSAL, Q_PARTIAL, DQ_ATOMIC, FLAT,
+               QD, DOD, USE_TMA)
+
+
+@triton.jit
+def _dkdv_prog(pid_n, bh, Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
+               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+               stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+               stride_dvh, stride_ab, stride_as, stride_ah, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, scale, qk_scale,
+               causal_off, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               TILE_M: tl.constexpr, TILE_N: tl.constexpr, SKIP: tl.constexpr, CAUSAL: tl.constexpr,
+               Q_PARTIAL: tl.constexpr, DQ_ATOMIC: tl.constexpr, FLAT: tl.constexpr, QD, DOD,
+               USE_TMA: tl.constexpr):
+    """dK/dV of keys [pid_n * BLOCK_N, +BLOCK_N) of (batch, kv head) bh."""
     b = (bh // Hk).to(tl.int64)
+    tb = (bh // Hk).to(tl.int32)
     hk = bh % Hk
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -223,6 +258,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for r in range(0, n_rep):
         h = hk * n_rep + r
+        th = h
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_db + h * stride_dh
         row_base = (b * Hq + h) * Sq
@@ -238,17 +274,32 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
             if Q_PARTIAL:
                 last = tl.load(idx + tl.maximum(cnt - 1, 0))
                 n_plain = tl.where((cnt > 0) & (last == Tq - 1), cnt - 1, cnt)
-            for it in range(0, n_plain):
-                i = tl.load(idx + it)
-                for s in tl.static_range(TILE_M // BLOCK_M):
+            if FLAT:
+                # One loop over (listed q-tile, BLOCK_M sub-block) pairs with the q-tile index loaded one
+                # iteration ahead, so the next q/dO addresses never wait on an index load in the same iteration.
+                i_nxt = tl.load(idx)
+                for t in range(0, n_plain * (TILE_M // BLOCK_M)):
+                    i = i_nxt
+                    i_nxt = tl.load(idx + tl.minimum((t + 1) // (TILE_M // BLOCK_M), Tq - 1))
                     dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base,
-                                         i * TILE_M + s * BLOCK_M, offs_m, offs_d, cols, Sq, stride_qs, stride_ds,
-                                         stride_as, qk_scale, scale, 0, False, False, DQ_ATOMIC)
-            for it in range(n_plain, cnt):
-                for s in tl.static_range(TILE_M // BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base,
-                                         (Tq - 1) * TILE_M + s * BLOCK_M, offs_m, offs_d, cols, Sq, stride_qs,
-                                         stride_ds, stride_as, qk_scale, scale, 0, True, False, DQ_ATOMIC)
+                                         i * TILE_M + (t % (TILE_M // BLOCK_M)) * BLOCK_M, offs_m, offs_d, cols,
+                                         Sq, stride_qs, stride_ds, stride_as, qk_scale, scale, 0, False, False,
+                                         DQ_ATOMIC, QD, DOD, tb, th, USE_TMA)
+            else:
+                for it in range(0, n_plain):
+                    i = tl.load(idx + it)
+                    for s in tl.static_range(TILE_M // BLOCK_M):
+                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base,
+                                             i * TILE_M + s * BLOCK_M, offs_m, offs_d, cols, Sq, stride_qs,
+                                             stride_ds, stride_as, qk_scale, scale, 0, False, False, DQ_ATOMIC,
+                                             QD, DOD, tb, th, USE_TMA)
+            if Q_PARTIAL:  # the partial last q-tile (masked, pointer loads; compiled only when there is one)
+                for it in range(n_plain, cnt):
+                    for s in tl.static_range(TILE_M // BLOCK_M):
+                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base,
+                                             (Tq - 1) * TILE_M + s * BLOCK_M, offs_m, offs_d, cols, Sq, stride_qs,
+                                             stride_ds, stride_as, qk_scale, scale, 0, True, False, DQ_ATOMIC, QD, DOD,
+                                             tb, th, False)
         else:
             full = Sq // BLOCK_M * BLOCK_M
             if CAUSAL:
@@ -260,7 +311,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
                 for start_m in range(lo, mid, BLOCK_M):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base, start_m,
                                          offs_m, offs_d, cols, Sq, stride_qs, stride_ds, stride_as, qk_scale, scale,
-                                         causal_off, True, True, DQ_ATOMIC)
+                                         causal_off, True, True, DQ_ATOMIC, QD, DOD, tb, th, False)
                 tail = tl.maximum(mid, full)
             else:
                 mid = 0
@@ -268,11 +319,11 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
             for start_m in range(mid, full, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base, start_m, offs_m,
                                      offs_d, cols, Sq, stride_qs, stride_ds, stride_as, qk_scale, scale, causal_off,
-                                     False, False, DQ_ATOMIC)
+                                     False, False, DQ_ATOMIC, QD, DOD, tb, th, USE_TMA)
             for start_m in range(tail, Sq, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base, start_m, offs_m,
                                      offs_d, cols, Sq, stride_qs, stride_ds, stride_as, qk_scale, scale, causal_off,
-                                     True, CAUSAL, DQ_ATOMIC)
+                                     True, CAUSAL, DQ_ATOMIC, QD, DOD, tb, th, False)
     dk = dk * scale
     tl.store(DK + b * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
@@ -282,10 +333,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
 
 @triton.jit
 def _dq_block(dq, q, do, lse2, delta, K, V, start_n, offs_n, offs_d, rows, Sk, stride_ks, stride_vs, qk_scale,
-              causal_off, MASK: tl.constexpr, CAUSAL: tl.constexpr):
-    """Add the contribution of keys [start_n, start_n + BLOCK_N) to dq (BLOCK_M, D)."""
+              causal_off, MASK: tl.constexpr, CAUSAL: tl.constexpr, KD, VD, tb, th, USE_TMA: tl.constexpr):
+    """Add the contribution of keys [start_n, start_n + BLOCK_N) to dq (BLOCK_M, D).
+    USE_TMA: k/v through host TMA descriptors KD/VD over the (B, Hk, S, D) views (rows past Sk read 0)."""
     cols = start_n + offs_n
-    if MASK:
+    if USE_TMA:
+        k = KD.load([tb, th, start_n, 0]).reshape(offs_n.shape[0], offs_d.shape[0])
+        v = VD.load([tb, th, start_n, 0]).reshape(offs_n.shape[0], offs_d.shape[0])
+    elif MASK:
         ok = cols < Sk
         k = tl.load(K + cols[:, None] * stride_ks + offs_d[None, :], mask=ok[:, None], other=0.0)
         v = tl.load(V + cols[:, None] * stride_vs + offs_d[None, :], mask=ok[:, None], other=0.0)
@@ -312,12 +367,29 @@ def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
                stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh,
                Sq, Sk, Hq, n_rep, Tq, Tk, scale, qk_scale, causal_off,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr,
-               TILE_N: tl.constexpr, SKIP: tl.constexpr, CAUSAL: tl.constexpr, K_PARTIAL: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+               TILE_N: tl.constexpr, SKIP: tl.constexpr, CAUSAL: tl.constexpr, K_PARTIAL: tl.constexpr,
+               FLAT: tl.constexpr, KD, VD, USE_TMA: tl.constexpr):
+    _dq_prog(tl.program_id(0), tl.program_id(1), Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
+             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+             stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh,
+             Sq, Sk, Hq, n_rep, Tq, Tk, scale, qk_scale, causal_off,
+             HEAD_DIM, BLOCK_M, BLOCK_N, TILE_M, TILE_N, SKIP, CAUSAL, K_PARTIAL, FLAT, KD, VD, USE_TMA)
+
+
+@triton.jit
+def _dq_prog(pid_m, bh, Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
+             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+             stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh,
+             Sq, Sk, Hq, n_rep, Tq, Tk, scale, qk_scale, causal_off,
+             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr,
+             TILE_N: tl.constexpr, SKIP: tl.constexpr, CAUSAL: tl.constexpr, K_PARTIAL: tl.constexpr,
+             FLAT: tl.constexpr, KD, VD, USE_TMA: tl.constexpr):
+    """dQ of queries [pid_m * BLOCK_M, +BLOCK_M) of (batch, query head) bh."""
     b = (bh // Hq).to(tl.int64)
+    tb = (bh // Hq).to(tl.int32)
     h = bh % Hq
     hk = h // n_rep
+    thk = hk
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -343,15 +415,27 @@ def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
         if K_PARTIAL:
             last = tl.load(idx + tl.maximum(cnt - 1, 0))
             n_plain = tl.where((cnt > 0) & (last == Tk - 1), cnt - 1, cnt)
-        for it in range(0, n_plain):
-            j = tl.load(idx + it)
-            for s in tl.static_range(TILE_N // BLOCK_N):
-                dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, j * TILE_N + s * BLOCK_N, offs_n, offs_d,
-                               rows, Sk, stride_ks, stride_vs, qk_scale, 0, False, False)
-        for it in range(n_plain, cnt):
-            for s in tl.static_range(TILE_N // BLOCK_N):
-                dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, (Tk - 1) * TILE_N + s * BLOCK_N, offs_n,
-                               offs_d, rows, Sk, stride_ks, stride_vs, qk_scale, 0, True, False)
+        if FLAT:  # (listed k-tile, BLOCK_N sub-block) pairs, k-tile index loaded one iteration ahead
+            j_nxt = tl.load(idx)
+            for t in range(0, n_plain * (TILE_N // BLOCK_N)):
+                j = j_nxt
+                j_nxt = tl.load(idx + tl.minimum((t + 1) // (TILE_N // BLOCK_N), Tk - 1))
+                dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base,
+                               j * TILE_N + (t % (TILE_N // BLOCK_N)) * BLOCK_N, offs_n, offs_d, rows, Sk,
+                               stride_ks, stride_vs, qk_scale, 0, False, False, KD, VD, tb, thk, USE_TMA)
+        else:
+            for it in range(0, n_plain):
+                j = tl.load(idx + it)
+                for s in tl.static_range(TILE_N // BLOCK_N):
+                    dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, j * TILE_N + s * BLOCK_N, offs_n,
+                                   offs_d, rows, Sk, stride_ks, stride_vs, qk_scale, 0, False, False, KD, VD, tb, thk,
+                                   USE_TMA)
+        if K_PARTIAL:  # the partial last k-tile (masked, pointer loads; compiled only when there is one)
+            for it in range(n_plain, cnt):
+                for s in tl.static_range(TILE_N // BLOCK_N):
+                    dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, (Tk - 1) * TILE_N + s * BLOCK_N, offs_n,
+                                   offs_d, rows, Sk, stride_ks, stride_vs, qk_scale, 0, True, False, KD, VD, tb, thk,
+                                   False)
     else:
         if CAUSAL:
             hi = tl.maximum(tl.minimum(Sk, start_m + BLOCK_M + causal_off), 0)
@@ -361,13 +445,44 @@ def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
             full = Sk // BLOCK_N * BLOCK_N
         for start_n in range(0, full, BLOCK_N):
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start_n, offs_n, offs_d, rows, Sk, stride_ks,
-                           stride_vs, qk_scale, causal_off, False, False)
+                           stride_vs, qk_scale, causal_off, False, False, KD, VD, tb, thk, USE_TMA)
         for start_n in range(full, hi, BLOCK_N):
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start_n, offs_n, offs_d, rows, Sk, stride_ks,
-                           stride_vs, qk_scale, causal_off, True, CAUSAL)
+                           stride_vs, qk_scale, causal_off, True, CAUSAL, KD, VD, tb, thk, False)
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _fused_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, CNT, IDX, CNT_T, IDX_T,
+                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks,
+                  stride_dkh, stride_dvb, stride_dvs, stride_dvh, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, NK, NQ, scale,
+                  qk_scale, causal_off, HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+                  BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
+                  SKIP: tl.constexpr, CAUSAL: tl.constexpr, Q_PARTIAL: tl.constexpr, K_PARTIAL: tl.constexpr,
+                  FLAT: tl.constexpr, QD, DOD, KD, VD, USE_TMA: tl.constexpr):
+    """dK/dV and dQ in one launch (no atomics): grid (NK + n_rep * NQ, B * Hk). Programs pid < NK are the dK/dV
+    programs of (batch, kv head); the rest are the dQ programs of the kv head's n_rep query heads, so the two
+    kinds run side by side and the second kind fills the first one's tail."""
+    pid = tl.program_id(0)
+    bhk = tl.program_id(1)
+    if pid < NK:
+        _dkdv_prog(pid, bhk, Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, CNT_T, IDX_T,
+                   stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                   stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+                   stride_dvh, stride_dqb, stride_dqs, stride_dqh, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, scale, qk_scale,
+                   causal_off, HEAD_DIM, BLOCK_M1, BLOCK_N1, TILE_M, TILE_N, SKIP, CAUSAL, Q_PARTIAL, False, FLAT,
+                   QD, DOD, USE_TMA)
+    else:
+        off = pid - NK
+        bhq = (bhk // Hk) * Hq + (bhk % Hk) * n_rep + off // NQ
+        _dq_prog(off % NQ, bhq, Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
+                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh,
+                 Sq, Sk, Hq, n_rep, Tq, Tk, scale, qk_scale, causal_off,
+                 HEAD_DIM, BLOCK_M2, BLOCK_N2, TILE_M, TILE_N, SKIP, CAUSAL, K_PARTIAL, FLAT, KD, VD, USE_TMA)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -388,6 +503,20 @@ def _fit(block: int, tile: int) -> int:
     while tile % block:
         block //= 2
     return block
+
+
+def _host_desc(t, block):
+    """Host TMA descriptor over the (B, H, S, D) view of a (B, S, H, D) tensor, block (1, 1, block, D); None when
+    unavailable (no TensorDescriptor, base or strides not 16-byte aligned). Works under the interpreter too."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    esz = t.element_size()
+    if t.data_ptr() % 16 or any((t.stride(i) * esz) % 16 for i in range(3)):
+        return None
+    B, S, H, D = t.shape
+    return TensorDescriptor(t, [B, H, S, D], [t.stride(0), t.stride(2), t.stride(1), 1], [1, 1, block, D])
 
 
 def _unit(t: torch.Tensor) -> torch.Tensor:
@@ -435,7 +564,7 @@ def _backward_impl(q, k, v, out, lse, dout, dlse, counts, indices, tm, tn, scale
     if skip:
         counts = counts.contiguous()
         indices = indices.contiguous()
-        counts_t, indices_t = _transpose_raw(counts, indices)
+        counts_t, indices_t = _transpose_raw(counts, indices, zero_tail=False)
         Tq, Tk = indices.shape[2:]
         m1, n1 = _fit(cfg["M1"], tm), _fit(cfg["N1"], tn)
         m2, n2 = _fit(cfg["M2"], tm), _fit(cfg["N2"], tn)
@@ -444,6 +573,26 @@ def _backward_impl(q, k, v, out, lse, dout, dlse, counts, indices, tm, tn, scale
         Tq = Tk = 1
         m1, n1, m2, n2 = cfg["M1"], cfg["N1"], cfg["M2"], cfg["N2"]
         tm, tn = m2, n1
+    flat = bool(cfg.get("flat", False))
+    qd = dod = kd = vd = None
+    if cfg.get("tma", False):
+        qd, dod = _host_desc(q, m1), _host_desc(dout, m1)
+        kd, vd = _host_desc(k, n2), _host_desc(v, n2)
+    use_tma = all(x is not None for x in (qd, dod, kd, vd))
+    if not use_tma:
+        qd = dod = kd = vd = dq  # unused pointers
+    if cfg.get("fused", False):
+        nk, nq = triton.cdiv(Sk, n1), triton.cdiv(Sq, m2)
+        _fused_kernel[(nk + (Hq // Hk) * nq, B * Hk)](
+            q, k, v, dout, lse2, delta, dq, dk, dv, counts, indices, counts_t, indices_t,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2), Sq, Sk, Hq, Hk, Hq // Hk, Tq, Tk, nk, nq, scale, qk_scale,
+            causal_off, HEAD_DIM=D, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, TILE_M=tm, TILE_N=tn,
+            SKIP=skip, CAUSAL=bool(causal), Q_PARTIAL=bool(skip and Sq % tm), K_PARTIAL=bool(skip and Sk % tn),
+            FLAT=flat, QD=qd, DOD=dod, KD=kd, VD=vd, USE_TMA=use_tma, num_warps=cfg["w1"], num_stages=cfg["s1"])
+        return dq, dk, dv
     atomic = bool(cfg.get("atomic", False))
     dqa = torch.zeros((B, Sq, Hq, D), dtype=torch.float32, device=dev) if atomic else dq
     _dkdv_kernel[(triton.cdiv(Sk, n1), B * Hk)](
@@ -454,7 +603,8 @@ def _backward_impl(q, k, v, out, lse, dout, dlse, counts, indices, tm, tn, scale
         dqa.stride(0), dqa.stride(1), dqa.stride(2),
         Sq, Sk, Hq, Hk, Hq // Hk, Tq, Tk, scale, qk_scale, causal_off,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, TILE_M=tm, TILE_N=tn, SKIP=skip, CAUSAL=bool(causal),
-        Q_PARTIAL=bool(skip and Sq % tm), DQ_ATOMIC=atomic, num_warps=cfg["w1"], num_stages=cfg["s1"])
+        Q_PARTIAL=bool(skip and Sq % tm), DQ_ATOMIC=atomic, FLAT=flat, QD=qd, DOD=dod, USE_TMA=use_tma,
+        num_warps=cfg["w1"], num_stages=cfg["s1"])
     if atomic:
         return dqa.to(q.dtype), dk, dv
     _dq_kernel[(triton.cdiv(Sq, m2), B * Hq)](
@@ -464,7 +614,8 @@ def _backward_impl(q, k, v, out, lse, dout, dlse, counts, indices, tm, tn, scale
         dq.stride(0), dq.stride(1), dq.stride(2),
         Sq, Sk, Hq, Hq // Hk, Tq, Tk, scale, qk_scale, causal_off,
         HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, TILE_M=tm, TILE_N=tn, SKIP=skip, CAUSAL=bool(causal),
-        K_PARTIAL=bool(skip and Sk % tn), num_warps=cfg["w2"], num_stages=cfg["s2"])
+        K_PARTIAL=bool(skip and Sk % tn), FLAT=flat, KD=kd, VD=vd, USE_TMA=use_tma, num_warps=cfg["w2"],
+        num_stages=cfg["s2"])
     return dq, dk, dv
 
 
