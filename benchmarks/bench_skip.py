@@ -78,7 +78,6 @@ def sweep_configs(q, k, v, skip, lists, log):
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False, prefetch_j=True),
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True),
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ws=True, prefetch_j=True),
-        dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True, persist=True),
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True, host_desc=True),
         # ablations (never picked): no keep test / list indices ignored / both
         dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ablate_keep=True),
@@ -120,7 +119,7 @@ def sweep_configs(q, k, v, skip, lists, log):
     skip.CONFIGS[(128, 128)], skip.SKIP_CONFIGS[(128, 128)] = saved
     ok = [r for r in rows if "ms" in r and r["max_err"] < 2e-2 and r.get("same_next_list", True)
           and not any(kk.startswith("ablate") for kk in r)]
-    keys = ("BLOCK_N", "num_warps", "num_stages", "tma", "ws", "prefetch_j", "persist", "host_desc")
+    keys = ("BLOCK_N", "num_warps", "num_stages", "tma", "ws", "prefetch_j", "host_desc")
     pick = {}
     for kind in ("dense", "skip"):
         cand = [r for r in ok if r["kind"] == kind]
@@ -139,19 +138,11 @@ def seq_list(B, H, S, n, tile=(128, 128), device="cuda"):
 
 VARIANTS = {
     "default": {},                                        # SKIP_CONFIGS as shipped
-    "dev_desc": dict(host_desc=False, persist=False),     # device-built TMA descriptors, one program per item
-    "dev_desc+persist": dict(host_desc=False, persist=True),
-    "host_desc+persist": dict(host_desc=True, persist=True),
-    # 2026-11-23 round 2 (issue #3 leftovers): keep bits of the current 32-tile word in one register per row,
-    # merged once per word; q load / out store through host TMA descriptors; list head loaded with its count.
-    # flat2d: the loop's full K/V tiles through 2-D host descriptors over the (B * S, H * D) views.
-    "keep_word": dict(keep_word=True),
-    "keep_word+2d": dict(keep_word=True, flat2d=True),
-    "keep_word+2d+qo+head": dict(keep_word=True, flat2d=True, q_desc=True, o_desc=True, head_chunk=True),
+    "dev_desc": dict(host_desc=False),                    # device-built TMA descriptors
+    # 2026-11-23 round 2 (issue #3 leftovers): q load / out store through host TMA descriptors, list head loaded
+    # with its count (the default since). The persistent grid, keep_word and flat2d variants timed in rounds 1-2
+    # were deleted (measured neutral or slower; benchmarks/NOTES.md, skip forward v4 / v5).
     "prev_default": dict(q_desc=False, o_desc=False, head_chunk=False),   # the default before round 2
-    "2d": dict(flat2d=True),
-    "qo+head": dict(q_desc=True, o_desc=True, head_chunk=True),
-    "2d+qo+head": dict(flat2d=True, q_desc=True, o_desc=True, head_chunk=True),
     "ablate_keep": dict(ablate_keep=True),                # no keep test at all (not exact: next lists differ)
 }
 

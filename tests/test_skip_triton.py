@@ -99,7 +99,7 @@ def test_skip_two_calls_interp(dtype, tile, D):
 
 
 @cpu_only
-@pytest.mark.parametrize("extra", [{}, dict(keep_word=True, head_chunk=True, host_desc=True, flat2d=True)])
+@pytest.mark.parametrize("extra", [{}, dict(head_chunk=True, host_desc=True)])
 def test_skip_many_tiles_interp(monkeypatch, extra):
     """More than 32 k-tiles per row (several keep-bit words), Sq != Sk, partial last k-tile."""
     for key in list(skip.SKIP_CONFIGS):
@@ -114,12 +114,11 @@ def test_skip_many_tiles_interp(monkeypatch, extra):
 
 
 @cpu_only
-@pytest.mark.parametrize("extra", [dict(host_desc=True, persist=True), dict(persist=True),
-                                   dict(host_desc=True, keep_word=True, head_chunk=True, q_desc=True, o_desc=True,
-                                        flat2d=True)])
+@pytest.mark.parametrize("extra", [dict(host_desc=True),
+                                   dict(host_desc=True, head_chunk=True, q_desc=True, o_desc=True)])
 def test_skip_launch_variants_interp(monkeypatch, extra):
-    """Host TMA descriptors over the (B, H, S, D) view and the persistent grid (several items per program, next
-    list head prefetched): same outputs and next lists as the reference, GQA, strided inputs, must_do, 2 calls."""
+    """Host TMA descriptors over the (B, H, S, D) view (K/V; with q_desc / o_desc also q and out), list head
+    loaded with its count: same outputs and next lists as the reference, GQA, strided inputs, must_do, 2 calls."""
     for key in list(skip.SKIP_CONFIGS):
         monkeypatch.setitem(skip.SKIP_CONFIGS, key, dict(skip.SKIP_CONFIGS[key], **extra))
     B, S, Hq, Hk, D, tile = 2, 330, 2, 1, 64, (64, 64)

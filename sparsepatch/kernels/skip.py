@@ -16,8 +16,8 @@ K/V loads (USE_TMA): 0 pointer loads; 1 TMA descriptors built on the device per 
 build (the skip default at tile 128x128: it removed ~3 us of the ~8 us fixed cost per q-tile program, which
 dominates at low density; benchmarks/NOTES.md). With it, the skip default also loads q and stores out through host
 descriptors and loads the list's first 32 indices together with its count (Q_DESC / O_DESC / HEAD_CHUNK).
-PERSIST (opt-in): one program per SM walking (head, q-tile) items, the next item's list head loaded ahead;
-measured neutral. KEEP_WORD / FLAT2D (opt-in): fewer loop instructions, measured slower.
+(A persistent grid, keep bits merged once per word and 2-D loop descriptors were measured neutral or slower and
+deleted; benchmarks/NOTES.md, skip forward v4 / v5.)
 
 Ops are registered with torch.library.custom_op (+ fake impls): `sparsepatch::skip_fwd`, `sparsepatch::dense_fwd`.
 `skip_step` is the CUDA body of `sparsepatch::skip_step` (stateful.py): it reads the call counter on the device,
@@ -54,9 +54,7 @@ CONFIGS = {
 # The skip loop (indirect k-tile index per iteration) has its own best settings. host_desc: K/V TMA descriptors built
 # on the host (USE_TMA=2, falls back to device descriptors when strides are not 16-byte multiples). q_desc / o_desc
 # / head_chunk (tile 128x128, with host_desc): q load and out store through host descriptors, list head loaded with
-# its count (H100: rho=1 11.86 -> 11.30 ms, rho 0.05 0.698 -> 0.671 ms; benchmarks/NOTES.md v5). Opt-in, measured
-# neutral or worse: persist (persistent grid), keep_word (keep bits merged once per 32 tiles), flat2d (2-D K/V
-# descriptors in the loop).
+# its count (H100: rho=1 11.86 -> 11.30 ms, rho 0.05 0.698 -> 0.671 ms; benchmarks/NOTES.md v5).
 SKIP_CONFIGS = {
     (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True, host_desc=True, q_desc=True,
                      o_desc=True, head_chunk=True),
@@ -81,10 +79,7 @@ def _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, start_n
            BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) step of the online softmax; returns (acc, l_i, m_i, scaled row max of the block)."""
     cols = start_n + offs_n
-    if USE_TMA == 3:  # host descriptors over (B * Sk, Hk * D) views: kv_b = b * Sk, kv_h = kv head * D; full tiles
-        k = k_desc.load([kv_b + start_n, kv_h])
-        v = v_desc.load([kv_b + start_n, kv_h])
-    elif USE_TMA == 2:  # host descriptors over (B, Hk, Sk, D) views
+    if USE_TMA == 2:  # host descriptors over (B, Hk, Sk, D) views
         k = k_desc.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, k_desc.block_shape[3])
         v = v_desc.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, v_desc.block_shape[3])
     elif USE_TMA:
@@ -159,74 +154,24 @@ def _list_head(pid_m, bh, CNT_IN, IDX_IN, STEP, Hq, Tq, Tk, slot_stride_cnt, slo
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, STEP, QD, OD, K2D, V2D,
+def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, STEP, QD, OD,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_ob, stride_os, stride_oh,
                 Sq, Sk, Hq, n_rep, Tq, Tk, slot_stride_cnt, slot_stride_idx, warmup,
-                qk_scale, threshold, causal_off, n_bh, KD, VD,
+                qk_scale, threshold, causal_off, KD, VD,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 TILE_N: tl.constexpr, SKIP: tl.constexpr, STATEFUL: tl.constexpr, HAS_FORCED: tl.constexpr,
                 LAST_PARTIAL: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
                 WARP_SPEC: tl.constexpr, NWORDS: tl.constexpr, PREFETCH_J: tl.constexpr = False,
-                DIRECT_J: tl.constexpr = False, NO_KEEP: tl.constexpr = False, PERSIST: tl.constexpr = False,
-                HEAD_CHUNK: tl.constexpr = False, Q_DESC: tl.constexpr = False, O_DESC: tl.constexpr = False,
-                KEEP_WORD: tl.constexpr = False, FLAT2D: tl.constexpr = False):
-    if PERSIST:
-        # Persistent grid: program p takes work items p, p + P, ... (item = (b * Hq + h) * Tq + q-tile), in the
-        # same head-major order as the plain grid (co-running items share K/V in L2). The list head of the next
-        # item (count, plain count, first index) is loaded before the current item runs, so its dependent loads
-        # are off the next item's critical path.
-        n_items = Tq * n_bh
-        step = tl.num_programs(0)
-        item = tl.program_id(0)
-        cnt_n, np_n, j0_n = _list_head(item % Tq, item // Tq, CNT_IN, IDX_IN, STEP, Hq, Tq, Tk, slot_stride_cnt,
-                                       slot_stride_idx, warmup, STATEFUL, LAST_PARTIAL)
-        for item in range(tl.program_id(0), n_items, step):
-            cnt_c = cnt_n
-            np_c = np_n
-            j0_c = j0_n
-            nxt = tl.minimum(item + step, n_items - 1)
-            cnt_n, np_n, j0_n = _list_head(nxt % Tq, nxt // Tq, CNT_IN, IDX_IN, STEP, Hq, Tq, Tk,
-                                           slot_stride_cnt, slot_stride_idx, warmup, STATEFUL, LAST_PARTIAL)
-            _fwd_item(item % Tq, item // Tq, Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, STEP,
-                      stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                      stride_vh, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, slot_stride_cnt,
-                      slot_stride_idx, warmup, qk_scale, threshold, causal_off, KD, VD, HEAD_DIM, BLOCK_M, TILE_M,
-                      BLOCK_N, TILE_N, SKIP, STATEFUL, HAS_FORCED, LAST_PARTIAL, CAUSAL, WRITE_LSE, USE_TMA, WARP_SPEC,
-                      NWORDS, PREFETCH_J, DIRECT_J, NO_KEEP, cnt_c, np_c, j0_c, True, QD, OD, HEAD_CHUNK,
-                      Q_DESC, O_DESC, KEEP_WORD, K2D, V2D, FLAT2D)
-    else:
-        _fwd_item(tl.program_id(0), tl.program_id(1), Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW,
-                  FCOL, STEP, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
-                  stride_vs, stride_vh, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, slot_stride_cnt,
-                  slot_stride_idx, warmup, qk_scale, threshold, causal_off, KD, VD, HEAD_DIM, BLOCK_M, TILE_M, BLOCK_N,
-                  TILE_N, SKIP, STATEFUL, HAS_FORCED, LAST_PARTIAL, CAUSAL, WRITE_LSE, USE_TMA, WARP_SPEC, NWORDS,
-                  PREFETCH_J, DIRECT_J, NO_KEEP, 0, 0, 0, False, QD, OD, HEAD_CHUNK, Q_DESC, O_DESC,
-                  KEEP_WORD, K2D, V2D, FLAT2D)
-
-
-@triton.jit
-def _fwd_item(pid_m, bh, Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, STEP,
-              stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-              stride_ob, stride_os, stride_oh,
-              Sq, Sk, Hq, n_rep, Tq, Tk, slot_stride_cnt, slot_stride_idx, warmup,
-              qk_scale, threshold, causal_off, KD, VD,
-              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              TILE_N: tl.constexpr, SKIP: tl.constexpr, STATEFUL: tl.constexpr, HAS_FORCED: tl.constexpr,
-              LAST_PARTIAL: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
-              WARP_SPEC: tl.constexpr, NWORDS: tl.constexpr, PREFETCH_J: tl.constexpr, DIRECT_J: tl.constexpr,
-              NO_KEEP: tl.constexpr, cnt_pre, np_pre, j0_pre, PRE: tl.constexpr, QD, OD,
-              HEAD_CHUNK: tl.constexpr, Q_DESC: tl.constexpr, O_DESC: tl.constexpr, KEEP_WORD: tl.constexpr,
-              K2D, V2D, FLAT2D: tl.constexpr):
-    """One q-tile (pid_m) of one (batch, query head) bh.
+                DIRECT_J: tl.constexpr = False, NO_KEEP: tl.constexpr = False, HEAD_CHUNK: tl.constexpr = False,
+                Q_DESC: tl.constexpr = False, O_DESC: tl.constexpr = False):
+    """One q-tile (program_id 0) of one (batch, query head) (program_id 1).
 
     HEAD_CHUNK: the list's first CHUNK indices are loaded together with its count (no count -> last-index load
     chain before the loop; the compaction reuses them). Q_DESC / O_DESC: q load / out store through host TMA
-    descriptors over the (B, H, S, D) views (tm == BLOCK_M only). KEEP_WORD: per-row keep bits of the current
-    32-tile word in one int32 register per row, merged into the [BLOCK_M, NWORDS] array once per word (fewer
-    instructions per tile than selecting into the array every tile). FLAT2D: the loop's full K/V tiles come
-    through host descriptors over the (B * Sk, Hk * D) views (2-D coordinates: ~10 fewer instructions per tile
-    than the 4-D ones); the partial last tile still uses the 4-D descriptors (zero fill past Sk)."""
+    descriptors over the (B, H, S, D) views (tm == BLOCK_M only)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
     hk = h // n_rep
@@ -279,11 +224,7 @@ def _fwd_item(pid_m, bh, Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW
             idx_out += (1 - rs) * slot_stride_idx
             write_ok = (n >= warmup).to(tl.int32)
         offs_c = tl.arange(0, CHUNK)
-        if PRE:
-            cnt = cnt_pre
-            n_plain = np_pre
-            j_next = j0_pre
-        elif HEAD_CHUNK:
+        if HEAD_CHUNK:
             head = tl.load(idx_in + offs_c, mask=offs_c < Tk, other=0)
             j_next = tl.load(idx_in)
             if STATEFUL:
@@ -307,9 +248,6 @@ def _fwd_item(pid_m, bh, Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW
         out_cnt = tl.full([], 0, tl.int32)
         # One flat, software-pipelined loop over the listed tiles; per-row keep bits go into word it // 32.
         bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
-        if KEEP_WORD:
-            cur = tl.zeros([BLOCK_M], tl.int32)
-            thr_row = tl.where(row_ok, threshold, float("inf"))
         for it in tl.range(0, n_plain, warp_specialize=WARP_SPEC):
             if PREFETCH_J:  # the index of the next visited tile is loaded one iteration ahead
                 j = j_next
@@ -321,33 +259,18 @@ def _fwd_item(pid_m, bh, Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW
             if STATEFUL:
                 j = tl.where(warm, it, j)
             m_before = m_i
-            if FLAT2D:
-                acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, K2D, V2D, b * Sk, hk * HEAD_DIM, j,
-                                            offs_n, rows, Sk, qk_scale, stride_ks, stride_vs, TILE_N, BLOCK_N, False,
-                                            3)
-            else:
-                acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, b, hk, j, offs_n, rows,
-                                            Sk, qk_scale, stride_ks, stride_vs, TILE_N, BLOCK_N, False, USE_TMA)
+            acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, b, hk, j, offs_n, rows,
+                                        Sk, qk_scale, stride_ks, stride_vs, TILE_N, BLOCK_N, False, USE_TMA)
             if not NO_KEEP:  # NO_KEEP: ablation only (benchmarks)
-                if KEEP_WORD:
-                    # Bits of the current 32-tile word only (row_ok folded into the threshold); the word joins
-                    # the [BLOCK_M, NWORDS] array once per 32 tiles, in a uniform branch.
-                    cur = cur | tl.where((tmax - m_before) > thr_row, 1 << (it & 31), 0)
-                    if (it & 31) == 31:
-                        bits = bits | tl.where((widx == (it >> 5))[None, :], cur[:, None], 0)
-                        cur = tl.zeros([BLOCK_M], tl.int32)
-                else:
-                    hit = (((tmax - m_before) > threshold) & row_ok).to(tl.int32) << (it & 31)
-                    bits = bits | tl.where((widx == (it >> 5))[None, :], hit[:, None], 0)
+                hit = (((tmax - m_before) > threshold) & row_ok).to(tl.int32) << (it & 31)
+                bits = bits | tl.where((widx == (it >> 5))[None, :], hit[:, None], 0)
         # One cross-row OR reduction for all tiles, then compact the kept indices into the next list.
-        if KEEP_WORD:  # the last, partly filled word (zero when n_plain is a multiple of 32)
-            bits = bits | tl.where((widx == ((n_plain - 1) >> 5))[None, :], cur[:, None], 0)
         words = tl.reduce(bits, 0, _or)
         for c0 in range(0, n_plain, CHUNK):
             c1 = tl.minimum(c0 + CHUNK, n_plain)
             word = tl.sum(tl.where(widx == (c0 >> 5), words, 0), 0)
             inb = offs_c < (c1 - c0)
-            if HEAD_CHUNK and not PRE:  # the first chunk is already in registers
+            if HEAD_CHUNK:  # the first chunk is already in registers
                 jv = tl.where(c0 == 0, head, tl.load(idx_in + c0 + offs_c, mask=inb & (c0 > 0), other=0))
             else:
                 jv = tl.load(idx_in + c0 + offs_c, mask=inb, other=0)
@@ -485,33 +408,6 @@ def _host_desc(t, block_n):
     return TensorDescriptor(t, [B, H, S, D], [t.stride(0), t.stride(2), t.stride(1), 1], [1, 1, block_n, D])
 
 
-def _host_desc_2d(t, block_n):
-    """Host TMA descriptor over the (B * S, H * D) view of a (B, S, H, D) tensor, block (block_n, D), or None when
-    that view does not exist (batch not mergeable with the sequence, heads not adjacent) or is misaligned."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        return None
-    B, S, H, D = t.shape
-    esz = t.element_size()
-    if (t.data_ptr() % 16 or (t.stride(1) * esz) % 16 or t.stride(2) != D
-            or (B > 1 and t.stride(0) != S * t.stride(1))):
-        return None
-    return TensorDescriptor(t, [B * S, H * D], [t.stride(1), 1], [block_n, D])
-
-
-_SMS = {}
-
-
-def _num_sms(device) -> int:
-    if _interpret():
-        return 3  # small, so the interpreter tests walk several work items per program
-    idx = torch.device(device).index or 0
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
 def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step, Tq, Tk, slot_cnt, slot_idx,
             warmup, scale, threshold, tm, tn, skip, stateful, causal, cfg):
     B, Sq, Hq, D = q.shape
@@ -534,33 +430,24 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
             qd = _host_desc(q, block_m)
         if cfg.get("o_desc"):
             od = _host_desc(out, block_m)
-    k2d = v2d = None
-    if skip and use_tma == 2 and cfg.get("flat2d"):
-        k2d, v2d = _host_desc_2d(k, cfg["BLOCK_N"]), _host_desc_2d(v, cfg["BLOCK_N"])
-        if k2d is None or v2d is None:
-            k2d = v2d = None
     nwords = max(1, triton.next_power_of_2(num_tiles(Tk, CHUNK_N))) if skip else 1
-    persist = bool(cfg.get("persist", False)) and skip
-    grid = (min(Tq * B * Hq, _num_sms(q.device) * int(cfg.get("persist", 1))), 1) if persist else (Tq, B * Hq)
-    _fwd_kernel[grid](
+    _fwd_kernel[(Tq, B * Hq)](
         q, k, v, out, lse if lse is not None else dummy,
         cnt_in if cnt_in is not None else dummy, idx_in if idx_in is not None else dummy,
         cnt_out if cnt_out is not None else dummy, idx_out if idx_out is not None else dummy,
         frow if frow is not None else dummy, fcol if fcol is not None else dummy,
         step if step is not None else dummy, dummy if qd is None else qd, dummy if od is None else od,
-        dummy if k2d is None else k2d, dummy if v2d is None else v2d,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         Sq, Sk, Hq, Hq // Hk, Tq, Tk, slot_cnt, slot_idx, warmup,
-        scale * LOG2E, threshold, Sk - Sq, B * Hq, kd, vd,
+        scale * LOG2E, threshold, Sk - Sq, kd, vd,
         HEAD_DIM=D, BLOCK_M=block_m, TILE_M=tm, BLOCK_N=cfg["BLOCK_N"], TILE_N=tn, SKIP=skip, STATEFUL=stateful,
         HAS_FORCED=frow is not None, LAST_PARTIAL=bool(skip and Sk % tn), CAUSAL=causal, WRITE_LSE=lse is not None,
         USE_TMA=use_tma, WARP_SPEC=bool(cfg.get("ws", False)),
         NWORDS=nwords,
         PREFETCH_J=bool(cfg.get("prefetch_j", False)), DIRECT_J=bool(cfg.get("ablate_direct_j", False)),
-        NO_KEEP=bool(cfg.get("ablate_keep", False)), PERSIST=persist,
+        NO_KEEP=bool(cfg.get("ablate_keep", False)),
         HEAD_CHUNK=bool(skip and cfg.get("head_chunk", False)), Q_DESC=qd is not None, O_DESC=od is not None,
-        KEEP_WORD=bool(cfg.get("keep_word", False)), FLAT2D=k2d is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
