@@ -119,32 +119,16 @@ def test_dense_backward_fp32(Sq, Sk, causal):
 
 
 @cpu_only
-@pytest.mark.parametrize("skip_mode,causal", [(True, False), (False, True)])
-def test_atomic_dq_variant(skip_mode, causal):
-    """cfg atomic=True: dq accumulated by the dK/dV kernel with fp32 atomics (no dQ kernel)."""
-    Sq, Sk = 150, 200
-    q, k, v, do = make_inputs(1, Sq, Sk, 4, 2, 64, torch.float32, seed=16)
-    lst = SkipList.from_mask(random_mask(1, 4, 3, 4, 0.4, seed=17), (64, 64), Sq, Sk) if skip_mode else None
-    out, lse, *want = ref_grads(q, k, v, do, lst, causal=causal)
-    cfg = dict(bwd.CONFIGS[64], atomic=True, M1=32)
-    got = bwd._backward_impl(q, k, v, out, lse, do, None, lst.counts if lst else None, lst.indices if lst else None,
-                             64, 64, 1 / 8, causal, cfg)
-    check(got, want, 1e-3)
-
-
-@cpu_only
 @pytest.mark.parametrize("variant,skip_mode,causal", [
-    (dict(fused=True, flat=True), True, False), (dict(fused=True), False, True), (dict(flat=True), True, False),
-    (dict(fused=True, flat=True, tma=True), True, False), (dict(tma=True), False, True)])
-def test_fused_and_flat_variants(variant, skip_mode, causal):
-    """cfg fused=True (dK/dV and dQ programs in one launch), flat=True (one loop over (tile, sub-block) pairs,
-    index prefetched), tma=True (q/dO and k/v through host TMA descriptors); tile (64, 64) with M1=N2=32 so each
-    listed tile has two sub-blocks; partial tiles, GQA."""
+    (dict(flat=True), True, False), (dict(flat=True, tma=True), True, False), (dict(tma=True), False, True)])
+def test_flat_and_tma_variants(variant, skip_mode, causal):
+    """cfg flat=True (one loop over (tile, sub-block) pairs, index prefetched), tma=True (q/dO and k/v through
+    host TMA descriptors); tile (64, 64) with M1=N2=32 so each listed tile has two sub-blocks; partial tiles, GQA."""
     Sq, Sk = 150, 200
     q, k, v, do = make_inputs(1, Sq, Sk, 4, 2, 64, torch.float32, seed=18)
     lst = SkipList.from_mask(random_mask(1, 4, 3, 4, 0.5, seed=19), (64, 64), Sq, Sk) if skip_mode else None
     out, lse, *want = ref_grads(q, k, v, do, lst, causal=causal)
-    cfg = dict(bwd.CONFIGS[64], atomic=False, M1=32, N2=32, **variant)
+    cfg = dict(bwd.CONFIGS[64], M1=32, N2=32, **variant)
     got = bwd._backward_impl(q, k, v, out, lse, do, None, lst.counts if lst else None, lst.indices if lst else None,
                              64, 64, 1 / 8, causal, cfg)
     check(got, want, 1e-3)
@@ -307,8 +291,7 @@ def test_gpu_bf16(S, Hq, Hk, density, causal):
     torch.cuda.synchronize()
     check(got, want, 2e-2)
     if S == 4096 and not causal:   # the launch variants the benchmark times, same tolerance
-        for var in (dict(atomic=False, fused=True, flat=True, s1=3), dict(atomic=False, flat=True, s1=3, s2=3),
-                    dict(atomic=True, flat=False, tma=False, s1=2), dict(N2=128, s2=2)):
+        for var in (dict(flat=True, s1=3, s2=3), dict(flat=False, tma=False, s1=2), dict(N2=128, s2=2)):
             cfg = dict(bwd.CONFIGS[D], **var)
             got = bwd._backward_impl(q, k, v, out, lse, do, None, lst.counts if lst else None,
                                      lst.indices if lst else None, 128, 128, D ** -0.5, False, cfg)

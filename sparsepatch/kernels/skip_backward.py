@@ -4,8 +4,7 @@ Layout: q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) with any strides (unit stride on D)
 lse (B, Hq, Sq) fp32 natural log as written by `skip.py` (-inf for rows that attend to nothing).
 fp16/bf16 on CUDA (fp32 only under TRITON_INTERPRET=1), head dim 64 or 128, GQA Hq % Hk == 0, any Sq/Sk.
 
-Three launches (plus the list transpose in skip mode; config fused=True merges 2 and 3 into one launch, as Flex's
-backward does; measured faster at 50-87.5 % skip, slower dense, so not the default):
+Three launches (plus the list transpose in skip mode):
   1. `_prep_kernel`: delta = rowsum(dout * out) - dlse and lse2 = lse * log2(e) (+inf for empty rows), fp32.
   2. `_dkdv_kernel`: one program per (BLOCK_N keys, batch, kv head). It loops over the query heads of its GQA
      group inside the program (no atomics, no fp32 scratch) and over the q-tiles that see its k-tile: all of
@@ -56,16 +55,15 @@ logger = logging.getLogger(__name__)
 
 # Launch configs keyed by head dim: BLOCK sizes of the dK/dV kernel (keys per program N1, query sub-block M1) and
 # of the dQ kernel (queries per program M2, key sub-block N2). Block sizes shrink to divide the skip tile.
-# atomic=True: the dK/dV kernel also accumulates dq with fp32 atomics (5 matmuls instead of 7, no dQ kernel;
-# dq is then not bitwise deterministic). flat=True: the skip loops walk (listed tile, sub-block) pairs with the next
-# tile index loaded one iteration ahead. tma=True: the loop loads (q/dO in dK/dV, k/v in dQ) through host TMA
-# descriptors over the (B, H, S, D) views. fused=True: dK/dV and dQ programs in one launch (s1/w1 for both).
+# flat=True: the skip loops walk (listed tile, sub-block) pairs with the next tile index loaded one iteration ahead.
+# tma=True: the loop loads (q/dO in dK/dV, k/v in dQ) through host TMA descriptors over the (B, H, S, D) views.
+# (Atomic dq in the dK/dV kernel and one fused dK/dV + dQ launch were measured slower and deleted; NOTES.md.)
 # D=128 is the H100 sweep winner of benchmarks/bench_backward.py (2026-11-23: bwd 40.7 ms dense, 39.8 / 19.9 / 5.35
 # / 2.36 ms at 0 / 50 / 87.5 / 95 % skip, B1 H12 S32768; the previous atomic default: 46.9 / 50.9 / 26.1 / 6.9 /
 # 3.2 ms). D=64 is unswept.
 CONFIGS = {
-    128: dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, atomic=False, flat=True, tma=True),
-    64: dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, atomic=False),
+    128: dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, flat=True, tma=True),
+    64: dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3),
 }
 
 
@@ -167,11 +165,10 @@ def _prep_kernel(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_os, stride_oh,
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, Q, DO, LSE2, DELTA, DQA, start_m, offs_m, offs_d, cols, Sq, stride_qs, stride_ds,
-                stride_as, qk_scale, scale, causal_off, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                DQ_ATOMIC: tl.constexpr, QD, DOD, tb, th, USE_TMA: tl.constexpr):
-    """Add the contribution of queries [start_m, start_m + BLOCK_M) of one head to dk, dv (BLOCK_N, D);
-    with DQ_ATOMIC also atomically add this block's dq (BLOCK_M, D) into the fp32 buffer DQA.
+def _dkdv_block(dk, dv, k, v, Q, DO, LSE2, DELTA, start_m, offs_m, offs_d, cols, Sq, stride_qs, stride_ds,
+                qk_scale, causal_off, MASK: tl.constexpr, CAUSAL: tl.constexpr, QD, DOD, tb, th,
+                USE_TMA: tl.constexpr):
+    """Add the contribution of queries [start_m, start_m + BLOCK_M) of one head to dk, dv (BLOCK_N, D).
     USE_TMA: q/dO come through host TMA descriptors QD/DOD over the (B, H, S, D) views (rows past Sq read 0)."""
     rows = start_m + offs_m
     if USE_TMA:
@@ -204,43 +201,20 @@ def _dkdv_block(dk, dv, k, v, Q, DO, LSE2, DELTA, DQA, start_m, offs_m, offs_d, 
     dsT = pT * (dpT - delta[None, :])
     dsT16 = dsT.to(q.dtype)
     dk = tl.dot(dsT16, q, dk)
-    if DQ_ATOMIC:
-        dq = tl.dot(tl.trans(dsT16), k) * scale
-        dq_ptrs = DQA + rows[:, None] * stride_as + offs_d[None, :]
-        if MASK:
-            tl.atomic_add(dq_ptrs, dq, mask=(rows < Sq)[:, None], sem="relaxed")
-        else:
-            tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
+def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
-                 stride_dvh, stride_ab, stride_as, stride_ah, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, scale, qk_scale,
+                 stride_dvh, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, scale, qk_scale,
                  causal_off, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  TILE_M: tl.constexpr, TILE_N: tl.constexpr, SKIP: tl.constexpr, CAUSAL: tl.constexpr,
-                 Q_PARTIAL: tl.constexpr, DQ_ATOMIC: tl.constexpr, FLAT: tl.constexpr, QD, DOD,
-                 USE_TMA: tl.constexpr):
-    _dkdv_prog(tl.program_id(0), tl.program_id(1), Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
-               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-               stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
-               stride_dvh, stride_ab, stride_as, stride_ah, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, scale, qk_scale,
-               causal_off, HEAD_DIM, BLOCK_M, BLOCK_N, TILE_M, TILE_N, SKIP, CAUSAL, Q_PARTIAL, DQ_ATOMIC, FLAT,
-               QD, DOD, USE_TMA)
-
-
-@triton.jit
-def _dkdv_prog(pid_n, bh, Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
-               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-               stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
-               stride_dvh, stride_ab, stride_as, stride_ah, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, scale, qk_scale,
-               causal_off, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               TILE_M: tl.constexpr, TILE_N: tl.constexpr, SKIP: tl.constexpr, CAUSAL: tl.constexpr,
-               Q_PARTIAL: tl.constexpr, DQ_ATOMIC: tl.constexpr, FLAT: tl.constexpr, QD, DOD,
-               USE_TMA: tl.constexpr):
-    """dK/dV of keys [pid_n * BLOCK_N, +BLOCK_N) of (batch, kv head) bh."""
+                 Q_PARTIAL: tl.constexpr, FLAT: tl.constexpr, QD, DOD, USE_TMA: tl.constexpr):
+    """dK/dV of keys [program_id(0) * BLOCK_N, +BLOCK_N) of (batch, kv head) program_id(1)."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
     b = (bh // Hk).to(tl.int64)
     tb = (bh // Hk).to(tl.int32)
     hk = bh % Hk
@@ -264,7 +238,6 @@ def _dkdv_prog(pid_n, bh, Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
         row_base = (b * Hq + h) * Sq
         lse_base = LSE2 + row_base
         dl_base = DELTA + row_base
-        dqa_base = DQA + b * stride_ab + h * stride_ah
         if SKIP:
             j = start_n // TILE_N
             trow = (b * Hq + h) * Tk + j
@@ -281,24 +254,24 @@ def _dkdv_prog(pid_n, bh, Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
                 for t in range(0, n_plain * (TILE_M // BLOCK_M)):
                     i = i_nxt
                     i_nxt = tl.load(idx + tl.minimum((t + 1) // (TILE_M // BLOCK_M), Tq - 1))
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base,
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
                                          i * TILE_M + (t % (TILE_M // BLOCK_M)) * BLOCK_M, offs_m, offs_d, cols,
-                                         Sq, stride_qs, stride_ds, stride_as, qk_scale, scale, 0, False, False,
-                                         DQ_ATOMIC, QD, DOD, tb, th, USE_TMA)
+                                         Sq, stride_qs, stride_ds, qk_scale, 0, False, False, QD,
+                                         DOD, tb, th, USE_TMA)
             else:
                 for it in range(0, n_plain):
                     i = tl.load(idx + it)
                     for s in tl.static_range(TILE_M // BLOCK_M):
-                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base,
+                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
                                              i * TILE_M + s * BLOCK_M, offs_m, offs_d, cols, Sq, stride_qs,
-                                             stride_ds, stride_as, qk_scale, scale, 0, False, False, DQ_ATOMIC,
-                                             QD, DOD, tb, th, USE_TMA)
+                                             stride_ds, qk_scale, 0, False, False, QD, DOD, tb, th,
+                                             USE_TMA)
             if Q_PARTIAL:  # the partial last q-tile (masked, pointer loads; compiled only when there is one)
                 for it in range(n_plain, cnt):
                     for s in tl.static_range(TILE_M // BLOCK_M):
-                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base,
+                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
                                              (Tq - 1) * TILE_M + s * BLOCK_M, offs_m, offs_d, cols, Sq, stride_qs,
-                                             stride_ds, stride_as, qk_scale, scale, 0, True, False, DQ_ATOMIC, QD, DOD,
+                                             stride_ds, qk_scale, 0, True, False, QD, DOD,
                                              tb, th, False)
         else:
             full = Sq // BLOCK_M * BLOCK_M
@@ -309,21 +282,21 @@ def _dkdv_prog(pid_n, bh, Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CNT_T, IDX_T,
                 mid = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - causal_off, 0), Sq)
                 mid = tl.maximum((mid + BLOCK_M - 1) // BLOCK_M * BLOCK_M, lo)
                 for start_m in range(lo, mid, BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base, start_m,
-                                         offs_m, offs_d, cols, Sq, stride_qs, stride_ds, stride_as, qk_scale, scale,
-                                         causal_off, True, True, DQ_ATOMIC, QD, DOD, tb, th, False)
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m,
+                                         offs_m, offs_d, cols, Sq, stride_qs, stride_ds, qk_scale,
+                                         causal_off, True, True, QD, DOD, tb, th, False)
                 tail = tl.maximum(mid, full)
             else:
                 mid = 0
                 tail = full
             for start_m in range(mid, full, BLOCK_M):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base, start_m, offs_m,
-                                     offs_d, cols, Sq, stride_qs, stride_ds, stride_as, qk_scale, scale, causal_off,
-                                     False, False, DQ_ATOMIC, QD, DOD, tb, th, USE_TMA)
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m, offs_m,
+                                     offs_d, cols, Sq, stride_qs, stride_ds, qk_scale, causal_off,
+                                     False, False, QD, DOD, tb, th, USE_TMA)
             for start_m in range(tail, Sq, BLOCK_M):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, dqa_base, start_m, offs_m,
-                                     offs_d, cols, Sq, stride_qs, stride_ds, stride_as, qk_scale, scale, causal_off,
-                                     True, CAUSAL, DQ_ATOMIC, QD, DOD, tb, th, False)
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m, offs_m,
+                                     offs_d, cols, Sq, stride_qs, stride_ds, qk_scale, causal_off,
+                                     True, CAUSAL, QD, DOD, tb, th, False)
     dk = dk * scale
     tl.store(DK + b * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
@@ -369,22 +342,9 @@ def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr,
                TILE_N: tl.constexpr, SKIP: tl.constexpr, CAUSAL: tl.constexpr, K_PARTIAL: tl.constexpr,
                FLAT: tl.constexpr, KD, VD, USE_TMA: tl.constexpr):
-    _dq_prog(tl.program_id(0), tl.program_id(1), Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
-             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-             stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh,
-             Sq, Sk, Hq, n_rep, Tq, Tk, scale, qk_scale, causal_off,
-             HEAD_DIM, BLOCK_M, BLOCK_N, TILE_M, TILE_N, SKIP, CAUSAL, K_PARTIAL, FLAT, KD, VD, USE_TMA)
-
-
-@triton.jit
-def _dq_prog(pid_m, bh, Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
-             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-             stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh,
-             Sq, Sk, Hq, n_rep, Tq, Tk, scale, qk_scale, causal_off,
-             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr,
-             TILE_N: tl.constexpr, SKIP: tl.constexpr, CAUSAL: tl.constexpr, K_PARTIAL: tl.constexpr,
-             FLAT: tl.constexpr, KD, VD, USE_TMA: tl.constexpr):
-    """dQ of queries [pid_m * BLOCK_M, +BLOCK_M) of (batch, query head) bh."""
+    """dQ of queries [program_id(0) * BLOCK_M, +BLOCK_M) of (batch, query head) program_id(1)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
     b = (bh // Hq).to(tl.int64)
     tb = (bh // Hq).to(tl.int32)
     h = bh % Hq
@@ -452,37 +412,6 @@ def _dq_prog(pid_m, bh, Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _fused_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, CNT, IDX, CNT_T, IDX_T,
-                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks,
-                  stride_dkh, stride_dvb, stride_dvs, stride_dvh, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, NK, NQ, scale,
-                  qk_scale, causal_off, HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-                  BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
-                  SKIP: tl.constexpr, CAUSAL: tl.constexpr, Q_PARTIAL: tl.constexpr, K_PARTIAL: tl.constexpr,
-                  FLAT: tl.constexpr, QD, DOD, KD, VD, USE_TMA: tl.constexpr):
-    """dK/dV and dQ in one launch (no atomics): grid (NK + n_rep * NQ, B * Hk). Programs pid < NK are the dK/dV
-    programs of (batch, kv head); the rest are the dQ programs of the kv head's n_rep query heads, so the two
-    kinds run side by side and the second kind fills the first one's tail."""
-    pid = tl.program_id(0)
-    bhk = tl.program_id(1)
-    if pid < NK:
-        _dkdv_prog(pid, bhk, Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, CNT_T, IDX_T,
-                   stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                   stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
-                   stride_dvh, stride_dqb, stride_dqs, stride_dqh, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, scale, qk_scale,
-                   causal_off, HEAD_DIM, BLOCK_M1, BLOCK_N1, TILE_M, TILE_N, SKIP, CAUSAL, Q_PARTIAL, False, FLAT,
-                   QD, DOD, USE_TMA)
-    else:
-        off = pid - NK
-        bhq = (bhk // Hk) * Hq + (bhk % Hk) * n_rep + off // NQ
-        _dq_prog(off % NQ, bhq, Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
-                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                 stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh,
-                 Sq, Sk, Hq, n_rep, Tq, Tk, scale, qk_scale, causal_off,
-                 HEAD_DIM, BLOCK_M2, BLOCK_N2, TILE_M, TILE_N, SKIP, CAUSAL, K_PARTIAL, FLAT, KD, VD, USE_TMA)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -581,32 +510,15 @@ def _backward_impl(q, k, v, out, lse, dout, dlse, counts, indices, tm, tn, scale
     use_tma = all(x is not None for x in (qd, dod, kd, vd))
     if not use_tma:
         qd = dod = kd = vd = dq  # unused pointers
-    if cfg.get("fused", False):
-        nk, nq = triton.cdiv(Sk, n1), triton.cdiv(Sq, m2)
-        _fused_kernel[(nk + (Hq // Hk) * nq, B * Hk)](
-            q, k, v, dout, lse2, delta, dq, dk, dv, counts, indices, counts_t, indices_t,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2), Sq, Sk, Hq, Hk, Hq // Hk, Tq, Tk, nk, nq, scale, qk_scale,
-            causal_off, HEAD_DIM=D, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, TILE_M=tm, TILE_N=tn,
-            SKIP=skip, CAUSAL=bool(causal), Q_PARTIAL=bool(skip and Sq % tm), K_PARTIAL=bool(skip and Sk % tn),
-            FLAT=flat, QD=qd, DOD=dod, KD=kd, VD=vd, USE_TMA=use_tma, num_warps=cfg["w1"], num_stages=cfg["s1"])
-        return dq, dk, dv
-    atomic = bool(cfg.get("atomic", False))
-    dqa = torch.zeros((B, Sq, Hq, D), dtype=torch.float32, device=dev) if atomic else dq
     _dkdv_kernel[(triton.cdiv(Sk, n1), B * Hk)](
-        q, k, v, dout, lse2, delta, dk, dv, dqa, counts_t, indices_t,
+        q, k, v, dout, lse2, delta, dk, dv, counts_t, indices_t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        dqa.stride(0), dqa.stride(1), dqa.stride(2),
         Sq, Sk, Hq, Hk, Hq // Hk, Tq, Tk, scale, qk_scale, causal_off,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, TILE_M=tm, TILE_N=tn, SKIP=skip, CAUSAL=bool(causal),
-        Q_PARTIAL=bool(skip and Sq % tm), DQ_ATOMIC=atomic, FLAT=flat, QD=qd, DOD=dod, USE_TMA=use_tma,
+        Q_PARTIAL=bool(skip and Sq % tm), FLAT=flat, QD=qd, DOD=dod, USE_TMA=use_tma,
         num_warps=cfg["w1"], num_stages=cfg["s1"])
-    if atomic:
-        return dqa.to(q.dtype), dk, dv
     _dq_kernel[(triton.cdiv(Sq, m2), B * Hq)](
         q, k, v, dout, lse2, delta, dq, counts, indices,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
