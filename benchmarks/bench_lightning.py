@@ -148,9 +148,6 @@ def bench_decode(fused_recurrent, batches, graph=True):
         o32 = ref.lightning_decode(q, k, v, s32, decay, scale=1.0)
         row["bf16_rel_err_out"], row["bf16_rel_err_state"] = _rel(o16, o32), _rel(s16, s32)
         row["bf16_us"] = _bench(lambda: tri.lightning_decode(q, k, v, sb[0], decay, scale=1.0))
-        tri._DECODE_OVERRIDE["SROUND"] = True
-        row["bf16_sround_us"] = _bench(lambda: tri.lightning_decode(q, k, v, sb[0], decay, scale=1.0))
-        tri._DECODE_OVERRIDE.clear()
         if graph:
             row["bf16_graph_us"] = graph_time(
                 [lambda st=st: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=out) for st in sb],
@@ -224,24 +221,23 @@ def sweep(lengths, batches):
         q, k, v = (torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         st = torch.randn(B, H, D, D, device="cuda") * 0.1
         o = torch.empty(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
-        for bv, w, stream in ((64, 2, False), (64, 2, True), (128, 4, False), (128, 4, True), (32, 2, False),
-                              (16, 1, False), (16, 2, False)):
+        for bv, w in ((64, 2), (128, 4), (32, 2), (16, 1), (16, 2)):
             if B > 1 and bv == 16:
                 continue
-            tri._DECODE_OVERRIDE.update(BV=bv, num_warps=w, STREAM=stream)
+            tri._DECODE_OVERRIDE.update(BV=bv, num_warps=w)
             try:
                 us = _bench(lambda: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=o), rep=100)
-                r = {"B": B, "BV": bv, "warps": w, "stream": stream, "us": us,
+                r = {"B": B, "BV": bv, "warps": w, "us": us,
                      "TBps": 2 * st.numel() * 4 / (us * 1e-6) / 1e12}
                 if B == 1:   # per step in a CUDA graph over 16 states (cold L2): the launch latency hidden
                     sts = [torch.randn_like(st) for _ in range(16)]
                     r["graph_us"] = graph_time([lambda x=x: tri.lightning_decode(q, k, v, x, decay, scale=1.0, out=o)
                                                 for x in sts], 16)
             except Exception as exc:  # noqa: BLE001
-                r = {"B": B, "BV": bv, "warps": w, "stream": stream, "error": repr(exc)[:200]}
+                r = {"B": B, "BV": bv, "warps": w, "error": repr(exc)[:200]}
             out["decode"].append(r)
         tri._DECODE_OVERRIDE.clear()
-        print("sweep decode B", B, sorted([(round(r["us"], 2), r.get("graph_us"), r["BV"], r["warps"], r["stream"]) for r in out["decode"]
+        print("sweep decode B", B, sorted([(round(r["us"], 2), r.get("graph_us"), r["BV"], r["warps"]) for r in out["decode"]
                                           if r["B"] == B and "us" in r]), flush=True)
     for T in lengths:
         q, k, v = (torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in range(3))
@@ -261,22 +257,11 @@ def sweep(lengths, batches):
 
 
 def _grid(B):
-    """Decode configs swept at batch B: (kind, BV, warps, PM, LOAD_HINT, STORE_HINT)."""
+    """Decode configs swept at batch B: (BV, warps). The persistent-loop and cache-hint variants of the v4 sweep
+    were deleted (measured 4-60% slower / not adopted; benchmarks/NOTES.md, lightning v4)."""
     if B == 1:
-        cfgs = [("grid", bv, w, 0, 0, 0) for bv, w in ((8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (64, 2))]
-        cfgs += [("grid", 16, 1, 0, lh, sh) for lh, sh in ((1, 0), (2, 0), (3, 0), (0, 1), (0, 2), (0, 3), (1, 1))]
-        cfgs += [("grid", 8, 1, 0, 2, 0), ("grid", 8, 1, 0, 0, 3)]
-        cfgs += [("persist", 16, 1, pm, 0, 0) for pm in (1, 2, 4)] + [("persist", 8, 1, 4, 0, 0),
-                                                                    ("persist", 32, 2, 1, 0, 0)]
-        return cfgs
-    cfgs = [("grid", bv, w, 0, 0, 0) for bv, w in ((32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 4), (128, 8))]
-    cfgs += [("grid", 64, 2, 0, lh, sh) for lh, sh in ((1, 0), (2, 0), (0, 1), (0, 2), (0, 3))]
-    cfgs += [("persist", 16, 1, pm, 0, 0) for pm in (8, 12)]
-    cfgs += [("persist", 32, 2, pm, 0, 0) for pm in (4, 6, 8)]
-    cfgs += [("persist", 64, 4, pm, 0, 0) for pm in (2, 3, 4)]
-    cfgs += [("persist", 128, 8, pm, 0, 0) for pm in (1, 2)]
-    cfgs += [("persist", 32, 2, 6, lh, sh) for lh, sh in ((1, 1), (2, 0), (0, 1))]
-    return cfgs
+        return [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (64, 2)]
+    return [(32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 4), (128, 8)]
 
 
 def sweep_decode(batches, bf16_batches=(1, 64, 256)):
@@ -294,15 +279,13 @@ def sweep_decode(batches, bf16_batches=(1, 64, 256)):
             sts = [torch.randn_like(st, dtype=torch.float32).to(sdt) for _ in range(nst)] if B == 1 else None
             nbytes = 2 * st.numel() * st.element_size()
             cfgs = _grid(B)
-            if sdt != torch.float32:     # fewer variants for the bf16 state: tile shapes and the persistent loop
-                cfgs = [c for c in cfgs if c[4] == c[5] == 0 and (c[0] == "grid" or c[1] in (32, 64))]
-                cfgs += [("grid", 128, 2, 0, 0, 0)] if B > 1 else []
+            if sdt != torch.float32 and B > 1:
+                cfgs += [(128, 2)]
             cfgs = [("default",)] + cfgs + [("default",)]
             for c in cfgs:
                 tri._DECODE_OVERRIDE.clear()
                 if c[0] != "default":
-                    tri._DECODE_OVERRIDE.update(kind=c[0], BV=c[1], num_warps=c[2], PM=c[3], LOAD_HINT=c[4],
-                                                STORE_HINT=c[5])
+                    tri._DECODE_OVERRIDE.update(BV=c[0], num_warps=c[1])
                 r = {"B": B, "state": str(sdt).split(".")[-1], "cfg": list(c)}
                 try:
                     s_ref, s_tri = st.clone(), st.clone()
@@ -344,7 +327,6 @@ def drift(steps=4096, B=4, layers=(0, 40, 79)):
         s32 = torch.zeros(B, H, D, D, device="cuda")
         s16 = torch.zeros(B, H, D, D, device="cuda", dtype=torch.bfloat16)
         shf = torch.zeros(B, H, D, D, device="cuda", dtype=torch.bfloat16)   # transformers' bf16 decode update
-        ssr = torch.zeros(B, H, D, D, device="cuda", dtype=torch.bfloat16)   # ours, stochastic rounding
         ratio = torch.exp(-decay.to(torch.bfloat16))[None, :, None, None]
         marks = {1, 16, 256, 1024, steps}
         err_o = []
@@ -353,9 +335,6 @@ def drift(steps=4096, B=4, layers=(0, 40, 79)):
                        .to(torch.bfloat16) for _ in range(3))
             o32 = tri.lightning_decode(q, k, v, s32, decay, scale=1.0).float()
             o16 = tri.lightning_decode(q, k, v, s16, decay, scale=1.0).float()
-            tri._DECODE_OVERRIDE["SROUND"] = True
-            osr = tri.lightning_decode(q, k, v, ssr, decay, scale=1.0).float()
-            tri._DECODE_OVERRIDE.clear()
             qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))            # (B, H, 1, D), as MiniMax does
             shf = ratio * shf + torch.matmul(kh.transpose(-1, -2), vh)
             ohf = torch.matmul(qh, shf).transpose(1, 2).float()
@@ -363,14 +342,12 @@ def drift(steps=4096, B=4, layers=(0, 40, 79)):
             if t in marks:
                 out.append({"layer": layer, "step": t, "rel_err_state": _rel(s16, s32), "rel_err_out": err_o[-1],
                             "hf_bf16_rel_err_state": _rel(shf, s32), "hf_bf16_rel_err_out": _rel(ohf, o32),
-                            "sround_rel_err_state": _rel(ssr, s32), "sround_rel_err_out": _rel(osr, o32),
                             "state_rms": s32.pow(2).mean().sqrt().item(),
                             "rel_err_out_bf16_rounding_floor": _rel(o32.to(torch.bfloat16), o32)})
-        print("drift layer", layer, "(step, state/out rel err: ours bf16 nearest | ours bf16 stochastic | "
-              "transformers bf16)", [(r["step"], f"{r['rel_err_state']:.1e}/{r['rel_err_out']:.1e}",
-                                      f"{r['sround_rel_err_state']:.1e}/{r['sround_rel_err_out']:.1e}",
-                                      f"{r['hf_bf16_rel_err_state']:.1e}/{r['hf_bf16_rel_err_out']:.1e}")
-                                     for r in out if r["layer"] == layer], flush=True)
+        print("drift layer", layer, "(step, state/out rel err: ours bf16 nearest | transformers bf16)",
+              [(r["step"], f"{r['rel_err_state']:.1e}/{r['rel_err_out']:.1e}",
+                f"{r['hf_bf16_rel_err_state']:.1e}/{r['hf_bf16_rel_err_out']:.1e}")
+               for r in out if r["layer"] == layer], flush=True)
     return out
 
 
@@ -387,14 +364,14 @@ def table(res):
                          h=r.get("fla_TBps", float("nan")), i=r.get("fla_graph_TBps", float("nan")),
                          j=r.get("fla_us", float("nan")) / r["ours_us"]))
     lines += ["", "| B | bf16-state eager us | bf16-state graph us/step | TB/s (bf16 bytes) eager / graph | "
-              "fla / bf16-state (eager) | stochastic-rounding eager us | rel err out / state vs fp32 step |",
-              "|---|---|---|---|---|---|---|"]
+              "fla / bf16-state (eager) | rel err out / state vs fp32 step |",
+              "|---|---|---|---|---|---|"]
     for r in res["decode"]:
         if "bf16_us" in r:
-            lines.append("| {B} | {a:.1f} | {b:.1f} | {c:.2f} / {d:.2f} | {e:.2f}x | {h:.1f} | {f:.1e} / {g:.1e} |".format(
+            lines.append("| {B} | {a:.1f} | {b:.1f} | {c:.2f} / {d:.2f} | {e:.2f}x | {f:.1e} / {g:.1e} |".format(
                 B=r["B"], a=r["bf16_us"], b=r.get("bf16_graph_us", float("nan")), c=r["bf16_TBps"],
                 d=r.get("bf16_graph_TBps", float("nan")), e=r.get("fla_us", float("nan")) / r["bf16_us"],
-                h=r.get("bf16_sround_us", float("nan")), f=r["bf16_rel_err_out"], g=r["bf16_rel_err_state"]))
+                f=r["bf16_rel_err_out"], g=r["bf16_rel_err_state"]))
     lines += ["", "| T | ours us | fla us | speedup | ours TFLOP/s | rel err vs fla |", "|---|---|---|---|---|---|"]
     for r in res["prefill"]:
         lines.append("| {T} | {a:.0f} | {b:.0f} | {c:.2f}x | {d:.0f} | {e:.1e} |".format(

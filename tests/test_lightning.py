@@ -236,12 +236,9 @@ def test_triton_prefill_then_decode_equals_longer_prefill(dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("cfg", [dict(kind="persist", BV=8, num_warps=1, PM=1, LOAD_HINT=1, STORE_HINT=1),
-                                 dict(kind="persist", BV=16, num_warps=2, PM=2, LOAD_HINT=0, STORE_HINT=0),
-                                 dict(kind="grid", BV=8, num_warps=1, LOAD_HINT=2, STORE_HINT=2)])
+@pytest.mark.parametrize("cfg", [dict(BV=8, num_warps=1), dict(BV=16, num_warps=2)])
 def test_triton_decode_launch_variants_match_reference(cfg):
-    """Every decode launch variant the sweep may pick (persistent loop with prefetch; cache hints), both layouts;
-    tile counts not a multiple of the program count (the last programs do one tile fewer)."""
+    """Decode tile widths / warps the sweep may pick, both layouts, fp32 and fp16 states."""
     from sparsepatch.kernels import lightning as tri
     dev = "cuda" if CUDA else "cpu"
     q, k, v, decay, h0 = inputs(3, 1, 3, 16, 32, torch.float32, dev, seed=13)
@@ -258,27 +255,6 @@ def test_triton_decode_launch_variants_match_reference(cfg):
                 assert rel(out, o_ref) < 2e-3 and rel(s_tri, s_ref) < (1e-6 if sdt == torch.float32 else 2e-3)
     finally:
         tri._DECODE_OVERRIDE.clear()
-
-
-@needs_triton
-def test_triton_bf16_state_stochastic_rounding_experiment():
-    """The experimental stochastic rounding (sweep-only switch): each element lands on one of the two bf16
-    neighbours of the fp32 update, both directions occur, o is the fp32-state output."""
-    from sparsepatch.kernels import lightning as tri
-    dev = "cuda" if CUDA else "cpu"
-    q, k, v, decay, h0 = inputs(2, 1, 3, 16, 32, torch.float16, dev, seed=14)
-    s16 = h0.bfloat16()
-    s32 = s16.float()
-    tri._DECODE_OVERRIDE.update(SROUND=True)
-    try:
-        o = tri.lightning_decode(q, k, v, s16, decay)
-    finally:
-        tri._DECODE_OVERRIDE.clear()
-    o32 = ref.lightning_decode(q, k, v, s32, decay)
-    d = s16.float()
-    assert bool(((d - s32).abs() <= s32.abs() * 2 ** -7).all()) and rel(o, o32) < 2e-3
-    down, up = (d.abs() < s32.abs()).float().mean().item(), (d.abs() > s32.abs()).float().mean().item()
-    assert 0.3 < down < 0.7 and 0.3 < up < 0.7
 
 
 def test_reference_narrow_state_is_fp32_math_rounded_once_per_step():

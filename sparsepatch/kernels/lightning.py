@@ -10,8 +10,8 @@ Same functions as `lightning_reference` (read its docstring for the recurrence a
 The state is fp32 by default; a bf16 (or fp16) state is stored in that dtype and widened to fp32 in registers
 (math fp32, one round-to-nearest per step at the store), halving the decode's bytes (drift: lightning_reference).
 
-Decode: each program streams (K, BV) state tiles once (read + write): one program per tile, or (for sizes where
-the sweep found it faster) a persistent grid looping over tiles with a one-tile prefetch (`_decode_config`). The
+Decode: each program streams one (K, BV) state tile once (read + write), tile width and warps per regime
+(`_decode_config`; a persistent tile loop and cache hints were measured slower or neutral and deleted). The
 only allocation is the output (none with `out=`), there is no host sync after the first call with a given decay
 tensor, so it is CUDA-graph capturable. Prefill: one program per (sequence, head, V-block) walks the sequence in
 chunks of 64 tokens carrying the fp32 state in registers: o = (q k^T * decay_mask) v + decay_q * (q @ state); the
@@ -88,68 +88,30 @@ def _decode_kernel(Q, Kt, Vt, S, G, O, scale, H,
 
 
 @triton.jit
-def _load_state(sp, mask, EVEN: tl.constexpr, LOAD_HINT: tl.constexpr):
-    """(BK, BV) state tile widened to fp32 (masked unless EVEN). LOAD_HINT: 0 none, 1 evict_first, 2 .cg (L2
-    only), 3 evict_last."""
+def _load_state(sp, mask, EVEN: tl.constexpr):
+    """(BK, BV) state tile widened to fp32 (masked unless EVEN)."""
     if EVEN:
-        if LOAD_HINT == 1:
-            s = tl.load(sp, eviction_policy="evict_first")
-        elif LOAD_HINT == 2:
-            s = tl.load(sp, cache_modifier=".cg")
-        elif LOAD_HINT == 3:
-            s = tl.load(sp, eviction_policy="evict_last")
-        else:
-            s = tl.load(sp)
+        s = tl.load(sp)
     else:
-        if LOAD_HINT == 1:
-            s = tl.load(sp, mask=mask, other=0.0, eviction_policy="evict_first")
-        elif LOAD_HINT == 2:
-            s = tl.load(sp, mask=mask, other=0.0, cache_modifier=".cg")
-        elif LOAD_HINT == 3:
-            s = tl.load(sp, mask=mask, other=0.0, eviction_policy="evict_last")
-        else:
-            s = tl.load(sp, mask=mask, other=0.0)
+        s = tl.load(sp, mask=mask, other=0.0)
     return s.to(tl.float32)
 
 
 @triton.jit
-def _store_state(sp, s, mask, EVEN: tl.constexpr, STORE_HINT: tl.constexpr):
-    """Store an fp32 tile rounded to the state's dtype. STORE_HINT: 0 none, 1 .cs (streaming), 2 evict_first,
-    3 .wt (write-through)."""
+def _store_state(sp, s, mask, EVEN: tl.constexpr):
+    """Store an fp32 tile rounded to the state's dtype (masked unless EVEN)."""
     s = s.to(sp.dtype.element_ty)
     if EVEN:
-        if STORE_HINT == 1:
-            tl.store(sp, s, cache_modifier=".cs")
-        elif STORE_HINT == 2:
-            tl.store(sp, s, eviction_policy="evict_first")
-        elif STORE_HINT == 3:
-            tl.store(sp, s, cache_modifier=".wt")
-        else:
-            tl.store(sp, s)
+        tl.store(sp, s)
     else:
         tl.store(sp, s, mask=mask)
-
-
-@triton.jit
-def _round_bf16_stochastic(s, idx):
-    """fp32 -> bf16 rounding up or down with probability given by the dropped 16 bits (unbiased in expectation).
-    The random 16 bits hash the value's own bits with the element index, so no seed or step counter is needed:
-    the unrounded value changes every step (decay, new k^T v). Finite inputs only."""
-    bits = s.to(tl.uint32, bitcast=True)
-    h = bits * 0x27D4EB2D + idx.to(tl.uint32) * 0x165667B1
-    h = h ^ (h >> 15)
-    h = h * 0x2C1B3C6D
-    h = h ^ (h >> 12)
-    r = (bits + (h & 0xFFFF)) >> 16
-    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
 def _decode_unit_kernel(Q, Kt, Vt, S, G, O, scale, H,
                         sqb, sqh, skb, skh, svb, svh, ssb, ssh, ssr, sob, soh,
                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, VK: tl.constexpr,
-                        LOAD_HINT: tl.constexpr, STORE_HINT: tl.constexpr, SROUND: tl.constexpr = False):
+                        EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, VK: tl.constexpr):
     """_decode_kernel for unit last-dim strides of q/k/v/out and of the state's inner axis (ssr: the other one).
     One program per (V-block, batch * head)."""
     pid_v = tl.program_id(0)
@@ -165,89 +127,27 @@ def _decode_unit_kernel(Q, Kt, Vt, S, G, O, scale, H,
         sp = S + b * ssb + h * ssh + ok[:, None] * ssr + ov[None, :]
     mk = ok < K
     mv = ov < V
-    s = _load_state(sp, mk[:, None] & mv[None, :], EVEN_K and EVEN_V, LOAD_HINT)
+    s = _load_state(sp, mk[:, None] & mv[None, :], EVEN_K and EVEN_V)
     q = tl.load(Q + b * sqb + h * sqh + ok, mask=mk, other=0.0).to(tl.float32)
     k = tl.load(Kt + b * skb + h * skh + ok, mask=mk, other=0.0).to(tl.float32)
     v = tl.load(Vt + b * svb + h * svh + ov, mask=mv, other=0.0).to(tl.float32)
     s = s * g + k[:, None] * v[None, :]
     o = tl.sum(s * (q * scale)[:, None], axis=0)
-    if SROUND:      # experimental (benchmarks only): bf16 state, stochastic rounding
-        tl.store(sp, _round_bf16_stochastic(s, ok[:, None] * BV + ov[None, :]), mask=mk[:, None] & mv[None, :])
-    else:
-        _store_state(sp, s, mk[:, None] & mv[None, :], EVEN_K and EVEN_V, STORE_HINT)
+    _store_state(sp, s, mk[:, None] & mv[None, :], EVEN_K and EVEN_V)
     tl.store(O + b * sob + h * soh + ov, o.to(O.dtype.element_ty), mask=mv)
 
 
-@triton.jit
-def _persist_tile(t, H, NVB: tl.constexpr, BV: tl.constexpr, ssb, ssh, ssr, VK: tl.constexpr):
-    """Tile t -> (b, h, first V column, state offset of the tile); V-blocks of one (b, h) are consecutive tiles."""
-    bh = t // NVB
-    v0 = (t % NVB) * BV
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    if VK:
-        off = b * ssb + h * ssh + v0 * ssr
-    else:
-        off = b * ssb + h * ssh + v0
-    return b, h, v0, off
-
-
-@triton.jit
-def _decode_persist_kernel(Q, Kt, Vt, S, G, O, scale, H, NT,
-                           sqb, sqh, skb, skh, svb, svh, ssb, ssh, ssr, sob, soh,
-                           K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, VK: tl.constexpr,
-                           LOAD_HINT: tl.constexpr, STORE_HINT: tl.constexpr):
-    """Persistent variant (unit strides, K and V multiples of the tile): program p walks tiles p, p + P, ... of
-    the NT = B*H*V/BV (K, BV) tiles and loads tile i+1's state before updating and storing tile i, so every
-    program keeps a load in flight behind its store and all programs finish within one tile of each other
-    (no partial last wave)."""
-    NVB: tl.constexpr = V // BV
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    ok = tl.arange(0, K)
-    ob = tl.arange(0, BV)
-    if VK:
-        tile = ok[:, None] + ob[None, :] * ssr
-    else:
-        tile = ok[:, None] * ssr + ob[None, :]
-    t = pid
-    b, h, v0, off = _persist_tile(t, H, NVB, BV, ssb, ssh, ssr, VK)
-    s_nx = _load_state(S + off + tile, None, True, LOAD_HINT)
-    q_nx = tl.load(Q + b * sqb + h * sqh + ok).to(tl.float32)
-    k_nx = tl.load(Kt + b * skb + h * skh + ok).to(tl.float32)
-    v_nx = tl.load(Vt + b * svb + h * svh + v0 + ob).to(tl.float32)
-    g_nx = tl.load(G + h)
-    for _ in range(0, tl.cdiv(NT - pid, P)):
-        s, q, k, v, g = s_nx, q_nx, k_nx, v_nx, g_nx
-        sp = S + off + tile
-        op = O + b * sob + h * soh + v0 + ob
-        tn = t + P
-        more = tl.full((K, BV), tn, tl.int32) < NT          # uniform mask (keeps the 16-byte loads)
-        bn, hn, v0n, offn = _persist_tile(tl.minimum(tn, NT - 1), H, NVB, BV, ssb, ssh, ssr, VK)
-        s_nx = _load_state(S + offn + tile, more, False, LOAD_HINT)
-        q_nx = tl.load(Q + bn * sqb + hn * sqh + ok).to(tl.float32)
-        k_nx = tl.load(Kt + bn * skb + hn * skh + ok).to(tl.float32)
-        v_nx = tl.load(Vt + bn * svb + hn * svh + v0n + ob).to(tl.float32)
-        g_nx = tl.load(G + hn)
-        s = s * tl.exp(-g) + k[:, None] * v[None, :]
-        o = tl.sum(s * (q * scale)[:, None], axis=0)
-        _store_state(sp, s, None, True, STORE_HINT)
-        tl.store(op, o.to(O.dtype.element_ty))
-        t, b, h, v0, off = tn, bn, hn, v0n, offn
-
-
-# Decode launch settings per regime, from the H100 sweeps (benchmarks/NOTES.md, lightning section, v3 and v4).
-# "grid": one program per (K, BV) tile; "persist": min(tiles, PM * SMs) programs looping over tiles with a
-# one-tile prefetch (swept, never faster at H64 K=V=128: kept for the sweeps only).
-_SMALL_GRID = {"kind": "grid", "BV": 16, "num_warps": 1, "LOAD_HINT": 0, "STORE_HINT": 0}
-_LARGE_GRID = {"kind": "grid", "BV": 64, "num_warps": 2, "LOAD_HINT": 0, "STORE_HINT": 0}
-_NARROW_GRID = {"kind": "grid", "BV": 32, "num_warps": 1, "LOAD_HINT": 0, "STORE_HINT": 0}
+# Decode launch settings per regime, from the H100 sweeps (benchmarks/NOTES.md, lightning section, v3 and v4):
+# one program per (K, BV) tile.
+_SMALL_GRID = {"BV": 16, "num_warps": 1}
+_LARGE_GRID = {"BV": 64, "num_warps": 2}
+_NARROW_GRID = {"BV": 32, "num_warps": 1}
 
 
 def _decode_config(BH: int, K: int, V: int, state_dtype=torch.float32) -> dict:
     """Launch settings for the decode kernel. fp32 state: a grid under one wave (B=1 at H=64) does best with many
     small 1-warp programs ((K, 16) tiles: latency-bound); large grids stream (K, 64) tiles on 2 warps (H100 v4
-    sweep at B=64: 186.3 us vs 187.9 for (K, 128) / 4 warps, 191.6 for (K, 32) / 1 warp, persistent >= 194).
+    sweep at B=64: 186.3 us vs 187.9 for (K, 128) / 4 warps, 191.6 for (K, 32) / 1 warp).
     bf16/fp16 state: (K, 32) tiles on 1 warp at every B (B=64: 104 us vs 114 for the fp32 choice; B=1 3.8 us per
     graph step) -- the widened fp32 copy of a bigger 2-byte tile needs more registers than one warp holds."""
     bk = triton.next_power_of_2(K)
@@ -259,21 +159,9 @@ def _decode_config(BH: int, K: int, V: int, state_dtype=torch.float32) -> dict:
     return dict(_LARGE_GRID, BV=BV)
 
 
-_DECODE_OVERRIDE: dict = {}  # keys of _decode_config's dict (+ "PM", "SROUND"): benchmark sweeps only
+_DECODE_OVERRIDE: dict = {}  # keys of _decode_config's dict: benchmark sweeps only
 _FAST: dict = {}             # launch signature -> compiled kernel (relaunched without triton's binder)
 _FAST_OK = [os.environ.get("TRITON_INTERPRET") != "1"]
-_NUM_SMS: dict = {}
-
-
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 4
-    n = _NUM_SMS.get(device.index)
-    if n is None:
-        n = _NUM_SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
-
-
 def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
     B, _, H, K = q.shape
     V = v.shape[3]
@@ -286,27 +174,16 @@ def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
             cfg = dict(cfg, **_DECODE_OVERRIDE)
         BV, warps = cfg["BV"], cfg["num_warps"]
         BK = triton.next_power_of_2(K)
-        persist = cfg["kind"] == "persist" and BK == K and V % BV == 0
         ssr = ss[2]             # stride of the other axis (K rows, or V rows for "bhvk")
-        if persist:
-            NT = B * H * (V // BV)
-            P = max(1, min(NT, int(cfg.get("PM", 4) * _num_sms(q.device))))
-            grid = (P, 1, 1)
-            args = (q, k, v, state, decay, out, scale, H, NT, qs[0], qs[2], ks[0], ks[2], vs[0], vs[2],
-                    ss[0], ss[1], ssr, os_[0], os_[2], K, V, BV, vk, cfg["LOAD_HINT"], cfg["STORE_HINT"])
-            nint = 7
-        else:
-            grid = ((V + BV - 1) // BV, B * H, 1)
-            sround = bool(cfg.get("SROUND", False)) and state.dtype == torch.bfloat16
-            args = (q, k, v, state, decay, out, scale, H, qs[0], qs[2], ks[0], ks[2], vs[0], vs[2],
-                    ss[0], ss[1], ssr, os_[0], os_[2],
-                    K, V, BK, BV, BK == K, V % BV == 0, vk, cfg["LOAD_HINT"], cfg["STORE_HINT"], sround)
-            nint = 7
+        grid = ((V + BV - 1) // BV, B * H, 1)
+        args = (q, k, v, state, decay, out, scale, H, qs[0], qs[2], ks[0], ks[2], vs[0], vs[2],
+                ss[0], ss[1], ssr, os_[0], os_[2], K, V, BK, BV, BK == K, V % BV == 0, vk)
+        nint = 7
         # Triton specializes int args (== 1, % 16) and pointers (16-byte alignment): the key holds every int arg
         # and requires all pointers aligned, so a cached kernel is only reused where triton would pick it again.
         aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | state.data_ptr() | out.data_ptr()
                    | decay.data_ptr()) % 16 == 0
-        key = (q.device.index, q.dtype, state.dtype, persist, warps, args[nint:]) \
+        key = (q.device.index, q.dtype, state.dtype, warps, args[nint:]) \
             if aligned and _FAST_OK[0] else None
         kern = _FAST.get(key) if key is not None else None
         if kern is not None:
@@ -317,13 +194,8 @@ def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
                 logger.warning("sparsepatch lightning: direct relaunch failed (%s); using triton's launcher", exc)
                 _FAST_OK[0] = False
                 _FAST.clear()
-        if persist:
-            kern = _decode_persist_kernel[grid](*args[:20], K=K, V=V, BV=BV, VK=vk, LOAD_HINT=cfg["LOAD_HINT"],
-                                                STORE_HINT=cfg["STORE_HINT"], num_warps=warps)
-        else:
-            kern = _decode_unit_kernel[grid](*args[:19], K=K, V=V, BK=BK, BV=BV, EVEN_K=BK == K,
-                                             EVEN_V=V % BV == 0, VK=vk, LOAD_HINT=cfg["LOAD_HINT"],
-                                             STORE_HINT=cfg["STORE_HINT"], SROUND=sround, num_warps=warps)
+        kern = _decode_unit_kernel[grid](*args[:19], K=K, V=V, BK=BK, BV=BV, EVEN_K=BK == K, EVEN_V=V % BV == 0,
+                                         VK=vk, num_warps=warps)
         if key is not None and kern is not None and hasattr(kern, "__getitem__"):
             if len(_FAST) > 64:
                 _FAST.clear()
