@@ -210,9 +210,9 @@ def test_llama_head_dim_512_gpu_kernel(monkeypatch):
 
 
 @cpu_only
-@pytest.mark.parametrize("mode", ["res", "flat", "flat2", "v1"])
+@pytest.mark.parametrize("mode", ["res", "flat", "flat2"])
 def test_forward_modes_interpreter(mode):
-    """Each Q handling of the forward (resident chunks, run-time chunk loop, v1) on one causal GQA case with two
+    """Each Q handling of the forward (resident chunks, run-time chunk loop, flat ring) on one causal GQA case with two
     output groups and a partial last group (D 320 = 2 x 128 + 64 columns: MASK_D)."""
     q, k, v, _ = inputs(1, 20, 27, 2, 1, 320, torch.float32, seed=11)
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=64, DC=64, NC=4, num_warps=4, num_stages=2, q=mode, qk_stages=2)

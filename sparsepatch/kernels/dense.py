@@ -15,7 +15,8 @@ Split-D, so no tile grows with D:
     "res" (D <= 384): the Q chunks are loaded once and stay in shared memory; the k-block loop pipelines K/V
     num_stages deep. "flat2" (D >= 512): one run-time loop over (k-block, D chunk) pairs loads a Q chunk and a K
     chunk per iteration through a qk_stages-deep ring that never drains between k-blocks; softmax and P @ V run on
-    each k-block's last chunk. ("flat": the chunk loop per k-block; "v1": everything unrolled, one stage.)
+    each k-block's last chunk. ("flat": the chunk loop per k-block, also flat2's masked tail. The unrolled "v1"
+    mode and the "pin" / "tma" config switches were measured slower or neutral and deleted: benchmarks/NOTES.md.)
 Backward (FlashAttention-2 order, same split): `_prep_kernel` (delta = rowsum(dO * O) - dlse, lse2 = lse*log2e),
 then `_dkdv_kernel`, one program per (k-block, output group, batch, kv head) holding dK/dV chunks of its group
 (NCB <= 4 named chunks each), recomputing S^T and dP^T over the full D, and adding dQ for its own columns with
@@ -170,7 +171,6 @@ def _fwd_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q0, q1, 
     # S = Q K^T over D in BLOCK_D chunks. QMODE 1: the Q chunks q0..q{NKD-1} were loaded once per program (kept
     # in shared memory), only K chunks stream, so the k-block loop pipelines one (K, V) set per stage.
     # QMODE 2: a run-time loop over the chunks (Q and K chunk per iteration), pipelined QK_STAGES deep on its own.
-    # QMODE 0: Q and K chunks re-read per k-block in an unrolled loop (the v1 kernel; one stage only fits).
     if QMODE == 1:
         s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         s = _qk(s, q0, k_desc, k_base, start_n, cols_ld, stride_ks, 0, offs_bd, D, USE_TMA)
@@ -188,14 +188,11 @@ def _fwd_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, q0, q1, 
             s = _qk(s, q6, k_desc, k_base, start_n, cols_ld, stride_ks, 6 * BLOCK_D, offs_bd, D, USE_TMA)
         if NKD > 7:
             s = _qk(s, q7, k_desc, k_base, start_n, cols_ld, stride_ks, 7 * BLOCK_D, offs_bd, D, USE_TMA)
-    elif QMODE == 2:
+    else:
         s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kd in tl.range(0, NKD, num_stages=QK_STAGES):
             q = _ld(q_desc, q_base, start_m, rows_ld, stride_qs, kd * BLOCK_D, offs_bd, D, False, USE_TMA)
             s = _qk(s, q, k_desc, k_base, start_n, cols_ld, stride_ks, kd * BLOCK_D, offs_bd, D, USE_TMA)
-    else:
-        s = _scores(q_desc, k_desc, q_base, k_base, start_m, start_n, rows_ld, cols_ld, stride_qs, stride_ks, D,
-                    offs_bd, BLOCK_M, BLOCK_N, BLOCK_D, NKD, USE_TMA)
     return _softmax_pv(s, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, l_i, m_i, v_desc, v_base, rows, start_n,
                        cols, cols_ld, Sk, D, d_lo, causal_off, qk_scale, stride_vs, offs_c, DC, NC, MASK_D, MASK_N, CAUSAL,
                        USE_TMA)
@@ -438,7 +435,7 @@ def _bwd_step(dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do
               Sq, D, d_lo, causal_off, qk_scale, scale, stride_qs, stride_ks, stride_vs, stride_ds, stride_as, zero,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
               DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-              K_PARTIAL: tl.constexpr, USE_TMA: tl.constexpr, PIN: tl.constexpr):
+              K_PARTIAL: tl.constexpr, USE_TMA: tl.constexpr):
     rows = start_m + offs_m
     row_ok = rows < Sq
     if MASK:
@@ -449,10 +446,7 @@ def _bwd_step(dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do
         rows_ld = rows
         lse2 = tl.load(lse_base + rows)
     delta = tl.load(dl_base + rows_ld)
-    if PIN:  # opaque loop-variant coordinate: K/V chunks are re-read per q-block, not hoisted into registers
-        k_row0 = start_n + start_m * zero
-    else:
-        k_row0 = start_n
+    k_row0 = start_n + start_m * zero  # opaque loop-variant coordinate: K/V chunks are not hoisted into registers
     sT = _scores(k_desc, q_desc, k_base, q_base, k_row0, start_m, cols_ld, rows_ld, stride_ks, stride_qs, D,
                  offs_bd, BLOCK_N, BLOCK_M, BLOCK_D, NKD, USE_TMA)
     pT = tl.math.exp2(sT * qk_scale - lse2[None, :])
@@ -499,7 +493,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
                  stride_dvh, stride_ab, stride_as, stride_ah, Sq, Sk, Hq, Hk, n_rep, D, scale, qk_scale, causal_off, zero,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
                  DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                 USE_TMA: tl.constexpr, PIN: tl.constexpr):
+                 USE_TMA: tl.constexpr):
     pid_n = tl.program_id(0)
     g = tl.program_id(1)
     bh = tl.program_id(2)
@@ -563,19 +557,19 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
                 dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
                 do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
                 stride_qs, stride_ks, stride_vs, stride_ds, stride_as, zero,
-                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True, USE_TMA, PIN)
+                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True, USE_TMA)
         for start_m in range(mid, full, BLOCK_M):
             dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
                 dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
                 do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
                 stride_qs, stride_ks, stride_vs, stride_ds, stride_as, zero,
-                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, False, False, True, USE_TMA, PIN)
+                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, False, False, True, USE_TMA)
         for start_m in range(tail, Sq, BLOCK_M):
             dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
                 dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
                 do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
                 stride_qs, stride_ks, stride_vs, stride_ds, stride_as, zero,
-                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True, USE_TMA, PIN)
+                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True, USE_TMA)
     dk_base = DK + b * stride_dkb + hk * stride_dkh
     dv_base = DV + b * stride_dvb + hk * stride_dvh
     _st_kv(dk_base, dk0, cols, col_ok, stride_dks, d_lo, offs_c, D, scale, MASK_D)
@@ -628,7 +622,7 @@ def _check_inputs(q, k, v):
 def _use_tma(cfg, *ts, same_box=True) -> bool:
     """TMA loads when available (Hopper+), every (batch, head) base/row stride is 16-B aligned, and (same_box: the
     backward, whose Q/K/V descriptors serve both the BLOCK_D and the DC chunks) BLOCK_D == DC."""
-    if _interpret() or not cfg.get("tma", True) or (same_box and cfg["BLOCK_D"] != cfg["DC"]):
+    if _interpret() or (same_box and cfg["BLOCK_D"] != cfg["DC"]):
         return False
     if not hasattr(tl, "make_tensor_descriptor") or torch.cuda.get_device_capability(ts[0].device)[0] < 9:
         return False
@@ -642,8 +636,10 @@ def _use_tma(cfg, *ts, same_box=True) -> bool:
 
 def _qmode(cfg, D) -> int:
     """Q handling in the forward: "res" 1 (resident, at most 8 chunks), "flat" 2 (run-time chunk loop per
-    k-block), "flat2" 3 (one loop over (k-block, chunk) pairs), "v1" 0."""
-    mode = {"v1": 0, "res": 1, "flat": 2, "flat2": 3}[cfg.get("q", "v1")]
+    k-block), "flat2" 3 (one loop over (k-block, chunk) pairs)."""
+    mode = {"res": 1, "flat": 2, "flat2": 3}.get(cfg.get("q"))
+    if mode is None:
+        raise ValueError(f"cfg['q'] must be 'res', 'flat' or 'flat2', got {cfg.get('q')!r}")
     if mode == 1 and D // cfg["BLOCK_D"] > 8:
         raise ValueError(f"resident Q needs D / BLOCK_D <= 8, got D={D}, BLOCK_D={cfg['BLOCK_D']}")
     return mode
@@ -759,7 +755,7 @@ def _bwd_impl(q, k, v, out, lse, dout, dlse, causal, scale, cfg=None):
             dqa.stride(0), dqa.stride(1), dqa.stride(2),
             Sq, Sk, Hq, Hk, Hq // Hk, D, scale, scale * LOG2E, Sk - Sq, 0,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, DC=cfg["DC"], NC=cfg["NC"],
-            MASK_D=mask_d, CAUSAL=bool(causal), USE_TMA=tma, PIN=bool(cfg.get("pin", True)),
+            MASK_D=mask_d, CAUSAL=bool(causal), USE_TMA=tma,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     _run("bwd", (D, q.dtype, bool(causal), tma, str(sorted(cfg.items()))), cfg, launch)
@@ -865,7 +861,9 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
 FP8_MAX = 448.0
 FP8_BLOCK = 128  # rows per q/k scale; equals the kernel's BLOCK_M and BLOCK_N
 FP8_LOG2_P_SCALE = 8.0  # P is cast to e4m3 as P * 2^8 (max 256 < 448)
-FP8_CONFIG = dict(num_warps=8, num_stages=3, ws=False, exp16=False, magic=True, fuse_q=True)
+# Launch settings (cfg of attention_fp8). Warp specialisation, fp16x2 exp2 and the int32 -> fp32 "magic add" were
+# measured neutral or slower (benchmarks/NOTES.md, fp8 runs 1-3) and deleted.
+FP8_CONFIG = dict(num_warps=8, num_stages=3, fuse_q=True)
 
 
 @triton.jit
@@ -910,29 +908,11 @@ def _fp8_quant_vt_kernel(X, Y, SC, stride_b, stride_s, stride_h, S, S_pad, H, D:
 
 
 @triton.jit
-def _exp2_f16x2(x):
-    """2^x for fp16 x, two lanes per MUFU instruction (ex2.approx.f16x2): half the special-function time of fp32
-    exp2, which bounds an fp8 attention inner loop at head dim 128. P is rounded to e4m3 right after."""
-    return tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=True,
-                                     pack=2)
-
-
-@triton.jit
-def _i32_to_f32(x, MAGIC: tl.constexpr):
-    """int32 -> fp32 for |x| < 2^22 without I2F (a quarter-rate conversion; 64 per thread per k-block here): add
-    the bits of 1.5 * 2^23, reinterpret, subtract 1.5 * 2^23. An int8 . int8 dot over D <= 128 stays < 2^21."""
-    if MAGIC:
-        return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-    return x.to(tl.float32)
-
-
-@triton.jit
 def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, stride_oh,
                     Sq, Sk, Sk_pad, Hq, Hk, n_rep, nqb, nkb, qk_scale, causal_off,
                     stride_qb, stride_qs, stride_qh,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                    WRITE_LSE: tl.constexpr, WARP_SPEC: tl.constexpr, LOG2_PS: tl.constexpr,
-                    QK_ACC: tl.constexpr, EXP16: tl.constexpr, MAGIC: tl.constexpr, QFUSED: tl.constexpr,
+                    WRITE_LSE: tl.constexpr, LOG2_PS: tl.constexpr, QK_ACC: tl.constexpr, QFUSED: tl.constexpr,
                     QMAX: tl.constexpr):
     """One (BLOCK_M rows, query head) tile. QFUSED: Q8 is the fp16/bf16 q (B, Sq, Hq, D) itself, quantized here
     (one block = this tile, the same blocks as `quantize_fp8`), saving the separate pass over q."""
@@ -974,19 +954,15 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
     else:
         hi = Sk
         hi_full = Sk // BLOCK_N * BLOCK_N
-    for start_n in tl.range(0, hi_full, BLOCK_N, warp_specialize=WARP_SPEC):
+    for start_n in tl.range(0, hi_full, BLOCK_N):
         k = k_desc.load([start_n, 0])
         vt = v_desc.load([0, start_n])
         c = cq * tl.load(ks_base + start_n // BLOCK_N)
-        s = _i32_to_f32(tl.dot(q, tl.trans(k), out_dtype=QK_ACC), MAGIC and QK_ACC == tl.int32)
+        s = tl.dot(q, tl.trans(k), out_dtype=QK_ACC).to(tl.float32)  # int32 sums of D <= 128 int8 products: exact
         m_new = tl.maximum(m_i, tl.max(s, 1) * c)
         # P is produced already scaled by 2^LOG2_PS (exponent offset, no multiply); l carries the same factor.
-        if EXP16:
-            p = _exp2_f16x2((s * c - (m_new - LOG2_PS)[:, None]).to(tl.float16))
-            l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(p.to(tl.float32), 1)
-        else:
-            p = tl.math.exp2(s * c - (m_new - LOG2_PS)[:, None])
-            l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(p, 1)
+        p = tl.math.exp2(s * c - (m_new - LOG2_PS)[:, None])
+        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(p, 1)
         alpha = tl.math.exp2(m_i - m_new)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
@@ -999,8 +975,7 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
         valid = (cols < Sk)[None, :]
         if CAUSAL:
             valid = valid & (cols[None, :] <= rows[:, None] + causal_off)
-        s = tl.where(valid, _i32_to_f32(tl.dot(q, tl.trans(k), out_dtype=QK_ACC), MAGIC and QK_ACC == tl.int32) * c,
-                     float("-inf"))
+        s = tl.where(valid, tl.dot(q, tl.trans(k), out_dtype=QK_ACC).to(tl.float32) * c, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - (m_use - LOG2_PS)[:, None])
@@ -1060,9 +1035,16 @@ def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True):
     return out[0], out[1], out[2], out[3], vt, vs
 
 
+def _fp8_cfg(cfg):
+    unknown = sorted(set(cfg or {}) - set(FP8_CONFIG))
+    if unknown:
+        raise ValueError(f"cfg: unknown keys {unknown} (known: {sorted(FP8_CONFIG)})")
+    return dict(FP8_CONFIG, **(cfg or {}))
+
+
 def _fp8_launch(qa, qs, k8, ks, vt8, vs, *, B, Sq, Hq, Sk, causal, scale, return_lse, out_dtype, cfg, qfused):
     D, Hk = k8.shape[-1], k8.shape[1]
-    cfg = dict(FP8_CONFIG, **(cfg or {}))
+    cfg = _fp8_cfg(cfg)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out = torch.empty((B, Sq, Hq, D), dtype=out_dtype, device=k8.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=k8.device) if return_lse else out.new_empty(
@@ -1075,8 +1057,7 @@ def _fp8_launch(qa, qs, k8, ks, vt8, vs, *, B, Sq, Hq, Sk, causal, scale, return
         Sq, Sk, vt8.shape[-1], Hq, Hk, Hq // Hk, qs.shape[-1] if qs is not None else 0, ks.shape[-1],
         scale * LOG2E, Sk - Sq, *qstr,
         D=D, BLOCK_M=FP8_BLOCK, BLOCK_N=FP8_BLOCK, CAUSAL=bool(causal), WRITE_LSE=bool(return_lse),
-        WARP_SPEC=bool(cfg["ws"]), LOG2_PS=FP8_LOG2_P_SCALE, EXP16=bool(cfg["exp16"]),
-        QK_ACC=tl.int32 if int8 else tl.float32, MAGIC=bool(cfg["magic"]), QFUSED=bool(qfused),
+        LOG2_PS=FP8_LOG2_P_SCALE, QK_ACC=tl.int32 if int8 else tl.float32, QFUSED=bool(qfused),
         QMAX=127.0 if int8 else FP8_MAX, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return (out, lse) if return_lse else out
 
@@ -1106,7 +1087,7 @@ def attention_fp8(q, k, v, *, causal: bool = False, scale=None, return_lse: bool
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q/k/v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
     q, k, v = (_unit(t) for t in (q, k, v))  # the quantize kernels and the fused q load index D with stride 1
-    fuse = dict(FP8_CONFIG, **(cfg or {}))["fuse_q"]
+    fuse = _fp8_cfg(cfg)["fuse_q"]
     q8, qs, k8, ks, vt8, vs = quantize_fp8(q, k, v, qk_format, quantize_q=not fuse)
     return _fp8_launch(q if fuse else q8, qs, k8, ks, vt8, vs, B=B, Sq=Sq, Hq=Hq, Sk=Sk, causal=causal,
                        scale=scale, return_lse=return_lse, out_dtype=q.dtype, cfg=cfg, qfused=fuse)
