@@ -11,13 +11,14 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-# Defaults per demo model. trained: the -0.1 row of the BENCHMARKS.md sweep ("Quality-vs-speed sweeps", tile 16,
-# 10 steps: density <= 0.42 from step 3 on, final PSNR ~38 dB), one clip instead of two to stay well under a minute
-# on a shared 2-core CPU (--batch 2 reproduces the sweep row exactly). size / frames are nominal pixels: latents are
-# size / 8 and (frames - 1) / 4 + 1 as with Wan's VAE (192 x 29 -> the trained latent shape 24 x 24 x 8).
+# Defaults per demo model. trained: the -0.15 row of the BENCHMARKS.md sweep ("Quality-vs-speed sweeps", tile 16,
+# 10 steps, 2 dense warm-up steps: density <= 0.5 from step 3 on, final PSNR ~30-31 dB), one clip instead of two to
+# stay under a minute on a 2-core CPU (--batch 2 reproduces the sweep row exactly). size / frames are nominal
+# pixels: latents are size / 8 and (frames - 1) / 4 + 1 as with Wan's VAE (192 x 29 -> the trained latent shape
+# 24 x 24 x 8).
 # random: the random-weight tiny WanPipeline with sharpened attention (head dim 64, the Triton kernels' size).
 DEMO_DEFAULTS = {
-    "trained": dict(steps=10, size=192, frames=29, threshold=-0.1, warmup=1, tile=16, batch=1),
+    "trained": dict(steps=10, size=192, frames=29, threshold=-0.15, warmup=2, tile=16, batch=1),
     "random": dict(steps=5, size=96, frames=9, threshold=-3.0, warmup=1, tile=16, batch=1),
 }
 

@@ -73,37 +73,66 @@ def _euler_flow_sampler_class():
     from diffusers import DiffusionPipeline
 
     class EulerFlowSampler(DiffusionPipeline):
-        """Rectified-flow Euler sampler around a bare WanTransformer3DModel, in latent space (no VAE, no CFG).
+        """Rectified-flow Euler sampler around a bare WanTransformer3DModel, in latent space (no VAE).
 
-        x_1 ~ N(0, I); x_{t'} = x_t + (t' - t) v(x_t, t) over `num_inference_steps` uniform steps; returns x_0
-        (B, C, F, H, W) fp32. With `latents` (clean clips) and `strength` s in (0, 1]: start from
-        x_s = (1 - s) latents + s noise and integrate s -> 0 (SDEdit-style partial denoising). A DiffusionPipeline, so `sp.patch` / `sp.validate` treat it like any pipeline: each
-        transformer call runs inside `transformer.cache_context("cond")` (the skip state advances one step per
-        call), `callback_on_step_end(pipe, step, timestep, {"latents": x})` after each step, and
-        `maybe_free_model_hooks()` at the end resets the skip lists between videos, as every diffusers pipeline.
-        The Euler state stays fp32 whatever the transformer's dtype.
+        x_1 ~ N(0, I); x_{t'} = x_t + (t' - t) v(x_t, t) over `num_inference_steps` steps on the grid
+        t_i = shift u_i / (1 + (shift - 1) u_i), u uniform from 1 to 0 (shift > 1 spends more steps at high noise,
+        where a sample's layout is decided: the scheduler shift of Wan / SD3); returns x_0 (B, C, F, H, W) fp32.
+        With `latents` (clean clips) and `strength` s in (0, 1]: start from x_s = (1 - s) latents + s noise and
+        integrate s -> 0 on the same warped grid (SDEdit-style partial denoising).
+        guidance_scale w != 1: classifier-free guidance, v = v(null) + w (v(text) - v(null)), the null prompt being
+        `negative_text` or, by default, an all-zero text embedding (what condition dropout trains on).
+        A DiffusionPipeline, so `sp.patch` / `sp.validate` treat it like any pipeline: each transformer call runs
+        inside `transformer.cache_context("cond")` (and "uncond" for the guidance call, like diffusers' Wan
+        pipelines), so the skip state advances one step per call and branch; `callback_on_step_end(pipe, step,
+        timestep, {"latents": x})` after each step, and `maybe_free_model_hooks()` at the end resets the skip lists
+        between videos, as every diffusers pipeline. The Euler state stays fp32 whatever the transformer's dtype.
         """
 
         def __init__(self, transformer):
             super().__init__()
             self.register_modules(transformer=transformer)
 
+        @staticmethod
+        def timesteps(num_inference_steps: int, shift: float = 1.0, strength: float = 1.0) -> torch.Tensor:
+            """The noise levels t_0 > ... > t_n = 0 (fp32, n + 1 values) the sampler visits; t_0 = strength."""
+            if num_inference_steps < 1:
+                raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+            if shift <= 0:
+                raise ValueError(f"shift must be > 0, got {shift}")
+            if not 0.0 < strength <= 1.0:
+                raise ValueError(f"strength must be in (0, 1], got {strength}")
+            u0 = strength / (shift - (shift - 1.0) * strength)        # the warp's inverse at t = strength
+            u = torch.linspace(u0, 0.0, num_inference_steps + 1, dtype=torch.float64)
+            return (shift * u / (1.0 + (shift - 1.0) * u)).float()
+
         @torch.no_grad()
         def __call__(self, text, shape, num_inference_steps=10, generator=None, callback_on_step_end=None,
-                     latents=None, strength: float = 1.0):
+                     latents=None, strength: float = 1.0, shift: float = 1.0, guidance_scale: float = 1.0,
+                     negative_text=None):
             tr = self.transformer
             x = torch.randn(shape, generator=generator, dtype=torch.float32).to(tr.device)
             if latents is not None:
                 x = (1.0 - strength) * latents.to(x.device, torch.float32) + strength * x
             text = text.to(tr.device, tr.dtype)
-            ts = torch.linspace(strength if latents is not None else 1.0, 0.0, num_inference_steps + 1)
+            guided = guidance_scale != 1.0
+            if guided:
+                null = torch.zeros_like(text) if negative_text is None else negative_text.to(tr.device, tr.dtype)
+                if null.shape != text.shape:
+                    raise ValueError(f"negative_text: shape {tuple(null.shape)} != text {tuple(text.shape)}")
+            ts = self.timesteps(num_inference_steps, shift, strength if latents is not None else 1.0)
             for i in range(num_inference_steps):
                 t = float(ts[i])
                 timestep = torch.full((shape[0],), 1000.0 * t, device=tr.device)
                 with tr.cache_context("cond"):
                     v = tr(hidden_states=x.to(tr.dtype), timestep=timestep, encoder_hidden_states=text,
-                           return_dict=False)[0]
-                x = x + (float(ts[i + 1]) - t) * v.float()
+                           return_dict=False)[0].float()
+                if guided:
+                    with tr.cache_context("uncond"):
+                        v_null = tr(hidden_states=x.to(tr.dtype), timestep=timestep, encoder_hidden_states=null,
+                                    return_dict=False)[0].float()
+                    v = v_null + guidance_scale * (v - v_null)
+                x = x + (float(ts[i + 1]) - t) * v
                 if callback_on_step_end is not None:
                     out = callback_on_step_end(self, i, timestep, {"latents": x})
                     x = (out or {}).get("latents", x)
@@ -131,24 +160,29 @@ def tiny_trained_video_pipeline(path=None, dtype=None, random_weights: bool = Fa
     if random_weights:
         from diffusers import WanTransformer3DModel
         torch.manual_seed(ttv.SEED)
-        transformer = WanTransformer3DModel(**ttv.TINY_VIDEO_CONFIG).eval()
+        transformer = WanTransformer3DModel.from_config(transformer.config).eval()
         if dtype is not None and dtype != torch.float32:
             transformer = transformer.to(dtype)
     return euler_flow_sampler(transformer), info
 
 
 def trained_video_call_kwargs(pipe, info: dict, batch: int = 2, frames: int | None = None,
-                              latent_size: int | None = None, steps: int = 10, seed: int = 0) -> dict:
+                              latent_size: int | None = None, steps: int = 10, seed: int = 0,
+                              shift: float | None = None, guidance_scale: float | None = None) -> dict:
     """Arguments for `tiny_trained_video_pipeline`'s sampler: clip i of the batch is prompted with procedural
     class i % NUM_CLASSES (its fixed text embedding, `data.class_text_embeddings`, as in training); latents
-    (batch, C, frames, latent_size, latent_size), by default the trained shape."""
+    (batch, C, frames, latent_size, latent_size), by default the trained shape. shift / guidance_scale: the
+    sampler's timestep shift and CFG scale, by default those recorded with the weights (info["sampler"], else 1)."""
     from .recipes.data import class_text_embeddings
     tr = pipe.transformer
     table = class_text_embeddings(text_len=info["text_len"], text_dim=tr.config.text_dim, seed=0)
     size = latent_size or info["latent_size"]
     shape = (batch, tr.config.in_channels, frames or info["frames"], size, size)
+    sampler = info.get("sampler") or {}
     return dict(text=table[torch.arange(batch) % len(table)], shape=shape, num_inference_steps=steps,
-                generator=torch.Generator().manual_seed(seed))
+                generator=torch.Generator().manual_seed(seed),
+                shift=float(sampler.get("shift", 1.0) if shift is None else shift),
+                guidance_scale=float(sampler.get("guidance_scale", 1.0) if guidance_scale is None else guidance_scale))
 
 
 def tiny_cogvideox_pipeline(num_layers: int = 2, seed: int = 0, attention_gain: float = 1.0):

@@ -8,7 +8,8 @@ procedural class (clip i prompted with class i, as `testing.trained_video_call_k
 - temporal_diff: E[(x[f+1] - x[f])^2] / (2 var) (0: static, 1: independent frames);
 - spatial_grad: the same over neighbouring pixels (0: smooth, 1: white noise);
 - background: fraction of pixels within 0.4 std of the most common value of the clip's top-colour field.
-Reference: 16 batches of 8 fresh procedural clips (`data.render_clip`, the training shapes), mean and std of each
+Reference: 16 batches of 8 fresh procedural clips (`data.render_clip`, the training shapes and colour jitter, from
+training_info.json), mean and std of each
 statistic across batches. Band: mean +- max(3 std, a tolerance): for the four structure statistics the tolerance is
 a third of the distance from the reference mean to pure Gaussian noise (the sampler's starting point), i.e. a clip
 must be at least two thirds of the way from noise to the data; amplitude and channel_offset (which noise shares with
@@ -59,9 +60,12 @@ def batch_stats(clips: torch.Tensor) -> dict:
     return {k: sum(r[k] for r in rows) / len(rows) for k in STATS}
 
 
-def procedural_batch(seed: int, frames: int, size: int, channels: int = 4) -> torch.Tensor:
-    """One clip of each procedural class, (NUM_CLASSES, C, F, H, W), from generators seeded seed * 100 + class."""
-    return torch.stack([render_clip(c, frames, size, channels, generator=torch.Generator().manual_seed(seed * 100 + c))
+def procedural_batch(seed: int, frames: int, size: int, channels: int = 4,
+                     colour_jitter: float | None = None) -> torch.Tensor:
+    """One clip of each procedural class, (NUM_CLASSES, C, F, H, W), from generators seeded seed * 100 + class;
+    colour_jitter: the training distribution's (training_info.json), see `data.render_clip`."""
+    return torch.stack([render_clip(c, frames, size, channels, generator=torch.Generator().manual_seed(seed * 100 + c),
+                                    colour_jitter=colour_jitter)
                         for c in range(NUM_CLASSES)])
 
 
@@ -77,7 +81,8 @@ def bands(pipes):
     _, info = pipes
     frames, size = info["frames"], info["latent_size"]
     # seeds >= 100_000: no overlap with the training stream (ProceduralClips seeds 0 .. dataset length)
-    refs = [batch_stats(procedural_batch(1000 + j, frames, size)) for j in range(REFERENCE_BATCHES)]
+    refs = [batch_stats(procedural_batch(1000 + j, frames, size, colour_jitter=info.get("colour_jitter")))
+            for j in range(REFERENCE_BATCHES)]
     noise = batch_stats(torch.randn(NUM_CLASSES, 4, frames, size, size, generator=torch.Generator().manual_seed(1)))
     out = {}
     for k in STATS:
@@ -111,17 +116,22 @@ def _call_kwargs(pipe, info, steps, **extra):
 
 @pytest.fixture(scope="module")
 def samples(pipes):
-    """Dense samples from noise (the full sampler), trained and random weights, one clip per class."""
+    """Dense samples from noise, one clip per class: the trained model with the sampler recorded with its weights
+    (training_info.json "sampler": timestep shift and classifier-free guidance scale); the random-weight control
+    without guidance (guidance cannot give random weights structure; it would only double the control's cost)."""
     models, info = pipes
-    return {name: pipe(**_call_kwargs(pipe, info, SAMPLE_STEPS)) for name, pipe in models.items()}
+    return {"trained": models["trained"](**_call_kwargs(models["trained"], info, SAMPLE_STEPS)),
+            "random": models["random"](**_call_kwargs(models["random"], info, SAMPLE_STEPS, guidance_scale=1.0))}
 
 
 def test_partial_denoising_lands_in_the_training_distribution(pipes, bands):
-    """Held-out procedural clips noised to t = 0.5 and denoised by the sampler: the trained model brings every
-    statistic back into its band; the noised input and the random-weight model do not."""
+    """Held-out procedural clips noised to t = 0.5 and denoised by the sampler (conditional velocity only, no
+    guidance, uniform steps: the layout is already in the input): the trained model brings every statistic back
+    into its band; the noised input and the random-weight model do not."""
     models, info = pipes
-    clips = procedural_batch(2000, info["frames"], info["latent_size"])
-    kwargs = _call_kwargs(models["trained"], info, PARTIAL_STEPS, latents=clips, strength=STRENGTH)
+    clips = procedural_batch(2000, info["frames"], info["latent_size"], colour_jitter=info.get("colour_jitter"))
+    kwargs = _call_kwargs(models["trained"], info, PARTIAL_STEPS, latents=clips, strength=STRENGTH,
+                          guidance_scale=1.0, shift=1.0)
     noise = torch.randn(kwargs["shape"], generator=torch.Generator().manual_seed(0))
     rows = {"held-out clips": batch_stats(clips),
             f"noised (t={STRENGTH})": batch_stats((1 - STRENGTH) * clips + STRENGTH * noise)}
@@ -140,12 +150,20 @@ def test_random_model_samples_fail_the_bands(samples, bands):
     assert outside(rows["random sample"], bands)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the committed model (300 steps of rectified flow, loss ~0.87) does not generate procedural content from pure "
-    "noise: its samples are noise-like (temporal_diff ~1, spatial_grad ~0.55, colour_rank1 ~0.5, amplitude ~0.55); "
-    "it denoises from t = 0.5 (test above) but not from t = 1. Remove this marker after retraining "
-    "(python -m sparsepatch.recipes.train_tiny_video with more steps)"))
 def test_trained_model_samples_from_noise_match_the_training_distribution(samples, bands):
     stats = batch_stats(samples["trained"])
     show({"trained sample": stats}, bands)
     assert outside(stats, bands) == []
+
+
+def test_sampler_timestep_grid():
+    """The Euler grid: shift 1 is uniform; shift s warps u -> s u / (1 + (s - 1) u), so more steps at high noise;
+    partial denoising starts exactly at t = strength."""
+    grid = testing._euler_flow_sampler_class().timesteps
+    assert torch.allclose(grid(4), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+    shifted = grid(4, shift=3.0)
+    assert torch.allclose(shifted, torch.tensor([1.0, 0.9, 0.75, 0.5, 0.0]))
+    assert float(grid(5, shift=3.0, strength=0.5)[0]) == pytest.approx(0.5)
+    assert bool((grid(7, shift=5.0, strength=0.8).diff() < 0).all())
+    with pytest.raises(ValueError, match="strength"):
+        grid(4, strength=1.5)

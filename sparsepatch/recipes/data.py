@@ -40,12 +40,21 @@ def _grid(frames: int, size: int):
     return t, y[None], x[None]
 
 
+def class_colour(class_id: int, channels: int = 4) -> torch.Tensor:
+    """The fixed colour direction of a class, fp32 (channels,): a seeded Gaussian draw (same id, same colour)."""
+    return torch.randn(channels, generator=torch.Generator().manual_seed(20_011 + class_id % NUM_CLASSES))
+
+
 def render_clip(class_id: int, frames: int = 5, size: int = 16, channels: int = 4,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+                generator: torch.Generator | None = None, colour_jitter: float | None = None) -> torch.Tensor:
     """One latent clip, fp32 (channels, frames, size, size), roughly zero mean and unit scale.
 
     A scalar field per frame (the shape / texture of `class_id`, with random position, speed, angle, frequency)
-    times a random per-clip colour vector over the latent channels, plus a little noise texture.
+    times a colour vector over the latent channels (norm sqrt(channels)), plus a little noise texture.
+    colour_jitter None: the colour is a random direction per clip (the prompt says nothing about it); a float j:
+    the class's fixed colour (`class_colour`) plus j times a random vector, so the prompt fixes the colour up to
+    j, as a caption naming a colour would (a tiny denoiser can then generate from noise: it does not have to break
+    the colour's sign and direction symmetry on its own). Both draw the same numbers from `generator`.
     """
     g = generator if generator is not None else torch.Generator().manual_seed(0)
 
@@ -93,6 +102,9 @@ def render_clip(class_id: int, frames: int = 5, size: int = 16, channels: int = 
     field = field - field.mean()
     field = field / field.std().clamp_min(1e-3)
     color = torch.randn(channels, generator=g)
+    if colour_jitter is not None:
+        base = class_colour(class_id, channels)
+        color = base / base.norm().clamp_min(1e-3) + colour_jitter * color / math.sqrt(channels)
     color = color / color.norm().clamp_min(1e-3) * math.sqrt(channels)
     noise = 0.1 * torch.randn(channels, frames, size, size, generator=g)
     return color[:, None, None, None] * field[None] + noise
@@ -102,12 +114,14 @@ class ProceduralClips(Dataset):
     """Map-style dataset of `length` virtual clips; item i is the same clip for the same (seed, i), any process.
 
     Returns {"latents": fp32 (C, F, H, W), "class_id": int64 (), "text": fp32 (text_len, text_dim)}.
+    colour_jitter: see `render_clip` (None: random colour per clip).
     Map-style (not iterable) so `accelerator.prepare` shards it across processes with its sampler.
     """
 
     def __init__(self, length: int = 100_000, frames: int = 5, size: int = 16, channels: int = 4,
-                 text_len: int = 8, text_dim: int = 16, seed: int = 0):
+                 text_len: int = 8, text_dim: int = 16, seed: int = 0, colour_jitter: float | None = None):
         self.length, self.frames, self.size, self.channels, self.seed = length, frames, size, channels, seed
+        self.colour_jitter = colour_jitter
         self.text = class_text_embeddings(NUM_CLASSES, text_len, text_dim, seed)
 
     def __len__(self) -> int:
@@ -116,7 +130,8 @@ class ProceduralClips(Dataset):
     def __getitem__(self, i: int) -> dict:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(i))
         class_id = int(torch.randint(NUM_CLASSES, (), generator=g))
-        latents = render_clip(class_id, self.frames, self.size, self.channels, generator=g)
+        latents = render_clip(class_id, self.frames, self.size, self.channels, generator=g,
+                              colour_jitter=self.colour_jitter)
         return {"latents": latents, "class_id": torch.tensor(class_id), "text": self.text[class_id]}
 
 
@@ -188,6 +203,6 @@ def default_corpus() -> str:
     return os.environ.get("SPARSEPATCH_CORPUS", "json")
 
 
-__all__ = ["CLASS_NAMES", "NUM_CLASSES", "class_text_embeddings", "render_clip", "ProceduralClips", "TextCorpus",
+__all__ = ["CLASS_NAMES", "NUM_CLASSES", "class_colour", "class_text_embeddings", "render_clip", "ProceduralClips", "TextCorpus",
            "encode_bytes", "decode_bytes", "corpus_files", "VOCAB_SIZE", "BOS_ID", "EOS_ID", "PAD_ID",
            "default_corpus"]

@@ -7,6 +7,12 @@
 
 Objective (rectified flow): for a clean latent clip x0, noise n ~ N(0, I) and t ~ U(0, 1),
 x_t = (1 - t) x0 + t n; the transformer, called with timestep 1000 t, predicts the velocity n - x0; loss = MSE.
+Options (all off by default, and then the draws are exactly those of the plain objective): `--t-dist
+logit-normal` draws t = sigmoid(N(0, 1)) (more weight on mid noise levels), `--t-shift s` warps t to
+s t / (1 + (s - 1) t) (s > 1: more high-noise steps, where a sample's layout is decided; the same warp as the
+sampler's shift); `--cond-dropout p` replaces the text embedding by zeros for a fraction p of the clips, so the
+model also learns the unconditional velocity that classifier-free guidance needs; `--colour-jitter j` draws clips
+whose colour is fixed by the class up to j (`data.render_clip`).
 
 Data: `data.ProceduralClips` draws moving / rotating shapes, textures and pans directly in a latent space of
 shape (B, 4, F, H, W) (default (B, 4, 5, 16, 16)); no VAE is involved (see data.py for why). Each clip's class
@@ -85,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=None, help="save the unpatched model here (save_pretrained)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--t-dist", choices=("uniform", "logit-normal"), default="uniform",
+                   help="noise-level distribution in training (before --t-shift)")
+    p.add_argument("--t-shift", type=float, default=1.0, help="warp t -> s t / (1 + (s - 1) t); 1: none")
+    p.add_argument("--cond-dropout", type=float, default=0.0,
+                   help="fraction of clips trained with an all-zero text embedding (for classifier-free guidance)")
+    p.add_argument("--colour-jitter", type=float, default=None,
+                   help="clip colours fixed per class up to this jitter (data.render_clip); default: random colours")
     return p
 
 
@@ -101,20 +114,32 @@ def build_model(size: str = "tiny", model_path: str | None = None):
                                  rope_max_seq_len=64, **cfg).train()
 
 
-def flow_matching_inputs(x0: torch.Tensor, generator: torch.Generator, shard: tuple[int, int] = (0, 1)):
+def flow_matching_inputs(x0: torch.Tensor, generator: torch.Generator, shard: tuple[int, int] = (0, 1),
+                         t_dist: str = "uniform", t_shift: float = 1.0):
     """Rectified-flow training pair for clean latents x0 (B, C, F, H, W).
 
     shard = (process index, number of processes): noise and t are drawn for the whole global batch
     (B * processes rows) from a generator seeded alike on every process, and this process takes its rows, so
     N processes x batch B see exactly the noise of 1 process x batch N*B (the data loader shards batches the same
     way), and their losses can be compared step by step.
+    t_dist "uniform" (t ~ U(0, 1)) or "logit-normal" (t = sigmoid(z), z ~ N(0, 1)); then t_shift s warps
+    t -> s t / (1 + (s - 1) t). Defaults: the plain objective (the same draws as before these options).
     Returns x_t (same shape), timestep fp32 (B,) in [0, 1000] (the model's convention), target = noise - x0.
     """
+    if t_dist not in ("uniform", "logit-normal"):
+        raise ValueError(f"t_dist must be 'uniform' or 'logit-normal', got {t_dist!r}")
+    if not t_shift > 0:
+        raise ValueError(f"t_shift must be > 0, got {t_shift}")
     B = x0.shape[0]
     index, count = shard
     rows = slice(index * B, (index + 1) * B)
     noise = torch.randn((B * count, *x0.shape[1:]), generator=generator, device=x0.device, dtype=x0.dtype)[rows]
-    t = torch.rand(B * count, generator=generator, device=x0.device, dtype=torch.float32)[rows]
+    if t_dist == "uniform":
+        t = torch.rand(B * count, generator=generator, device=x0.device, dtype=torch.float32)[rows]
+    else:
+        t = torch.sigmoid(torch.randn(B * count, generator=generator, device=x0.device, dtype=torch.float32))[rows]
+    if t_shift != 1.0:
+        t = t_shift * t / (1.0 + (t_shift - 1.0) * t)
     tt = t.to(x0.dtype).view(B, *([1] * (x0.dim() - 1)))
     return (1 - tt) * x0 + tt * noise, t * 1000.0, noise - x0
 
@@ -253,6 +278,8 @@ def main(argv=None) -> dict:
         raise ValueError(f"--max-steps must be >= 1, got {args.max_steps}")
     if args.list_refresh < 0:
         raise ValueError(f"--list-refresh must be >= 0, got {args.list_refresh}")
+    if not 0.0 <= args.cond_dropout < 1.0:
+        raise ValueError(f"--cond-dropout must be in [0, 1), got {args.cond_dropout}")
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -272,7 +299,8 @@ def main(argv=None) -> dict:
 
     data = ProceduralClips(length=max(10_000, 4 * args.max_steps * args.batch_size * accelerator.num_processes),
                            frames=args.frames, size=args.latent_size, channels=model.config.in_channels,
-                           text_len=args.text_len, text_dim=text_dim, seed=args.seed)
+                           text_len=args.text_len, text_dim=text_dim, seed=args.seed,
+                           colour_jitter=args.colour_jitter)
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True,
                                          num_workers=args.num_workers,
                                          generator=torch.Generator().manual_seed(args.seed))
@@ -299,7 +327,11 @@ def main(argv=None) -> dict:
         sync(accelerator.device)
         t0 = time.perf_counter()
         x0, text = batch["latents"], batch["text"]
-        xt, timestep, target = flow_matching_inputs(x0, gen, shard)
+        xt, timestep, target = flow_matching_inputs(x0, gen, shard, args.t_dist, args.t_shift)
+        if args.cond_dropout > 0:   # drawn for the global batch like the noise, after it (no option: no draw)
+            B = text.shape[0]
+            keep = torch.rand(B * shard[1], generator=gen, device=gen.device)[shard[0] * B:(shard[0] + 1) * B]
+            text = text * (keep >= args.cond_dropout).to(text.dtype).view(B, 1, 1)
         if handle is not None:
             if args.list_refresh == 0:
                 handle.reset()

@@ -1,16 +1,31 @@
-"""Train the tiny reference video denoiser committed under `sparsepatch/assets/tiny_video` (CPU, fixed seeds).
+"""Train the tiny reference video denoiser committed under `sparsepatch/assets/tiny_video` (fixed seeds).
 
-    PYTHONPATH=. python -m sparsepatch.recipes.train_tiny_video            # the committed run (see training_info.json)
-    # a 10k-step GPU run (H100: 231 s; loss 0.35 vs 0.84, but NOT adopted, see BENCHMARKS.md "Video" sweep notes):
-    PYTHONPATH=. python -m sparsepatch.recipes.train_tiny_video --max-steps 10000 --batch-size 16 --lr 1e-3 \
-        --lr-schedule cosine --lr-warmup 200 --num-workers 8 --output-dir /tmp/tiny_video_10k
-    PYTHONPATH=. python -m sparsepatch.recipes.train_tiny_video --max-steps 5 --output-dir /tmp/tv   # smoke
+    # the committed run (H100, 211 s wall, bf16 autocast; training_info.json records it):
+    ACCELERATE_MIXED_PRECISION=bf16 PYTHONPATH=. python -m sparsepatch.recipes.train_tiny_video --num-workers 5
+    PYTHONPATH=. python -m sparsepatch.recipes.train_tiny_video --max-steps 5 --batch-size 2 --output-dir /tmp/tv  # smoke
+
+The defaults are the committed run: 4000 steps x 32 clips, AdamW lr 1e-3, 200 warm-up steps then cosine decay,
+10% condition dropout, class colours with jitter 0.3; seed SEED for the weights, the data and the noise.
 
 A thin wrapper over `finetune_video` (dense config, rectified flow on `data.ProceduralClips`): it builds a
 WanTransformer3DModel of `TINY_VIDEO_CONFIG` with a fixed seed, saves it as the initial weights and runs
 `finetune_video.main(["--model-path", init, ...])`. The point of the model is attention STRUCTURE (local in
-space and time after training), so it spends its budget on latent tokens (frames x H/2 x W/2) rather than depth:
-2 layers, 4 heads x head_dim 32, latents (4, FRAMES, LATENT_SIZE, LATENT_SIZE).
+space and time after training), so it spends its budget on latent tokens (frames x H/2 x W/2) rather than width:
+4 layers, 4 heads x head_dim 32, ffn 512 (1.21 M params), latents (4, FRAMES, LATENT_SIZE, LATENT_SIZE).
+
+What makes it generate from pure noise (issue 8; BENCHMARKS.md "Video" sweep notes have the numbers):
+- the prompt fixes the clip's colour (`--colour-jitter 0.3`, `data.render_clip`). With a random colour per clip
+  the class-conditional mean is exactly zero (colour c and -c are equally likely) and a model this small never
+  breaks that symmetry: the same run with random colours samples clips of amplitude 0.06-0.57 (data: 1.0) over
+  shift {1, 3} x guidance {1, 2, 3, 5}, failing 4-5 of the 6 statistics;
+- classifier-free guidance: `--cond-dropout 0.1` trains the unconditional velocity (all-zero text), the sampler
+  uses guidance scale 2 and timestep shift 3 (`--sample-guidance`, `--sample-shift`, recorded in
+  training_info.json "sampler", read by `testing.trained_video_call_kwargs`). Without guidance the samples stay
+  too faint (amplitude ~0.65 of the data's at 6 steps); scale 3 gives amplitude 1.0 but amplifies the skip
+  lists' attention error in v = v(null) + w (v(text) - v(null)) (-2 dB PSNR vs dense at the same density);
+- 4 layers / ffn 512 instead of 2 / 256: mean loss of the last 50 steps 0.28; 2 / 256 on the same data and batch
+  was at 0.35 after 3000 steps (both runs in BENCHMARKS.md). It costs the CPU demo: 4 layers x 2 guidance branches
+  are 4x the attention calls of the old 2-layer model without guidance.
 
 `load_trained()` returns the committed model (eval mode, fp32, unpatched) for the notebooks and tests.
 """
@@ -25,8 +40,8 @@ ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny_video"
 
 # heads x head_dim, layers, ffn; text_dim matches data.class_text_embeddings(text_dim=64)
 TINY_VIDEO_CONFIG = dict(patch_size=(1, 2, 2), in_channels=4, out_channels=4, cross_attn_norm=True,
-                         rope_max_seq_len=64, num_attention_heads=4, attention_head_dim=32, num_layers=2,
-                         ffn_dim=256, text_dim=64, freq_dim=64)
+                         rope_max_seq_len=64, num_attention_heads=4, attention_head_dim=32, num_layers=4,
+                         ffn_dim=512, text_dim=64, freq_dim=64)
 FRAMES = 8          # latent frames
 LATENT_SIZE = 24    # latent H = W -> 12 x 12 tokens per frame, 8 * 144 = 1152 tokens
 TEXT_LEN = 8
@@ -36,25 +51,47 @@ SEED = 0
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sparsepatch.recipes.train_tiny_video", description=__doc__.split("\n")[0])
-    p.add_argument("--max-steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=4000)
+    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--frames", type=int, default=FRAMES)
     p.add_argument("--latent-size", type=int, default=LATENT_SIZE)
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
-    p.add_argument("--lr-warmup", type=int, default=0)
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine")
+    p.add_argument("--lr-warmup", type=int, default=200)
     p.add_argument("--num-workers", type=int, default=0, help="data-loader processes drawing the clips")
     p.add_argument("--output-dir", default=str(ASSET_DIR))
     p.add_argument("--log-every", type=int, default=25)
+    # training objective (finetune_video's options; defaults = the plain rectified-flow objective)
+    p.add_argument("--t-dist", choices=("uniform", "logit-normal"), default="uniform")
+    p.add_argument("--t-shift", type=float, default=1.0)
+    p.add_argument("--cond-dropout", type=float, default=0.1)
+    p.add_argument("--colour-jitter", type=float, default=0.3, help="negative: random colour per clip")
+    # architecture overrides of TINY_VIDEO_CONFIG
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--ffn-dim", type=int, default=None)
+    # the sampler settings recorded with the weights (training does not use them; testing.trained_video_call_kwargs
+    # reads them from training_info.json): Euler timestep shift and classifier-free guidance scale
+    p.add_argument("--sample-shift", type=float, default=3.0)
+    p.add_argument("--sample-guidance", type=float, default=2.0)
     return p
 
 
-def build_initial(path: str):
-    """Random initial weights of TINY_VIDEO_CONFIG from SEED, saved to `path` (save_pretrained)."""
+def model_config(layers=None, heads=None, ffn_dim=None) -> dict:
+    """TINY_VIDEO_CONFIG with the given overrides (None: keep)."""
+    cfg = dict(TINY_VIDEO_CONFIG)
+    for key, value in (("num_layers", layers), ("num_attention_heads", heads), ("ffn_dim", ffn_dim)):
+        if value is not None:
+            cfg[key] = value
+    return cfg
+
+
+def build_initial(path: str, config: dict | None = None):
+    """Random initial weights of `config` (default TINY_VIDEO_CONFIG) from SEED, saved to `path` (save_pretrained)."""
     import torch
     from diffusers import WanTransformer3DModel
     torch.manual_seed(SEED)
-    model = WanTransformer3DModel(**TINY_VIDEO_CONFIG)
+    model = WanTransformer3DModel(**(config or TINY_VIDEO_CONFIG))
     model.save_pretrained(path)
     return model
 
@@ -62,15 +99,23 @@ def build_initial(path: str):
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     from . import finetune_video
+    config = model_config(args.layers, args.heads, args.ffn_dim)
+    objective = ["--t-dist", args.t_dist, "--t-shift", str(args.t_shift), "--cond-dropout", str(args.cond_dropout)]
+    colour_jitter = None if args.colour_jitter is None or args.colour_jitter < 0 else args.colour_jitter
+    if colour_jitter is not None:
+        objective += ["--colour-jitter", str(colour_jitter)]
     return finetune_video.train_from_initial(
-        "sparsepatch.recipes.train_tiny_video", argv, build_initial, finetune_video.main,
+        "sparsepatch.recipes.train_tiny_video", argv, lambda path: build_initial(path, config), finetune_video.main,
         ["--config", "dense", "--max-steps", str(args.max_steps), "--batch-size", str(args.batch_size),
          "--lr", str(args.lr), "--seed", str(SEED), "--frames", str(args.frames),
          "--latent-size", str(args.latent_size), "--text-len", str(TEXT_LEN), "--output-dir", args.output_dir,
          "--log-every", str(args.log_every), "--lr-schedule", args.lr_schedule, "--lr-warmup", str(args.lr_warmup),
-         "--num-workers", str(args.num_workers)],
+         "--num-workers", str(args.num_workers), *objective],
         args.output_dir, tail=50, frames=args.frames, latent_size=args.latent_size, text_len=TEXT_LEN,
-        batch_size=args.batch_size, lr=args.lr, lr_schedule=args.lr_schedule)
+        batch_size=args.batch_size, lr=args.lr, lr_schedule=args.lr_schedule, t_dist=args.t_dist,
+        t_shift=args.t_shift, cond_dropout=args.cond_dropout, colour_jitter=colour_jitter,
+        sampler={"shift": args.sample_shift, "guidance_scale": args.sample_guidance},
+        mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
 
 
 def load_trained(path: str | os.PathLike | None = None, dtype=None):
