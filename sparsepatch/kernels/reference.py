@@ -59,10 +59,14 @@ def _scores(q, k, scale, attn_mask, causal):
 
 def _softmax_out(s, v, out_dtype, Hq):
     """Softmax over the last axis with fully-masked rows giving 0; returns (out (B,Sq,Hq,D), lse (B,Hq,Sq))."""
-    lse = torch.logsumexp(s, dim=-1)
-    finite = torch.isfinite(lse)
-    p = torch.exp(s - torch.where(finite, lse, 0.0)[..., None])
-    p = torch.where(finite[..., None], p, 0.0)
+    # exp(s - rowmax) / rowsum rather than exp(s - lse): the rounding of lse would scale every p of a row alike
+    # (~1e-6 relative in fp32); one exp pass instead of logsumexp's plus ours.
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)                 # fully masked row: every p = exp(-inf) = 0
+    e = torch.exp(s - m)
+    total = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(total > 0, total, 1.0)
+    lse = (m + torch.log(total)).squeeze(-1)                   # log 0 = -inf for a fully masked row
     vh = v.transpose(1, 2).to(s.dtype)
     if vh.shape[1] != Hq:
         vh = vh.repeat_interleave(Hq // vh.shape[1], dim=1)
