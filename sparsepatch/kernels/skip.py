@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_common import head_major_desc
 from ._triton_common import interpret as _interpret
 from ._triton_common import set_tma_allocator
 from . import reference
@@ -394,20 +395,6 @@ def _tma_ok(cfg, *ts):
             and all(t.data_ptr() % 16 == 0 and (t.stride(1) * t.element_size()) % 16 == 0 for t in ts))
 
 
-def _host_desc(t, block_n):
-    """Host TMA descriptor over the (B, H, S, D) view of a (B, S, H, D) tensor, block (1, 1, block_n, D), or None
-    when unavailable (no TensorDescriptor, misaligned base or strides)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        return None
-    esz = t.element_size()
-    if t.data_ptr() % 16 or any((t.stride(i) * esz) % 16 for i in range(3)):
-        return None
-    B, S, H, D = t.shape
-    return TensorDescriptor(t, [B, H, S, D], [t.stride(0), t.stride(2), t.stride(1), 1], [1, 1, block_n, D])
-
-
 def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step, Tq, Tk, slot_cnt, slot_idx,
             warmup, scale, threshold, tm, tn, skip, stateful, causal, cfg):
     B, Sq, Hq, D = q.shape
@@ -416,7 +403,7 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
     dummy = out
     kd = vd = None
     if cfg.get("host_desc") and (_interpret() or cfg.get("tma")):
-        kd, vd = _host_desc(k, cfg["BLOCK_N"]), _host_desc(v, cfg["BLOCK_N"])
+        kd, vd = head_major_desc(k, cfg["BLOCK_N"]), head_major_desc(v, cfg["BLOCK_N"])
     if kd is not None and vd is not None:
         use_tma = 2
     else:
@@ -427,9 +414,9 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
     qd = od = None
     if use_tma == 2 and tm == block_m:
         if cfg.get("q_desc"):
-            qd = _host_desc(q, block_m)
+            qd = head_major_desc(q, block_m)
         if cfg.get("o_desc"):
-            od = _host_desc(out, block_m)
+            od = head_major_desc(out, block_m)
     nwords = max(1, triton.next_power_of_2(num_tiles(Tk, CHUNK_N))) if skip else 1
     _fwd_kernel[(Tq, B * Hq)](
         q, k, v, out, lse if lse is not None else dummy,

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_common import head_major_desc
 from ._triton_common import interpret as _interpret
 from . import reference
 from .reference import LOG2E, check_qkv
@@ -434,20 +435,6 @@ def _fit(block: int, tile: int) -> int:
     return block
 
 
-def _host_desc(t, block):
-    """Host TMA descriptor over the (B, H, S, D) view of a (B, S, H, D) tensor, block (1, 1, block, D); None when
-    unavailable (no TensorDescriptor, base or strides not 16-byte aligned). Works under the interpreter too."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        return None
-    esz = t.element_size()
-    if t.data_ptr() % 16 or any((t.stride(i) * esz) % 16 for i in range(3)):
-        return None
-    B, S, H, D = t.shape
-    return TensorDescriptor(t, [B, H, S, D], [t.stride(0), t.stride(2), t.stride(1), 1], [1, 1, block, D])
-
-
 def _unit(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -505,8 +492,8 @@ def _backward_impl(q, k, v, out, lse, dout, dlse, counts, indices, tm, tn, scale
     flat = bool(cfg.get("flat", False))
     qd = dod = kd = vd = None
     if cfg.get("tma", False):
-        qd, dod = _host_desc(q, m1), _host_desc(dout, m1)
-        kd, vd = _host_desc(k, n2), _host_desc(v, n2)
+        qd, dod = head_major_desc(q, m1), head_major_desc(dout, m1)
+        kd, vd = head_major_desc(k, n2), head_major_desc(v, n2)
     use_tma = all(x is not None for x in (qd, dod, kd, vd))
     if not use_tma:
         qd = dod = kd = vd = dq  # unused pointers
