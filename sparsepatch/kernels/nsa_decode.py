@@ -51,22 +51,28 @@ NUM_STAGES = dict(cmp=2)
 
 # ---------------------------------------------------------------------------------------------------------- kernels
 @triton.jit
+def _group_query(Q, sqb, sqh, Hk, G, GP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Program axis 1 = b * Hk + kv head: (b64, hk, bh64, g, g_ok, offs_d, q) with q the (GP, HEAD_DIM) query rows
+    of the kv head's G query heads (rows >= G zero)."""
+    bh = tl.program_id(1)
+    b64 = (bh // Hk).to(tl.int64)
+    hk = bh % Hk
+    g = tl.arange(0, GP)
+    g_ok = g < G
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b64 * sqb + (hk * G + g)[:, None] * sqh + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    return b64, hk, bh.to(tl.int64), g, g_ok, offs_d, q
+
+
+@triton.jit
 def _dec_cmp_kernel(Q, KC, VC, WS, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
                     sqb, sqh, skb, sks, skh, svb, svs, svh,
                     n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
                     CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
                     HEAD_DIM: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr):
     sp = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hk
-    hk = bh % Hk
-    b64 = b.to(tl.int64)
-    bh64 = bh.to(tl.int64)
-    g = tl.arange(0, GP)
-    g_ok = g < G
-    offs_d = tl.arange(0, HEAD_DIM)
+    b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(Q + b64 * sqb + (hk * G + g)[:, None] * sqh + offs_d[None, :], mask=g_ok[:, None], other=0.0)
     kbase = KC + b64 * skb + hk * skh
     vbase = VC + b64 * svb + hk * svh
     NB: tl.constexpr = BLOCK_N // R
@@ -179,14 +185,7 @@ def _dec_attn_kernel(Q, K, V, IDX, WS, CAND, o_sm, o_sl, o_sacc,
                      GP: tl.constexpr, MP: tl.constexpr, NBLK: tl.constexpr, NSELP: tl.constexpr,
                      RET_IDX: tl.constexpr):
     p_id = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hk
-    hk = bh % Hk
-    b64 = b.to(tl.int64)
-    bh64 = bh.to(tl.int64)
-    g = tl.arange(0, GP)
-    g_ok = g < G
-    offs_d = tl.arange(0, HEAD_DIM)
+    b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
     offs_n = tl.arange(0, BLK)
     qpos = S - 1
     is_slc = p_id < NSEL
@@ -209,7 +208,6 @@ def _dec_attn_kernel(Q, K, V, IDX, WS, CAND, o_sm, o_sl, o_sacc,
     hi = tl.where(is_slc, tl.where(jb >= 0, start + BS, 0), S)       # exclusive; padding entry (-1): nothing
     key = start + offs_n
     ok = (key < hi) & (key < S)
-    q = tl.load(Q + b64 * sqb + (hk * G + g)[:, None] * sqh + offs_d[None, :], mask=g_ok[:, None], other=0.0)
     k = tl.load(K + b64 * skb + hk * skh + key[:, None].to(tl.int64) * sks + offs_d[None, :], mask=ok[:, None],
                 other=0.0)
     v = tl.load(V + b64 * svb + hk * svh + key[:, None].to(tl.int64) * svs + offs_d[None, :], mask=ok[:, None],
