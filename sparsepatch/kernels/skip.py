@@ -129,32 +129,6 @@ def _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, j, offs_
 
 
 @triton.jit
-def _list_head(pid_m, bh, CNT_IN, IDX_IN, STEP, Hq, Tq, Tk, slot_stride_cnt, slot_stride_idx, warmup,
-               STATEFUL: tl.constexpr, LAST_PARTIAL: tl.constexpr):
-    """(count, count without the partial last k-tile, first index) of the list this call reads for one item."""
-    row = bh.to(tl.int64) * Tq + pid_m
-    cnt_in = CNT_IN + row
-    idx_in = IDX_IN + row * Tk
-    if STATEFUL:
-        n = tl.load(STEP)
-        warm = n < warmup
-        rs = tl.where(warm, 0, (n - warmup) % 2)
-        cnt_in += rs * slot_stride_cnt
-        idx_in += rs * slot_stride_idx
-        cnt = tl.where(warm, Tk, tl.load(cnt_in))
-    else:
-        cnt = tl.load(cnt_in)
-    n_plain = cnt
-    if LAST_PARTIAL:
-        last = tl.load(idx_in + tl.maximum(cnt - 1, 0))
-        if STATEFUL:
-            last = tl.where(warm, Tk - 1, last)
-        n_plain = tl.where((cnt > 0) & (last == Tk - 1), cnt - 1, cnt)
-    j0 = tl.load(idx_in)
-    return cnt, n_plain, j0
-
-
-@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, STEP, QD, OD,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_ob, stride_os, stride_oh,
@@ -227,22 +201,22 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         offs_c = tl.arange(0, CHUNK)
         if HEAD_CHUNK:
             head = tl.load(idx_in + offs_c, mask=offs_c < Tk, other=0)
-            j_next = tl.load(idx_in)
-            if STATEFUL:
-                cnt = tl.where(warm, Tk, tl.load(cnt_in))
-            else:
-                cnt = tl.load(cnt_in)
-            n_plain = cnt
-            if LAST_PARTIAL:
+        j_next = tl.load(idx_in)
+        cnt = tl.load(cnt_in)
+        if STATEFUL:
+            cnt = tl.where(warm, Tk, cnt)           # a warm-up call reads every tile
+        # n_plain: listed tiles before a partial last k-tile (index Tk - 1), which the loop masks separately
+        n_plain = cnt
+        if LAST_PARTIAL:
+            if HEAD_CHUNK:          # the last index is in the head unless the list is longer than it
                 far = cnt > CHUNK
                 last = tl.where(far, tl.load(idx_in + tl.maximum(cnt - 1, 0), mask=far, other=0),
                                 tl.sum(tl.where(offs_c == cnt - 1, head, 0), 0))
-                if STATEFUL:
-                    last = tl.where(warm, Tk - 1, last)
-                n_plain = tl.where((cnt > 0) & (last == Tk - 1), cnt - 1, cnt)
-        else:
-            cnt, n_plain, j_next = _list_head(pid_m, bh, CNT_IN, IDX_IN, STEP, Hq, Tq, Tk, slot_stride_cnt,
-                                              slot_stride_idx, warmup, STATEFUL, LAST_PARTIAL)
+            else:
+                last = tl.load(idx_in + tl.maximum(cnt - 1, 0))
+            if STATEFUL:
+                last = tl.where(warm, Tk - 1, last)
+            n_plain = tl.where((cnt > 0) & (last == Tk - 1), cnt - 1, cnt)
         if HAS_FORCED:
             frow = (tl.load(FROW + pid_m) != 0).to(tl.int32)
         widx = tl.arange(0, NWORDS)
