@@ -116,6 +116,19 @@ def bwd_config(D: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _key_range(start_m, Sk, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys a q-tile starting at row start_m visits: (hi, hi_full) = end of the visited keys (exclusive) and end of
+    the key blocks needing no mask (a multiple of BLOCK_N). Causal: query i sees keys <= i + causal_off."""
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(Sk, start_m + BLOCK_M + causal_off), 0)
+        hi_full = tl.minimum(tl.maximum(start_m + causal_off + 1, 0), hi) // BLOCK_N * BLOCK_N
+    else:
+        hi = Sk
+        hi_full = Sk // BLOCK_N * BLOCK_N
+    return hi, hi_full
+
+
+@triton.jit
 def _ld(desc, base, row0, rows, stride, d0, offs_d, D, MASK_D: tl.constexpr, USE_TMA: tl.constexpr):
     """(len(rows), len(offs_d)) tile at rows row0.., columns d0 + offs_d. TMA: the descriptor's block, zero-filled
     out of bounds; else pointers with `rows` already clamped in range (no materialised pointer tensors with TMA,
@@ -320,12 +333,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
     acc6 = tl.zeros([BLOCK_M, DC], tl.float32)
     acc7 = tl.zeros([BLOCK_M, DC], tl.float32)
 
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(Sk, start_m + BLOCK_M + causal_off), 0)
-        hi_full = tl.minimum(tl.maximum(start_m + causal_off + 1, 0), hi) // BLOCK_N * BLOCK_N
-    else:
-        hi = Sk
-        hi_full = Sk // BLOCK_N * BLOCK_N
+    hi, hi_full = _key_range(start_m, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
     if QMODE == 3:
         # One flat loop over (k-block, D-chunk) pairs: every iteration loads one Q chunk and one K chunk (pipelined
         # QK_STAGES deep across k-block boundaries, so no per-k-block pipeline refill); the softmax and P @ V run
@@ -959,12 +967,7 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(Sk, start_m + BLOCK_M + causal_off), 0)
-        hi_full = tl.minimum(tl.maximum(start_m + causal_off + 1, 0), hi) // BLOCK_N * BLOCK_N
-    else:
-        hi = Sk
-        hi_full = Sk // BLOCK_N * BLOCK_N
+    hi, hi_full = _key_range(start_m, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in tl.range(0, hi_full, BLOCK_N):
         k = k_desc.load([start_n, 0])
         vt = v_desc.load([0, start_n])
