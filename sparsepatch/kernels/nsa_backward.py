@@ -101,6 +101,40 @@ class _Stages:
 
 # ---------------------------------------------------------------------------------------------------------- kernels
 @triton.jit
+def _branch_rows(Q, DO, LSE, R, GATES, b64, tok64, head, row_ok, offs_d, T, Hq,
+                 sqb, sqs, sqh, sdb, sds, sdh, sgb, sgs, sgh, sgc, BRANCH: tl.constexpr, HAS_GATES: tl.constexpr):
+    """The (token, query head) rows of one dK/dV step of branch BRANCH (0 compressed, 1 selected, 2 window):
+    q, dO (q's dtype), lse (log2 units, +inf on masked rows), the branch's delta term r and its gate (fp32; 1/3
+    without gates, 0 on masked rows)."""
+    q = tl.load(Q + b64 * sqb + tok64[:, None] * sqs + head[:, None] * sqh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b64 * sdb + tok64[:, None] * sds + head[:, None] * sdh + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0).to(q.dtype)
+    row = (b64 * T + tok64) * Hq + head
+    lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+    r = tl.load(R + row * 3 + BRANCH, mask=row_ok, other=0.0)
+    if HAS_GATES:
+        gate = tl.load(GATES + b64 * sgb + tok64 * sgs + head * sgh + BRANCH * sgc, mask=row_ok,
+                       other=0.0).to(tl.float32)
+    else:
+        gate = tl.where(row_ok, 1.0 / 3.0, 0.0)
+    return q, do, lse, r, gate
+
+
+@triton.jit
+def _dkdv_step(q, do, lse, r, gate, k, v, ok, qk_scale, dk, dv):
+    """dK (unscaled) and dV of one key tile accumulated over these query rows; ok: the (row, key) pairs the branch
+    attends (masked rows included as False)."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    pg = tl.where(ok, tl.math.exp2(s - lse[:, None]), 0.0) * gate[:, None]
+    dv = tl.dot(tl.trans(pg).to(do.dtype), do, dv)
+    dp = tl.dot(do, tl.trans(v))
+    ds = pg * (dp - r[:, None])
+    dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
 def _prep_kernel(DO, BO_C, BO_S, BO_W, R, sdb, sds, sdh, T, Hq,
                  HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
     """R[b, t, h, br] = sum_d dout[b, t, h, d] * o_br[b, t, h, d] (fp32); BO_*: (B, T, Hq, D) contiguous."""
@@ -221,25 +255,10 @@ def _slc_dkdv_kernel(Q, K, V, DO, GATES, LSE, R, DKS, DVS, CH_SEG, CH_START, CH_
         tok = tl.load(TOKS + start + e, mask=e_ok, other=0)
         row_ok = e_ok & (g < G)
         qpos = tok + q_off
-        tok64 = tok.to(tl.int64)
-        q = tl.load(Q + b64 * sqb + tok64[:, None] * sqs + head[:, None] * sqh + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + b64 * sdb + tok64[:, None] * sds + head[:, None] * sdh + offs_d[None, :],
-                     mask=row_ok[:, None], other=0.0).to(q.dtype)
-        row = (b64 * T + tok64) * Hq + head
-        lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-        r = tl.load(R + row * 3 + 1, mask=row_ok, other=0.0)
-        if HAS_GATES:
-            gs = tl.load(GATES + b64 * sgb + tok64 * sgs + head * sgh + sgc, mask=row_ok, other=0.0).to(tl.float32)
-        else:
-            gs = tl.where(row_ok, 1.0 / 3.0, 0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        q, do, lse, r, gate = _branch_rows(Q, DO, LSE, R, GATES, b64, tok.to(tl.int64), head, row_ok, offs_d, T, Hq,
+                                           sqb, sqs, sqh, sdb, sds, sdh, sgb, sgs, sgh, sgc, 1, HAS_GATES)
         ok = (key[None, :] <= qpos[:, None]) & key_ok[None, :] & row_ok[:, None]
-        pg = tl.where(ok, tl.math.exp2(s - lse[:, None]), 0.0) * gs[:, None]
-        dv = tl.dot(tl.trans(pg).to(do.dtype), do, dv)
-        dp = tl.dot(do, tl.trans(v))
-        ds = pg * (dp - r[:, None])
-        dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
+        dk, dv = _dkdv_step(q, do, lse, r, gate, k, v, ok, qk_scale, dk, dv)
     off = ((b64 * S + key64[:, None]) * Hk + hk) * HEAD_DIM + offs_d[None, :]
     tl.atomic_add(DKS + off, dk * scale, mask=key_ok[:, None], sem="relaxed")
     tl.atomic_add(DVS + off, dv, mask=key_ok[:, None], sem="relaxed")
@@ -363,26 +382,10 @@ def _swa_dkdv_kernel(Q, K, V, DO, GATES, LSE, R, DKS, DVS, DK, DV,
         tok = t0 + rr // GP
         row_ok = (tok < T) & (g < G)
         qpos = tok + q_off
-        tok64 = tok.to(tl.int64)
-        q = tl.load(Q + b64 * sqb + tok64[:, None] * sqs + head[:, None] * sqh + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + b64 * sdb + tok64[:, None] * sds + head[:, None] * sdh + offs_d[None, :],
-                     mask=row_ok[:, None], other=0.0).to(q.dtype)
-        row = (b64 * T + tok64) * Hq + head
-        lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-        r = tl.load(R + row * 3 + 2, mask=row_ok, other=0.0)
-        if HAS_GATES:   # gate of branch 2 per row (fp32); uniform 1/3 without gates
-            gw = tl.load(GATES + b64 * sgb + tok64 * sgs + head * sgh + 2 * sgc, mask=row_ok,
-                         other=0.0).to(tl.float32)
-        else:
-            gw = tl.where(row_ok, 1.0 / 3.0, 0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        q, do, lse, r, gate = _branch_rows(Q, DO, LSE, R, GATES, b64, tok.to(tl.int64), head, row_ok, offs_d, T, Hq,
+                                           sqb, sqs, sqh, sdb, sds, sdh, sgb, sgs, sgh, sgc, 2, HAS_GATES)
         ok = (key[None, :] <= qpos[:, None]) & (key[None, :] > qpos[:, None] - window) & row_ok[:, None]
-        pg = tl.where(ok, tl.math.exp2(s - lse[:, None]), 0.0) * gw[:, None]
-        dv = tl.dot(tl.trans(pg).to(do.dtype), do, dv)
-        dp = tl.dot(do, tl.trans(v))
-        ds = pg * (dp - r[:, None])
-        dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
+        dk, dv = _dkdv_step(q, do, lse, r, gate, k, v, ok, qk_scale, dk, dv)
     off = ((b64 * S + key64[:, None]) * Hk + hk) * HEAD_DIM + offs_d[None, :]
     dk = dk * scale + tl.load(DKS + off, mask=key_ok[:, None], other=0.0)
     dv = dv + tl.load(DVS + off, mask=key_ok[:, None], other=0.0)
@@ -428,26 +431,11 @@ def _cmp_dkdv_kernel(Q, KC, VC, DO, GATES, LSE, R, DKC, DVC,
         tok = t0 + rr // GP
         row_ok = (tok < T) & (g < G)
         qpos = tok + q_off
-        tok64 = tok.to(tl.int64)
-        q = tl.load(Q + b64 * sqb + tok64[:, None] * sqs + head[:, None] * sqh + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + b64 * sdb + tok64[:, None] * sds + head[:, None] * sdh + offs_d[None, :],
-                     mask=row_ok[:, None], other=0.0).to(q.dtype)
-        row = (b64 * T + tok64) * Hq + head
-        lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-        r = tl.load(R + row * 3, mask=row_ok, other=0.0)
-        if HAS_GATES:   # gate of branch 0 per row (fp32); uniform 1/3 without gates
-            gc = tl.load(GATES + b64 * sgb + tok64 * sgs + head * sgh + 0 * sgc, mask=row_ok, other=0.0).to(tl.float32)
-        else:
-            gc = tl.where(row_ok, 1.0 / 3.0, 0.0)
+        q, do, lse, r, gate = _branch_rows(Q, DO, LSE, R, GATES, b64, tok.to(tl.int64), head, row_ok, offs_d, T, Hq,
+                                           sqb, sqs, sqh, sdb, sds, sdh, sgb, sgs, sgh, sgc, 0, HAS_GATES)
         nvis = tl.minimum(tl.where(qpos + 1 >= CB, (qpos + 1 - CB) // CS + 1, 0), n_c)
-        s = tl.dot(q, tl.trans(kc)) * qk_scale
         ok = (c[None, :] < nvis[:, None]) & row_ok[:, None]
-        pg = tl.where(ok, tl.math.exp2(s - lse[:, None]), 0.0) * gc[:, None]
-        dv = tl.dot(tl.trans(pg).to(do.dtype), do, dv)
-        dp = tl.dot(do, tl.trans(vc))
-        ds = pg * (dp - r[:, None])
-        dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
+        dk, dv = _dkdv_step(q, do, lse, r, gate, kc, vc, ok, qk_scale, dk, dv)
     off = ((b64 * n_c + c64[:, None]) * Hk + hk) * HEAD_DIM + offs_d[None, :]
     if ATOMIC:
         tl.atomic_add(DKC + off, dk * scale, mask=c_ok[:, None], sem="relaxed")
