@@ -34,7 +34,7 @@ def test_quantize_model_error_budget():
         want = reference.attention(q, k, v, causal=True)
         got = reference.attention(qd, kd, vd, causal=True)
         assert cos(got, want) >= (0.999 if fmt == "int8" else 0.998)
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="qk_format"):
         dense.quantize_fp8_reference(q, k, v, "int4")
 
 

@@ -1111,6 +1111,8 @@ def quantize_fp8_reference(q, k, v, qk_format: str = "int8"):
     """Plain-PyTorch model of `quantize_fp8` + dequantization (any device, fp32 out): the values the kernel
     multiplies, for tests and error budgets. Returns dequantized (q, k, v) in (B, S, H, D) layout."""
     f8 = torch.float8_e4m3fn
+    if qk_format not in QK_FORMATS:
+        raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
     qmax = _QMAX[qk_format]
 
     def rows(x):
