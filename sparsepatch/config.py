@@ -6,19 +6,29 @@ from dataclasses import dataclass, field
 from .kernels.reference import check_threshold
 from .kernels.skiplist import DEFAULT_TILE, check_tile
 
+PRECISIONS = ("native", "fp8")
+
 
 @dataclass
 class DenseConfig:
     """Route attention through the bundled dense flash kernel (no sparsity).
 
     layers: which attention layers to patch: "self" (self/joint attention only) or "all" (cross-attention too).
+    precision: "native" (default: the inputs' fp16/bf16) or "fp8": inference-only low-precision forward (int8
+        Q K^T with per-128-row scales, e4m3 P V with per-channel V scales; cos-sim ~0.999 vs bf16, see
+        BENCHMARKS.md). Runs the fp8 Triton kernel on Hopper CUDA at head dim 64/128 without a mask; on CPU the
+        reference on the same quantized q/k/v (emulation); on CUDA inputs the fp8 kernel cannot serve, the native
+        kernel with a one-time warning. A call that needs gradients raises.
     """
 
     layers: str = "all"
+    precision: str = "native"
 
     def __post_init__(self):
         if self.layers not in ("self", "all"):
             raise ValueError(f"layers must be 'self' or 'all', got {self.layers!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
 
 
 @dataclass

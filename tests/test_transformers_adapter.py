@@ -151,7 +151,7 @@ def test_sliding_window_is_applied():
     gap = (logits(sliding, ids) - logits(full, ids)).abs().max().item()
     assert gap > 1e-2, gap      # the window matters at this length, so the comparison below can fail
     seen = []
-    orig = tfa.kernels.attention
+    orig = sparsepatch.kernels.attention
 
     def spy(q, k, v, **kw):
         seen.append((k.shape[1], kw["attn_mask"], kw["causal"]))
@@ -159,11 +159,11 @@ def test_sliding_window_is_applied():
 
     want = logits(sliding, ids)
     h = patch(sliding)
-    tfa.kernels.attention = spy
+    sparsepatch.kernels.attention = spy
     try:
         got = logits(sliding, ids)
     finally:
-        tfa.kernels.attention = orig
+        sparsepatch.kernels.attention = orig
     assert (got - want).abs().max().item() <= TOL
     # layer 0 (full, no padding): mask skipped, causal from the module; layer 1: the window arrives as a mask
     assert seen[0][1] is None and seen[0][2] is True

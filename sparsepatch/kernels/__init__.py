@@ -9,13 +9,15 @@ from __future__ import annotations
 import importlib
 import logging
 
+import torch
+
 from . import lightning_reference, nsa_reference, reference
 from .nsa_reference import NSACache
 from .skiplist import DEFAULT_TILE, SkipList
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SkipList", "DEFAULT_TILE", "NSACache", "attention", "skip_attention", "nsa_attention", "lightning_decode",
+__all__ = ["SkipList", "DEFAULT_TILE", "NSACache", "attention", "attention_fp8", "skip_attention", "nsa_attention", "lightning_decode",
            "lightning_prefill", "reference"]
 
 
@@ -53,6 +55,35 @@ def attention(q, k, v, *, causal: bool = False, scale=None, attn_mask=None, retu
     if q.is_cuda:
         _warn_reference_once(q, attn_mask)
     return reference.attention(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask, return_lse=return_lse)
+
+
+def attention_fp8(q, k, v, *, causal: bool = False, scale=None, attn_mask=None, return_lse: bool = False):
+    """Low-precision dense attention forward (inference): q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) -> (B, Sq, Hq, D)
+    in q's dtype [, lse (B, Hq, Sq) fp32].
+
+    Hopper CUDA, fp16/bf16, D 64/128, no mask: the fp8 Triton kernel (`dense.attention_fp8`, int8 Q K^T + e4m3
+    P V). CPU: the reference on q/k/v rounded exactly as the kernel quantizes them (`quantize_fp8_reference`; the
+    kernel's e4m3 rounding of P is not modelled). Other CUDA inputs: `attention` (native precision), warned once.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("precision='fp8' attention is inference-only: q/k/v require grad (run under "
+                         "torch.no_grad(), or patch with DenseConfig(precision='native') for training)")
+    dense = _triton_module("dense")
+    if attn_mask is None and dense is not None and dense.fp8_supported(q):
+        return dense.attention_fp8(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    if q.is_cuda or dense is None:
+        key = ("fp8", q.shape[-1], q.dtype, q.device.type, attn_mask is not None)
+        if key not in _WARNED:
+            _WARNED.add(key)
+            logger.warning("sparsepatch: no fp8 kernel for head dim %d, %s on %s%s; running native precision",
+                           q.shape[-1], q.dtype, q.device.type, " with an attention mask" if attn_mask is not None
+                           else "")
+        return attention(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask, return_lse=return_lse)
+    qd, kd, vd = dense.quantize_fp8_reference(q, k, v)
+    res = reference.attention(qd, kd, vd, causal=causal, scale=scale, attn_mask=attn_mask, return_lse=return_lse)
+    if return_lse:
+        return res[0].to(q.dtype), res[1]
+    return res.to(q.dtype)
 
 
 def skip_attention(q, k, v, skip_list=None, threshold: float = -5.0, *, scale=None, must_do=None,

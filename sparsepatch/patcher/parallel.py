@@ -101,6 +101,9 @@ def attention(binding, query, key, value, attn_mask, dropout_p, is_causal, scale
     from diffusers.models.attention_dispatch import _templated_context_parallel_attention
     cp = parallel_config.context_parallel_config
     _check_inference(query, key, value)
+    if binding is not None and getattr(binding.handle.config, "precision", "native") != "native":
+        raise NotImplementedError("sparsepatch backend: DenseConfig(precision='fp8') under context parallelism is "
+                                  "not supported; patch with precision='native'")
     if binding is None:
         forward_op = _dense_forward_op
     elif cp.ring_degree > 1:

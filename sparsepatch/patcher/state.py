@@ -14,10 +14,18 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..config import SkipConfig
+from ..config import DenseConfig, SkipConfig
 from ..kernels.stateful import SkipListBuffers, skip_step, skip_step_differentiable
 
 logger = logging.getLogger("sparsepatch")
+
+
+def dense_kernel(config):
+    """The dense attention function a config asks for: `kernels.attention_fp8` for DenseConfig(precision="fp8"),
+    `kernels.attention` otherwise (native precision; also the dense calls of a SkipConfig)."""
+    if isinstance(config, DenseConfig) and config.precision == "fp8":
+        return kernels.attention_fp8
+    return kernels.attention
 
 
 @dataclass
@@ -146,7 +154,7 @@ class PatchHandle:
                                "batch; running these calls dense")
                 sparse = False
         if not sparse:
-            out = kernels.attention(q, k, v, causal=is_causal, scale=scale, attn_mask=attn_mask)
+            out = dense_kernel(cfg)(q, k, v, causal=is_causal, scale=scale, attn_mask=attn_mask)
             for branch in dict.fromkeys(names):
                 self._history[site.layer][branch].append(1.0)
             self._calls += 1

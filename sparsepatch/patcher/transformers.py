@@ -29,8 +29,8 @@ import weakref
 
 import torch
 
-from .. import kernels
 from ..config import DenseConfig, LightningConfig, NSAConfig, SkipConfig
+from .state import dense_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
             # past L are unwritten padding and SDPA's top-left `is_causal` never reaches them. Drop them, which
             # also makes top-left and the kernel's bottom-right alignment agree.
             k, v = k[:, :L], v[:, :L]
-    out = kernels.attention(q, k, v, causal=causal, scale=scaling, attn_mask=mask)
+    out = dense_kernel(entry[2] if entry else None)(q, k, v, causal=causal, scale=scaling, attn_mask=mask)
     if entry is not None:
         handle, name, _ = entry
         handle.record_call(name, "default", 1.0)
