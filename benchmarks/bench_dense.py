@@ -2,7 +2,7 @@
 
 B1 H48 S8192 fp16 by default, forward and forward+backward; TFLOP/s counts 4*B*H*Sq*Sk*D per forward (non-causal)
 and 2.5x that per backward. Peers in the same process on the same inputs: SDPA efficient, math, flash, cuDNN
-(where they run). `--sweep` also times alternative launch configs (forward at D 512/1024, backward at D 512).
+(where they run). `--sweep` also times alternative launch configs (FWD_SWEEP / BWD_SWEEP by head dim).
 Writes benchmarks/results/<gpu>-dense.json (and $OUT/<gpu>-dense.json when $OUT is set).
 
     python benchmarks/bench_dense.py [--dims 128,256,320,384,512,768,1024] [--seq 8192] [--heads 48] [--sweep]
@@ -29,12 +29,23 @@ def _f(M, N, BD, DC, NC, w, st, q, qs=3):
 # Forward variants timed with --sweep (the default config of each D is timed in the main row). q: "res" resident Q
 # + (K, V) pipelined num_stages deep; "flat" pipelined run-time loop over QK^T chunks; "flat2" one (k-block, chunk)
 # ring. fp8: the ws / exp16 / magic switches timed in runs 1-3 were deleted (neutral or slower; benchmarks/NOTES.md).
+def _m(M=128, N=128, BD=64, w=8, st=4, ls=4, lbn=128, mb=512):
+    return dict(BLOCK_M=M, BLOCK_N=N, BLOCK_D=BD, num_warps=w, num_stages=st, q="mat", lse_stages=ls,
+                lse_block_n=lbn, scratch_mb=mb)
+
+
 FWD_SWEEP = {
-    768: [_f(128, 64, 128, 128, 3, 8, 1, "flat2", 3)],
-    1024: [_f(128, 64, 128, 256, 1, 8, 1, "flat2", 3)],
+    320: [_m()],
+    512: [_m()],
+    768: [_m()],
+    1024: [_f(128, 64, 128, 256, 1, 8, 1, "flat2", 3), _m(), _m(st=3, ls=3), _m(lbn=64), _m(mb=2048)],
 }
+# Backward (materialised P / dS): _pds_kernel tile and pipeline depth, P / dS scratch budget (MiB).
+_b = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_D=64, num_warps=8, num_stages=3, scratch_mb=512)
 BWD_SWEEP = {
-    512: [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=4, num_warps=8, num_stages=1)],
+    512: [dict(_b, num_stages=2), dict(_b, BLOCK_D=32, num_stages=4), dict(_b, scratch_mb=2048),
+          dict(_b, BLOCK_N=64, num_stages=4)],
+    1024: [dict(_b, num_stages=2), dict(_b, scratch_mb=2048)],
 }
 FP8_SWEEP = [dict(qk_format="int8", cfg=dict()), dict(qk_format="int8", cfg=dict(fuse_q=False)),
              dict(qk_format="e4m3", cfg=dict())]
@@ -171,6 +182,9 @@ def main(argv=None):
         row = dict(D=D)
         ours = lambda q_, k_, v_: dense.attention(q_, k_, v_)  # noqa: E731
         row["ours_fwd_ms"], row["ours_fwdbwd_ms"] = _time_pair(ours, q, k, v, do)
+        o, lse = dense._fwd_impl(q, k, v, False, D ** -0.5, True)
+        row["ours_bwd_ms"] = _bench(lambda: dense._bwd_impl(q, k, v, o, lse, do, None, False, D ** -0.5))
+        del o, lse
         for peer in args.peers.split(","):
             if peer == "math" and D > 512:
                 f, fb = _time_pair(_sdpa(peer), q, k, v, do, with_bwd=False)
@@ -179,7 +193,7 @@ def main(argv=None):
             row[f"{peer}_fwd_ms"], row[f"{peer}_fwdbwd_ms"] = f, fb
         for key in list(row):
             if key.endswith("_ms") and isinstance(row[key], float):
-                mult = 3.5 if "fwdbwd" in key else 1.0
+                mult = 3.5 if "fwdbwd" in key else 2.5 if "_bwd_" in key else 1.0
                 row[key.replace("_ms", "_tflops")] = round(fl * mult / row[key] * 1e-9, 1)
         for peer in args.peers.split(","):
             for kind in ("fwd", "fwdbwd"):
@@ -264,16 +278,20 @@ def _fp8_rows(B, S, H, D=128):
 
 
 def _table(res):
-    print("\nD | ours fwd TF | eff fwd TF | x | ours f+b TF | eff f+b TF | x")
+    print("\nD | ours fwd TF | eff fwd TF | x | ours f+b TF | eff f+b TF | x | ours bwd TF")
     for r in res["rows"]:
         print(r["D"], r.get("ours_fwd_tflops"), r.get("efficient_fwd_tflops"), r.get("x_vs_efficient_fwd"),
-              r.get("ours_fwdbwd_tflops"), r.get("efficient_fwdbwd_tflops"), r.get("x_vs_efficient_fwdbwd"), sep=" | ")
+              r.get("ours_fwdbwd_tflops"), r.get("efficient_fwdbwd_tflops"), r.get("x_vs_efficient_fwdbwd"),
+              r.get("ours_bwd_tflops"), sep=" | ")
     best = {}
     for e in res["sweep"]:
         if e["kind"] == "fwd" and e.get("tflops") and e["tflops"] > best.get(e["D"], (0,))[0]:
             best[e["D"]] = (e["tflops"], {k: v for k, v in e["cfg"].items() if k != "strict"})
     for D, (t, c) in sorted(best.items()):
         print("best sweep fwd", D, t, json.dumps(c))
+    for e in res["sweep"]:
+        if e["kind"] == "bwd":
+            print("bwd", e["D"], e.get("tflops"), json.dumps(e["cfg"]))
     for r in res["fp8"]:
         print("fp8", r.get("S"), r.get("impl"), r.get("tflops"), r.get("kernel_tflops"), r.get("x_vs_cudnn"),
               r.get("cos_vs_bf16"), r.get("cos_vs_bf16_causal"), r.get("error", "")[:80])

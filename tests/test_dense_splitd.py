@@ -221,3 +221,47 @@ def test_forward_modes_interpreter(mode):
     assert rel(out, want) <= 1e-3
     fin = torch.isfinite(wlse)
     assert (lse[fin] - wlse[fin]).abs().max().item() <= 1e-3
+
+
+@cpu_only
+@pytest.mark.parametrize("scratch", [0, 1], ids=["keys-cut", "pairs-cut"])
+def test_backward_scratch_chunks_interpreter(scratch):
+    """The backward's P / dS scratch split into chunks: keys cut inside one (b, kv head) pair (dQ accumulated in
+    fp32 over key chunks) or several pairs per chunk with a partial last chunk; causal GQA, Sq != Sk."""
+    B, Sq, Sk, Hq, Hk, D = 2, 20, 37, 4, 2, 64
+    q, k, v, do = inputs(B, Sq, Sk, Hq, Hk, D, torch.float32, seed=21)
+    o, lse = dense._fwd_impl(q, k, v, True, D ** -0.5, True)
+    pair = 2 * (Hq // Hk) * Sq * 40 * 4  # one pair's scratch bytes (keys padded to 40)
+    cfg = dict(dense.bwd_config(D), scratch_mb=1)
+    budget = (pair // 3) if scratch == 0 else 3 * pair  # 16-key chunks / 3 of the 4 pairs per chunk
+    old = dense._bwd_chunks
+    try:
+        dense._bwd_chunks = lambda n, R, S, es, _b, bn: old(n, R, S, es, budget, bn)
+        got = dense._bwd_impl(q, k, v, o, lse, do, None, True, D ** -0.5, cfg=cfg)
+    finally:
+        dense._bwd_chunks = old
+    _, _, want = ref_grads(q, k, v, do, True)
+    for name, a, b in zip("qkv", got, want):
+        assert rel(a, b) <= 1e-3, (name, rel(a, b))
+
+
+@cpu_only
+@pytest.mark.parametrize("scratch", [None, 0], ids=["whole", "keys-cut"])
+def test_forward_materialised_interpreter(scratch):
+    """cfg q "mat" (row LSE kernel, normalised P written per scratch chunk, O = P V as a GEMM): causal GQA with
+    Sq > Sk (rows that see no key: out 0, lse -inf), whole-pair chunks and keys cut into 16-key chunks."""
+    B, Sq, Sk, Hq, Hk, D = 1, 40, 21, 4, 2, 96
+    q, k, v, _ = inputs(B, Sq, Sk, Hq, Hk, D, torch.float32, seed=31)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=32, num_warps=4, num_stages=2, q="mat", scratch_mb=1)
+    old = dense._bwd_chunks
+    try:
+        if scratch is not None:
+            dense._bwd_chunks = lambda n, R, S, es, _b, bn: old(n, R, S, es, 2 * R * 16 * es, bn)
+        out, lse = dense._fwd_impl(q, k, v, True, D ** -0.5, True, cfg=cfg)
+    finally:
+        dense._bwd_chunks = old
+    want, wlse = reference.attention(q, k, v, causal=True, return_lse=True)
+    assert rel(out, want) <= 1e-3
+    fin = torch.isfinite(wlse)
+    assert torch.equal(torch.isfinite(lse), fin) and not fin.all()
+    assert (lse[fin] - wlse[fin]).abs().max().item() <= 1e-3

@@ -46,7 +46,6 @@ __all__ = ["supports", "attention", "attention_backward", "FWD_CONFIGS", "BWD_CO
 LN2 = 0.6931471805599453
 MAX_HEAD_DIM = 1024
 NC_MAX = 8    # forward output chunks per program
-NCB_MAX = 4   # backward dK (and dV) chunks per program
 
 # Forward launch configs keyed by head dim (H100 sweeps in benchmarks/bench_dense.py, benchmarks/NOTES.md).
 # BLOCK_D: QK^T contraction chunk; DC x NC: output columns per program (D / (DC * NC) groups); q: "res" keeps the
@@ -63,7 +62,7 @@ FWD_CONFIGS = {  # runs 1-2 sweeps (benchmarks/NOTES.md): TFLOP/s at B1 H48 S819
     1024: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, DC=256, NC=1, num_warps=8, num_stages=1, q="flat2",
                qk_stages=4),  # 152
 }
-BWD_CONFIGS = {}  # generic: BLOCK 64 x 64, DC 64, NC <= 4 chunks per group (bwd_config)
+BWD_CONFIGS = {}  # per head dim overrides of bwd_config
 
 
 def _pow2_divisor(D: int, cap: int) -> int:
@@ -97,14 +96,11 @@ def fwd_config(D: int, Sq: int = 1 << 30) -> dict:
 
 
 def bwd_config(D: int) -> dict:
+    """Backward launch config: `_pds_kernel` tile (BLOCK_M rows x BLOCK_N keys, BLOCK_D contraction chunk) and the
+    P / dS scratch budget (scratch_mb)."""
     cfg = BWD_CONFIGS.get(D)
     if cfg is None:
-        dc = _pow2_divisor(D, 64)
-        n = D // dc
-        nc = min(2, n)
-        while n % nc and nc > 1 and -(-n // nc) == -(-n // (nc - 1)):
-            nc -= 1
-        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=dc, DC=dc, NC=nc, num_warps=8, num_stages=1)  # D512: 47 vs 25
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_D=_pow2_divisor(D, 64), num_warps=8, num_stages=3, scratch_mb=512)
     cfg = dict(cfg)
     if _interpret():
         cfg.update(BLOCK_M=16, BLOCK_N=16)
@@ -142,18 +138,6 @@ def _ld(desc, base, row0, rows, stride, d0, offs_d, D, MASK_D: tl.constexpr, USE
     else:
         x = tl.load(ptrs)
     return x
-
-
-@triton.jit
-def _scores(a_desc, b_desc, a_base, b_base, a0, b0, a_rows, b_rows, stride_a, stride_b, D, offs_bd,
-            RA: tl.constexpr, RB: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr, USE_TMA: tl.constexpr):
-    """A[a_rows] @ B[b_rows]^T over the whole head dim, in BLOCK_D chunks -> fp32 (RA, RB)."""
-    s = tl.zeros([RA, RB], tl.float32)
-    for kd in tl.static_range(NKD):
-        a = _ld(a_desc, a_base, a0, a_rows, stride_a, kd * BLOCK_D, offs_bd, D, False, USE_TMA)
-        b = _ld(b_desc, b_base, b0, b_rows, stride_b, kd * BLOCK_D, offs_bd, D, False, USE_TMA)
-        s = tl.dot(a, tl.trans(b), s)
-    return s
 
 
 @triton.jit
@@ -419,178 +403,150 @@ def _prep_kernel(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_os, stride_oh,
 
 
 @triton.jit
-def _bwd_chunk(dk, dv, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base, start_m, start_n,
-               rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as, d0, offs_c, D, scale,
-               MASK_D: tl.constexpr, USE_TMA: tl.constexpr):
-    """One DC-column chunk: dv += P^T dO[:, c], dk += dS^T Q[:, c], and dq[:, c] += dS K[:, c] * scale (atomic)."""
-    do = _ld(do_desc, do_base, start_m, rows_ld, stride_ds, d0, offs_c, D, MASK_D, USE_TMA)
-    dv = tl.dot(pT16, do, dv)
-    q = _ld(q_desc, q_base, start_m, rows_ld, stride_qs, d0, offs_c, D, MASK_D, USE_TMA)
-    dk = tl.dot(dsT16, q, dk)
-    k = _ld(k_desc, k_base, start_n, cols_ld, stride_ks, d0, offs_c, D, MASK_D, USE_TMA)
-    dq = tl.dot(tl.trans(dsT16), k) * scale
-    cols = d0 + offs_c
-    mask = row_ok[:, None]
-    if MASK_D:
-        mask = mask & (cols < D)[None, :]
-    tl.atomic_add(dqa_base + rows_ld[:, None] * stride_as + cols[None, :], dq, mask=mask, sem="relaxed")
-    return dk, dv
-
-
-@triton.jit
-def _bwd_step(dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
-              do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok,
-              Sq, D, d_lo, causal_off, qk_scale, scale, stride_qs, stride_ks, stride_vs, stride_ds, stride_as, zero,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
-              DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-              K_PARTIAL: tl.constexpr, USE_TMA: tl.constexpr):
-    rows = start_m + offs_m
-    row_ok = rows < Sq
-    if MASK:
-        rows_ld = tl.minimum(rows, Sq - 1)
-        lse2 = tl.load(lse_base + rows_ld)
-        lse2 = tl.where(row_ok, lse2, float("inf"))
-    else:
-        rows_ld = rows
-        lse2 = tl.load(lse_base + rows)
-    delta = tl.load(dl_base + rows_ld)
-    k_row0 = start_n + start_m * zero  # opaque loop-variant coordinate: K/V chunks are not hoisted into registers
-    sT = _scores(k_desc, q_desc, k_base, q_base, k_row0, start_m, cols_ld, rows_ld, stride_ks, stride_qs, D,
-                 offs_bd, BLOCK_N, BLOCK_M, BLOCK_D, NKD, USE_TMA)
-    pT = tl.math.exp2(sT * qk_scale - lse2[None, :])
-    if CAUSAL:
-        pT = tl.where(cols[:, None] <= rows[None, :] + causal_off, pT, 0.0)
-    if K_PARTIAL:
-        pT = tl.where(col_ok[:, None], pT, 0.0)
-    dpT = _scores(v_desc, do_desc, v_base, do_base, k_row0, start_m, cols_ld, rows_ld, stride_vs, stride_ds, D,
-                  offs_bd, BLOCK_N, BLOCK_M, BLOCK_D, NKD, USE_TMA)
-    dsT = pT * (dpT - delta[None, :])
-    pT16 = pT.to(q_base.dtype.element_ty)
-    dsT16 = dsT.to(q_base.dtype.element_ty)
-    dk0, dv0 = _bwd_chunk(dk0, dv0, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base, start_m,
-                          k_row0, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as, d_lo, offs_c,
-                          D, scale, MASK_D, USE_TMA)
-    if NC > 1:
-        dk1, dv1 = _bwd_chunk(dk1, dv1, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base,
-                              start_m, k_row0, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as,
-                              d_lo + DC, offs_c, D, scale, MASK_D, USE_TMA)
-    if NC > 2:
-        dk2, dv2 = _bwd_chunk(dk2, dv2, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base,
-                              start_m, k_row0, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as,
-                              d_lo + 2 * DC, offs_c, D, scale, MASK_D, USE_TMA)
-    if NC > 3:
-        dk3, dv3 = _bwd_chunk(dk3, dv3, pT16, dsT16, q_desc, do_desc, k_desc, q_base, do_base, k_base, dqa_base,
-                              start_m, k_row0, rows_ld, row_ok, cols_ld, stride_qs, stride_ds, stride_ks, stride_as,
-                              d_lo + 3 * DC, offs_c, D, scale, MASK_D, USE_TMA)
-    return dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3
-
-
-@triton.jit
-def _st_kv(base, acc, cols, col_ok, stride, d0, offs_c, D, mul, MASK_D: tl.constexpr):
-    c = d0 + offs_c
-    mask = col_ok[:, None]
-    if MASK_D:
-        mask = mask & (c < D)[None, :]
-    tl.store(base + cols[:, None] * stride + c[None, :], (acc * mul).to(base.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA,
-                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                 stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
-                 stride_dvh, stride_ab, stride_as, stride_ah, Sq, Sk, Hq, Hk, n_rep, D, scale, qk_scale, causal_off, zero,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
-                 DC: tl.constexpr, NC: tl.constexpr, MASK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                 USE_TMA: tl.constexpr):
-    pid_n = tl.program_id(0)
-    g = tl.program_id(1)
-    bh = tl.program_id(2)
-    b = (bh // Hk).to(tl.int64)
-    hk = bh % Hk
+def _pds_kernel(Q, K, V, DO, LSE2, DELTA, P, DS,
+                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                stride_db, stride_ds, stride_dh, stride_pp, stride_pr,
+                Sq, Sk, Hq, Hk, n_rep, D, qk_scale, causal_off, p0, n0, Nc, n_mt,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
+                CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, STAGES: tl.constexpr, WITH_DP: tl.constexpr):
+    """One (BLOCK_M query rows, BLOCK_N keys) tile of P and dS for (b, kv head) pair p0 + program_id(2), query head
+    r = program_id(0) // n_mt of its GQA group, keys n0 + program_id(1) * BLOCK_N.. of the chunk [n0, n0 + Nc).
+    S = Q K^T and dP = dO V^T are accumulated together over D in BLOCK_D chunks (one pipelined loop, four TMA
+    loads per step), then P = exp2(S * qk_scale - lse2), dS = P * (dP - delta) are written in the input dtype to
+    P / DS (pairs, n_rep * Sq, >= Nc) at rows r * Sq + m, columns local to the chunk. Causal tiles that no query
+    row of the tile can see skip the loop and write zeros. WITH_DP False (the materialised forward): P only (DO, V,
+    DELTA, DS unused), with LSE2 the final row log-sum-exp, so P is the normalised attention."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pc = tl.program_id(2)
+    r = pid_m // n_mt
+    start_m = (pid_m % n_mt) * BLOCK_M
+    bhk = p0 + pc
+    b = (bhk // Hk).to(tl.int64)
+    hk = bhk % Hk
+    h = hk * n_rep + r
+    loc_n = pid_n * BLOCK_N
+    start_n = n0 + loc_n
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_bd = tl.arange(0, BLOCK_D)
-    offs_c = tl.arange(0, DC)
-    start_n = pid_n * BLOCK_N
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = start_m + offs_m
     cols = start_n + offs_n
-    col_ok = cols < Sk
+    rows_ld = tl.minimum(rows, Sq - 1)
     cols_ld = tl.minimum(cols, Sk - 1)
-    d_lo = g * (NC * DC)
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DO + b * stride_db + h * stride_dh
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     if USE_TMA:
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, D], strides=[stride_ks, 1], block_shape=[BLOCK_N, DC])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[Sk, D], strides=[stride_vs, 1], block_shape=[BLOCK_N, DC])
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[Sq, D], strides=[stride_qs, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        do_desc = tl.make_tensor_descriptor(do_base, shape=[Sq, D], strides=[stride_ds, 1],
+                                            block_shape=[BLOCK_M, BLOCK_D])
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, D], strides=[stride_ks, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[Sk, D], strides=[stride_vs, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
     else:
+        q_desc = q_base
+        do_desc = do_base
         k_desc = k_base
         v_desc = v_base
-    dk0 = tl.zeros([BLOCK_N, DC], tl.float32)
-    dk1 = tl.zeros([BLOCK_N, DC], tl.float32)
-    dk2 = tl.zeros([BLOCK_N, DC], tl.float32)
-    dk3 = tl.zeros([BLOCK_N, DC], tl.float32)
-    dv0 = tl.zeros([BLOCK_N, DC], tl.float32)
-    dv1 = tl.zeros([BLOCK_N, DC], tl.float32)
-    dv2 = tl.zeros([BLOCK_N, DC], tl.float32)
-    dv3 = tl.zeros([BLOCK_N, DC], tl.float32)
-    full = Sq // BLOCK_M * BLOCK_M
+    n_iter = NKD
+    if CAUSAL:  # key start_n is visible to row i iff start_n <= i + causal_off
+        n_iter = tl.where(start_n > start_m + BLOCK_M - 1 + causal_off, 0, NKD)
+    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    dp = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kd in tl.range(0, n_iter, num_stages=STAGES):
+        d0 = kd * BLOCK_D
+        q = _ld(q_desc, q_base, start_m, rows_ld, stride_qs, d0, offs_d, D, False, USE_TMA)
+        k = _ld(k_desc, k_base, start_n, cols_ld, stride_ks, d0, offs_d, D, False, USE_TMA)
+        s = tl.dot(q, tl.trans(k), s)
+        if WITH_DP:
+            do = _ld(do_desc, do_base, start_m, rows_ld, stride_ds, d0, offs_d, D, False, USE_TMA)
+            v = _ld(v_desc, v_base, start_n, cols_ld, stride_vs, d0, offs_d, D, False, USE_TMA)
+            dp = tl.dot(do, tl.trans(v), dp)
+    row_base = (b * Hq + h) * Sq
+    row_ok = rows < Sq
+    lse2 = tl.where(row_ok, tl.load(LSE2 + row_base + rows_ld), float("inf"))  # inf: rows that see no key -> P 0
+    p = tl.math.exp2(s * qk_scale - lse2[:, None])
+    valid = (loc_n + offs_n < Nc)[None, :]
     if CAUSAL:
-        # Query row r sees key c iff c <= r + causal_off: rows below lo see none of this block; blocks starting
-        # before mid straddle the diagonal and need the mask.
-        lo = tl.maximum(start_n - causal_off, 0) // BLOCK_M * BLOCK_M
-        mid = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - causal_off, 0), Sq)
-        mid = tl.maximum((mid + BLOCK_M - 1) // BLOCK_M * BLOCK_M, lo)
-        tail = tl.maximum(mid, full)
+        valid = valid & (cols[None, :] <= rows[:, None] + causal_off)
+    p = tl.where(valid, p, 0.0)
+    off = pc.to(tl.int64) * stride_pp + (r * Sq).to(tl.int64) * stride_pr
+    if USE_TMA:
+        p_desc = tl.make_tensor_descriptor(P + off, shape=[Sq, Nc], strides=[stride_pr, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N])
+        p_desc.store([start_m, loc_n], p.to(P.dtype.element_ty))
     else:
-        lo = 0
-        mid = 0
-        tail = full
-    for r in range(0, n_rep):
-        h = hk * n_rep + r
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = DO + b * stride_db + h * stride_dh
-        row_base = (b * Hq + h) * Sq
-        lse_base = LSE2 + row_base
-        dl_base = DELTA + row_base
-        dqa_base = DQA + b * stride_ab + h * stride_ah
+        o = off + rows[:, None] * stride_pr + (loc_n + offs_n)[None, :]
+        msk = row_ok[:, None] & (loc_n + offs_n < Nc)[None, :]
+        tl.store(P + o, p.to(P.dtype.element_ty), mask=msk)
+    if WITH_DP:
+        delta = tl.load(DELTA + row_base + rows_ld)
+        ds = p * (dp - delta[:, None])
         if USE_TMA:
-            q_desc = tl.make_tensor_descriptor(q_base, shape=[Sq, D], strides=[stride_qs, 1],
-                                               block_shape=[BLOCK_M, DC])
-            do_desc = tl.make_tensor_descriptor(do_base, shape=[Sq, D], strides=[stride_ds, 1],
-                                                block_shape=[BLOCK_M, DC])
+            ds_desc = tl.make_tensor_descriptor(DS + off, shape=[Sq, Nc], strides=[stride_pr, 1],
+                                                block_shape=[BLOCK_M, BLOCK_N])
+            ds_desc.store([start_m, loc_n], ds.to(DS.dtype.element_ty))
         else:
-            q_desc = q_base
-            do_desc = do_base
-        for start_m in range(lo, mid, BLOCK_M):
-            dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
-                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
-                do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
-                stride_qs, stride_ks, stride_vs, stride_ds, stride_as, zero,
-                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True, USE_TMA)
-        for start_m in range(mid, full, BLOCK_M):
-            dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
-                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
-                do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
-                stride_qs, stride_ks, stride_vs, stride_ds, stride_as, zero,
-                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, False, False, True, USE_TMA)
-        for start_m in range(tail, Sq, BLOCK_M):
-            dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _bwd_step(
-                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, q_desc, k_desc, v_desc, do_desc, q_base, k_base, v_base,
-                do_base, lse_base, dl_base, dqa_base, start_m, start_n, offs_m, offs_bd, offs_c, cols, cols_ld, col_ok, Sq, D, d_lo, causal_off, qk_scale, scale,
-                stride_qs, stride_ks, stride_vs, stride_ds, stride_as, zero,
-                BLOCK_M, BLOCK_N, BLOCK_D, NKD, DC, NC, MASK_D, True, CAUSAL, True, USE_TMA)
-    dk_base = DK + b * stride_dkb + hk * stride_dkh
-    dv_base = DV + b * stride_dvb + hk * stride_dvh
-    _st_kv(dk_base, dk0, cols, col_ok, stride_dks, d_lo, offs_c, D, scale, MASK_D)
-    _st_kv(dv_base, dv0, cols, col_ok, stride_dvs, d_lo, offs_c, D, 1.0, MASK_D)
-    if NC > 1:
-        _st_kv(dk_base, dk1, cols, col_ok, stride_dks, d_lo + DC, offs_c, D, scale, MASK_D)
-        _st_kv(dv_base, dv1, cols, col_ok, stride_dvs, d_lo + DC, offs_c, D, 1.0, MASK_D)
-    if NC > 2:
-        _st_kv(dk_base, dk2, cols, col_ok, stride_dks, d_lo + 2 * DC, offs_c, D, scale, MASK_D)
-        _st_kv(dv_base, dv2, cols, col_ok, stride_dvs, d_lo + 2 * DC, offs_c, D, 1.0, MASK_D)
-    if NC > 3:
-        _st_kv(dk_base, dk3, cols, col_ok, stride_dks, d_lo + 3 * DC, offs_c, D, scale, MASK_D)
-        _st_kv(dv_base, dv3, cols, col_ok, stride_dvs, d_lo + 3 * DC, offs_c, D, 1.0, MASK_D)
+            tl.store(DS + o, ds.to(DS.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def _lse_kernel(Q, K, LSE2, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                Sq, Sk, Hq, n_rep, D, qk_scale, causal_off,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NKD: tl.constexpr,
+                CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, STAGES: tl.constexpr):
+    """Row log-sum-exp of S * qk_scale (log2 units; +inf for rows that see no key) of one (BLOCK_M rows, query head)
+    tile into LSE2 (B, Hq, Sq): one flat loop over (k-block, D chunk) pairs, a Q and a K chunk per step, pipelined
+    STAGES deep across k-blocks; the running max / sum update on each k-block's last chunk."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = bh % Hq
+    hk = h // n_rep
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    start_m = pid_m * BLOCK_M
+    rows = start_m + offs_m
+    rows_ld = tl.minimum(rows, Sq - 1)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + hk * stride_kh
+    if USE_TMA:
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[Sq, D], strides=[stride_qs, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, D], strides=[stride_ks, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        q_desc = q_base
+        k_desc = k_base
+    hi, hi_full = _key_range(start_m, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for it in tl.range(0, (hi + BLOCK_N - 1) // BLOCK_N * NKD, num_stages=STAGES):
+        kd = it % NKD
+        start_n = (it // NKD) * BLOCK_N
+        cols = start_n + offs_n
+        q = _ld(q_desc, q_base, start_m, rows_ld, stride_qs, kd * BLOCK_D, offs_d, D, False, USE_TMA)
+        k = _ld(k_desc, k_base, start_n, tl.minimum(cols, Sk - 1), stride_ks, kd * BLOCK_D, offs_d, D, False,
+                USE_TMA)
+        s = tl.where(kd == 0, 0.0, s)
+        s = tl.dot(q, tl.trans(k), s)
+        if kd == NKD - 1:
+            valid = (cols < Sk)[None, :]
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= rows[:, None] + causal_off)
+            x = tl.where(valid, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(x, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.math.exp2(m_i - m_use) + tl.sum(tl.math.exp2(x - m_use[:, None]), 1)
+            m_i = m_new
+    lse2 = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+    tl.store(LSE2 + bh.to(tl.int64) * Sq + rows, lse2, mask=rows < Sq)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -675,13 +631,14 @@ def _fallbacks(cfg):
     return out
 
 
-def _run(name, key, cfg, launch):
-    """launch(cfg) with the first config that fits the device (Triton raises OutOfResources at launch)."""
+def _run(name, key, cfg, launch, fallbacks=None):
+    """launch(cfg) with the first config of (fallbacks or _fallbacks)(cfg) that fits the device (Triton raises
+    OutOfResources at launch); the winner is remembered in RESOLVED under (name,) + key."""
     hit = RESOLVED.get((name,) + key)
     if hit is not None:
         return launch(hit)
     err = None
-    for c in _fallbacks(cfg):
+    for c in (fallbacks or _fallbacks)(cfg):
         try:
             r = launch(c)
         except triton.runtime.errors.OutOfResources as exc:
@@ -705,6 +662,9 @@ def _fwd_impl(q, k, v, causal, scale, return_lse, cfg=None):
         lse.fill_(float("-inf"))
         return out, lse
     tma = _use_tma(cfg, q, k, v, same_box=False)
+    if cfg.get("q") == "mat":
+        _fwd_mat(q, k, v, causal, scale, return_lse, cfg, tma, out, lse)
+        return out, lse
 
     def launch(cfg):
         n_g, mask_d = _groups(D, cfg)
@@ -724,20 +684,121 @@ def _fwd_impl(q, k, v, causal, scale, return_lse, cfg=None):
     return out, lse
 
 
+def _stage_fallbacks(cfg):
+    """cfg, then fewer pipeline stages (block sizes fixed)."""
+    if cfg.get("strict"):
+        return [dict(cfg)]
+    return [dict(cfg, num_stages=st) for st in range(cfg["num_stages"], 0, -1)]
+
+
+def _fwd_mat(q, k, v, causal, scale, return_lse, cfg, tma, out, lse):
+    """Materialised forward (cfg q "mat"): `_lse_kernel` (row LSE, one QK^T pass), then per scratch chunk
+    `_pds_kernel` (WITH_DP False: QK^T again, P = exp2(S * c - lse2) normalised, written in the input dtype) and
+    O = P V as one batched GEMM (GQA query heads stacked along the rows as in the backward). 3 units of S^2 D
+    matmul against the split-D forward's G + 1 (G output groups)."""
+    B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, v)
+    dev, dt = q.device, q.dtype
+    n_rep = Hq // Hk
+    bd = cfg["BLOCK_D"]
+    lse2 = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
+
+    def launch_lse(c):
+        _lse_kernel[(triton.cdiv(Sq, c["BLOCK_M"]), B * Hq)](
+            q, k, lse2, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            Sq, Sk, Hq, n_rep, D, scale * LOG2E, Sk - Sq,
+            BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, CAUSAL=bool(causal), USE_TMA=tma,
+            STAGES=c["num_stages"], num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+    key = (D, dt, bool(causal), tma, str(sorted(cfg.items())))
+    lcfg = dict(cfg, BLOCK_N=cfg.get("lse_block_n", cfg["BLOCK_N"]), num_stages=cfg.get("lse_stages", 4))
+    _run("fwd_lse", key, lcfg, launch_lse, _stage_fallbacks)
+
+    n_pairs, R, es = B * Hk, n_rep * Sq, q.element_size()
+    npc, nkc = _bwd_chunks(n_pairs, R, Sk, es, 2 * (int(cfg["scratch_mb"]) << 20), cfg["BLOCK_N"])
+    ps = torch.empty((npc, R, _pad8(nkc)), dtype=dt, device=dev)
+    vg = _pairs_view(v, Hk)
+    og = torch.empty((n_pairs, R, D), dtype=dt if nkc == Sk else torch.float32, device=dev)
+
+    def launch_p(c, p0, n0, np_, nc):
+        n_mt = triton.cdiv(Sq, c["BLOCK_M"])
+        _pds_kernel[(n_rep * n_mt, triton.cdiv(nc, c["BLOCK_N"]), np_)](
+            q, k, k, q, lse2, lse2, ps, ps,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            k.stride(0), k.stride(1), k.stride(2), q.stride(0), q.stride(1), q.stride(2),
+            ps.stride(0), ps.stride(1), Sq, Sk, Hq, Hk, n_rep, D, scale * LOG2E, Sk - Sq, p0, n0, nc, n_mt,
+            BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, CAUSAL=bool(causal),
+            USE_TMA=tma, STAGES=c["num_stages"], WITH_DP=False, num_warps=c["num_warps"],
+            num_stages=c["num_stages"])
+
+    for p0 in range(0, n_pairs, npc):
+        np_ = min(npc, n_pairs - p0)
+        sl = slice(p0, p0 + np_)
+        for n0 in range(0, Sk, nkc):
+            nc = min(nkc, Sk - n0)
+            _run("fwd_p", key, cfg, lambda c: launch_p(c, p0, n0, np_, nc), _stage_fallbacks)
+            P = ps[:np_, :, :nc]
+            if nkc == Sk:
+                torch.bmm(P, vg[sl, n0:n0 + nc], out=og[sl])
+            elif n0 == 0:
+                og[sl].copy_(torch.bmm(P, vg[sl, n0:n0 + nc]))
+            else:
+                og[sl].add_(torch.bmm(P, vg[sl, n0:n0 + nc]))
+    out.copy_(og.view(B, Hk, n_rep, Sq, D).permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D))
+    if return_lse:
+        torch.mul(lse2, LN2, out=lse)
+        lse.masked_fill_(lse2 == float("inf"), float("-inf"))
+
+
 def _unit(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _bwd_fallbacks(cfg):
+    """cfg, then fewer pipeline stages, then 64-key tiles (Triton raises OutOfResources at launch)."""
+    if cfg.get("strict"):
+        return [dict(cfg)]
+    out = [dict(cfg)]
+    for st in range(cfg["num_stages"] - 1, 0, -1):
+        out.append(dict(cfg, num_stages=st))
+    out.append(dict(cfg, BLOCK_N=64, num_stages=2))
+    out.append(dict(cfg, BLOCK_M=64, BLOCK_N=64, num_stages=1))
+    return out
+
+
+def _bwd_chunks(n_pairs, R, Sk, es, budget, block_n):
+    """(pairs per chunk, keys per chunk): P and dS scratch 2 * pairs * R * keys * es bytes <= budget when possible
+    (whole (b, kv head) pairs first; one pair with the keys cut into multiples of block_n when a pair alone is over)."""
+    full = 2 * R * _pad8(Sk) * es
+    if full <= budget:
+        return max(1, min(n_pairs, budget // full)), Sk
+    keys = max(block_n, (budget // (2 * R * es)) // block_n * block_n)
+    return 1, min(keys, Sk)
+
+
+def _pad8(n):
+    return -(-n // 8) * 8
+
+
+def _pairs_view(t, H):
+    """(B, S, H, D) -> (B * H, S, D) (a view when B == 1, else a copy)."""
+    B, S, _, D = t.shape
+    return t.permute(0, 2, 1, 3).reshape(B * H, S, D)
+
+
 def _bwd_impl(q, k, v, out, lse, dout, dlse, causal, scale, cfg=None):
+    """Gradients by materialised P / dS tiles: `_prep_kernel` (delta, lse2), then per chunk of (b, kv head) pairs
+    and keys `_pds_kernel` writes P and dS (the only D-long contractions done here, S and dP, split over D), and
+    three batched GEMMs (cuBLAS through torch) form dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K. The GQA
+    group's query heads are stacked along the rows (n_rep * Sq), so dK/dV of a pair come out of one GEMM.
+    Scratch: 2 x pairs x (n_rep * Sq) x keys elements in the input dtype, at most cfg["scratch_mb"] MiB unless one
+    pair's BLOCK_N keys already exceed it; dQ accumulates in fp32 over key chunks when a pair's keys are cut."""
     B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, v)
     cfg = bwd_config(D) if cfg is None else dict(cfg)
     q, k, v, out, dout = (_unit(t) for t in (q, k, v, out, dout))
-    dev = q.device
-    dqa = torch.zeros((B, Sq, Hq, D), dtype=torch.float32, device=dev)
-    dk = torch.zeros((B, Sk, Hk, D), dtype=k.dtype, device=dev)
-    dv = torch.zeros((B, Sk, Hk, D), dtype=v.dtype, device=dev)
+    dev, dt = q.device, q.dtype
     if B * Sq * Hq * Sk == 0:
-        return dqa.to(q.dtype), dk, dv
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    n_rep = Hq // Hk
     delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
     lse2 = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev)
     lse = lse.contiguous()
@@ -749,25 +810,54 @@ def _bwd_impl(q, k, v, out, lse, dout, dlse, causal, scale, cfg=None):
         out, dout, lse, dlse if dlse is not None else lse, delta, lse2,
         out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         Sq, Hq, D, BLOCK=PB, BLOCK_D=pbd, NKD=D // pbd, HAS_DLSE=dlse is not None, num_warps=4)
-    tma = _use_tma(cfg, q, k, v, dout)
+    tma = _use_tma(cfg, q, k, v, dout, same_box=False)
 
-    def launch(cfg):
-        n_g, mask_d = _groups(D, cfg)
-        bd = cfg["BLOCK_D"]
-        dqa.zero_()
-        _dkdv_kernel[(triton.cdiv(Sk, cfg["BLOCK_N"]), n_g, B * Hk)](
-            q, k, v, dout, lse2, delta, dk, dv, dqa,
+    n_pairs, R, es = B * Hk, n_rep * Sq, q.element_size()
+    npc, nkc = _bwd_chunks(n_pairs, R, Sk, es, int(cfg["scratch_mb"]) << 20, cfg["BLOCK_N"])
+    ps = torch.empty((npc, R, _pad8(nkc)), dtype=dt, device=dev)
+    dss = torch.empty_like(ps)
+    # Row-stacked (pair, n_rep * Sq, D) operands for the GEMMs: row r * Sq + m is query head hk * n_rep + r.
+    qg = q.view(B, Sq, Hk, n_rep, D).permute(0, 2, 3, 1, 4).reshape(n_pairs, R, D)
+    dog = dout.view(B, Sq, Hk, n_rep, D).permute(0, 2, 3, 1, 4).reshape(n_pairs, R, D)
+    kg, vg = _pairs_view(k, Hk), _pairs_view(v, Hk)
+    dkg = torch.empty((n_pairs, Sk, D), dtype=dt, device=dev)
+    dvg = torch.empty_like(dkg)
+    dqg = torch.empty((n_pairs, R, D), dtype=dt if nkc == Sk else torch.float32, device=dev)
+    bd = cfg["BLOCK_D"]
+
+    def launch(cfg, p0, n0, np_, nc):
+        n_mt = triton.cdiv(Sq, cfg["BLOCK_M"])
+        _pds_kernel[(n_rep * n_mt, triton.cdiv(nc, cfg["BLOCK_N"]), np_)](
+            q, k, v, dout, lse2, delta, ps, dss,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            dqa.stride(0), dqa.stride(1), dqa.stride(2),
-            Sq, Sk, Hq, Hk, Hq // Hk, D, scale, scale * LOG2E, Sk - Sq, 0,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, DC=cfg["DC"], NC=cfg["NC"],
-            MASK_D=mask_d, CAUSAL=bool(causal), USE_TMA=tma,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            ps.stride(0), ps.stride(1), Sq, Sk, Hq, Hk, n_rep, D, scale * LOG2E, Sk - Sq, p0, n0, nc, n_mt,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, CAUSAL=bool(causal),
+            USE_TMA=tma, STAGES=cfg["num_stages"], WITH_DP=True, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
 
-    _run("bwd", (D, q.dtype, bool(causal), tma, str(sorted(cfg.items()))), cfg, launch)
-    return dqa.to(q.dtype), dk, dv
+    key = (D, dt, bool(causal), tma, str(sorted(cfg.items())))
+    for p0 in range(0, n_pairs, npc):
+        np_ = min(npc, n_pairs - p0)
+        for n0 in range(0, Sk, nkc):
+            nc = min(nkc, Sk - n0)
+            _run("bwd", key, cfg, lambda c: launch(c, p0, n0, np_, nc), _bwd_fallbacks)
+            P, dS = ps[:np_, :, :nc], dss[:np_, :, :nc]
+            sl = slice(p0, p0 + np_)
+            dvg[sl, n0:n0 + nc].baddbmm_(P.transpose(1, 2), dog[sl], beta=0.0)
+            dkg[sl, n0:n0 + nc].baddbmm_(dS.transpose(1, 2), qg[sl], beta=0.0, alpha=scale)
+            if nkc == Sk:
+                dqg[sl].baddbmm_(dS, kg[sl, n0:n0 + nc], beta=0.0, alpha=scale)
+            else:  # fp32 accumulation over key chunks
+                part = torch.bmm(dS, kg[sl, n0:n0 + nc])
+                if n0 == 0:
+                    dqg[sl].copy_(part).mul_(scale)
+                else:
+                    dqg[sl].add_(part, alpha=scale)
+    dq = dqg.view(B, Hk, n_rep, Sq, D).permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D).to(dt)
+    dk = dkg.view(B, Hk, Sk, D).transpose(1, 2).contiguous()
+    dv = dvg.view(B, Hk, Sk, D).transpose(1, 2).contiguous()
+    return dq.contiguous(), dk, dv
 
 
 # ----------------------------------------------------------------------------------------------------------------
