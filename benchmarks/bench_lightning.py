@@ -163,14 +163,15 @@ def bench_decode(fused_recurrent, batches, graph=True):
             row["host_us_checks"] = host_time(lambda: ref.check_decode_args(q, k, v, states[0], decay, 1.0, None,
                                                                             "bhkv"))
             row["host_us_new_empty"] = host_time(lambda: q.new_empty((B, 1, H, D)))
-            row["host_us_launch"] = host_time(lambda: tri._launch_decode(q, k, v, states[0], decay, out, 1.0, False))
-            row["direct_relaunch_active"] = bool(tri._FAST) and tri._FAST_OK[0]
-            ok = tri._FAST_OK[0]
-            tri._FAST_OK[0] = False
+            row["host_us_launch"] = host_time(
+                lambda: tri._launch_decode(q, k, v, states[0], decay, out, 1.0, False, B, H, D, D))
+            row["direct_relaunch_active"] = bool(tri._PLANS) and tri._DIRECT[0]
+            ok = tri._DIRECT[0]
+            tri._DIRECT[0] = False
             row["host_us_launch_jit_only"] = host_time(
-                lambda: tri._launch_decode(q, k, v, states[0], decay, out, 1.0, False))
+                lambda: tri._launch_decode(q, k, v, states[0], decay, out, 1.0, False, B, H, D, D))
             row["ours_us_jit_only"] = _bench(lambda: tri.lightning_decode(q, k, v, states[0], decay, scale=1.0))
-            tri._FAST_OK[0] = ok
+            tri._DIRECT[0] = ok
             row["host_us_custom_op"] = host_time(
                 lambda: torch.ops.sparsepatch.lightning_decode_(q, k, v, states[0], decay, out, 1.0, False))
             if fused_recurrent is not None:
@@ -351,6 +352,160 @@ def drift(steps=4096, B=4, layers=(0, 40, 79)):
     return out
 
 
+def _plain_kernel():
+    """The plain decode of issue 6 (a minimal Triton kernel, contiguous tensors, one (K, BV) tile per program): the
+    yardstick for our launch settings, timed in the same harness (bench-only)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def plain(Q, Kt, Vt, S, G, O, scale, H, D: tl.constexpr, BV: tl.constexpr):
+        pv = tl.program_id(0)
+        bh = tl.program_id(1)
+        ok = tl.arange(0, D)
+        ov = pv * BV + tl.arange(0, BV)
+        sp = S + bh.to(tl.int64) * D * D + ok[:, None] * D + ov[None, :]
+        s = tl.load(sp)
+        q = tl.load(Q + bh * D + ok).to(tl.float32)
+        k = tl.load(Kt + bh * D + ok).to(tl.float32)
+        v = tl.load(Vt + bh * D + ov).to(tl.float32)
+        s = s * tl.exp(-tl.load(G + bh % H)) + k[:, None] * v[None, :]
+        tl.store(sp, s)
+        tl.store(O + bh * D + ov, tl.sum(s * (q * scale)[:, None], 0).to(O.dtype.element_ty))
+
+    @triton.jit
+    def plain_pdl(Q, Kt, Vt, S, G, O, scale, H, D: tl.constexpr, BV: tl.constexpr):
+        # programmatic dependent launch: this grid may start while the previous kernel drains; every load waits
+        # for it (griddepcontrol.wait), so only the launch itself overlaps
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+        pv = tl.program_id(0)
+        bh = tl.program_id(1)
+        ok = tl.arange(0, D)
+        ov = pv * BV + tl.arange(0, BV)
+        sp = S + bh.to(tl.int64) * D * D + ok[:, None] * D + ov[None, :]
+        s = tl.load(sp)
+        q = tl.load(Q + bh * D + ok).to(tl.float32)
+        k = tl.load(Kt + bh * D + ok).to(tl.float32)
+        v = tl.load(Vt + bh * D + ov).to(tl.float32)
+        s = s * tl.exp(-tl.load(G + bh % H)) + k[:, None] * v[None, :]
+        tl.store(sp, s)
+        tl.store(O + bh * D + ov, tl.sum(s * (q * scale)[:, None], 0).to(O.dtype.element_ty))
+
+    def run(q, k, v, st, decay, out, BV, warps, pdl=False):
+        B, _, Hh, Dd = q.shape
+        if pdl:
+            plain_pdl[(Dd // BV, B * Hh)](q, k, v, st, decay, out, 1.0, Hh, D=Dd, BV=BV, num_warps=warps,
+                                          launch_pdl=True)
+        else:
+            plain[(Dd // BV, B * Hh)](q, k, v, st, decay, out, 1.0, Hh, D=Dd, BV=BV, num_warps=warps)
+        return out
+    return run
+
+
+def decode_ab(fused_recurrent, batches, old=None):
+    """Old vs new decode path, the plain kernel, fla and a same-bytes copy, in one process on the same inputs:
+    eager do_bench (the default twice: the run's noise), per step in a CUDA graph cycling over >= 160 MiB of states
+    (cold L2), and at B=1 also per step on ONE state (L2-resident: 4.2 MB of the 50 MB L2 stays hot between
+    replays). Host time per call at B=1 (wall clock of back-to-back calls). `old`: a module with the previous
+    lightning_decode (benchmarks/NOTES.md, lightning v5), or None."""
+    from sparsepatch.kernels import lightning as tri
+    plain = _plain_kernel()
+    decay = minimax_slopes().cuda()
+    rows = []
+    for B in batches:
+        g = torch.Generator(device="cuda").manual_seed(100 + B)
+        q, k, v = (torch.randn(B, 1, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+        state_bytes = B * H * D * D * 4
+        nbuf = max(2, math.ceil((160 << 20) / state_bytes))
+        states = [torch.randn(B, H, D, D, device="cuda", generator=g) * 0.1 for _ in range(nbuf)]
+        out = torch.empty(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+        gg = -decay
+        fns = {"new": lambda st, o=None: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=o)}
+        if old is not None:
+            fns["old"] = lambda st, o=None: old.lightning_decode(q, k, v, st, decay, scale=1.0, out=o)
+        for bv, w in ((16, 1), (32, 4), (64, 4)) if B == 1 else ((32, 4), (64, 2), (64, 4)):
+            fns[f"plain{bv}_{w}w"] = lambda st, o=None, bv=bv, w=w: plain(q, k, v, st, decay, out if o is None else o,
+                                                                           bv, w)
+        if B == 1:
+            fns["plain16_1w_pdl"] = lambda st, o=None: plain(q, k, v, st, decay, out if o is None else o, 16, 1, True)
+        if fused_recurrent is not None:
+            fns["fla"] = lambda st, o=None: fused_recurrent(q, k, v, g_gamma=gg, scale=1.0, initial_state=st,
+                                                            output_final_state=True)
+        row = {"B": B, "state_MB": state_bytes / 1e6, "n_states": nbuf}
+        for name, fn in fns.items():                                  # one step vs the reference, twice
+            if name == "fla":
+                continue
+            s_ref, s_x = states[0].clone(), states[0].clone()
+            for _ in range(2):
+                o_ref = ref.lightning_decode(q, k, v, s_ref, decay, scale=1.0)
+                o_x = fn(s_x).clone()
+            row[f"{name}_rel_err"] = max(_rel(o_x, o_ref), _rel(s_x, s_ref))
+            del s_ref, s_x
+        half = nbuf // 2
+        for name, fn in fns.items():
+            try:
+                row[f"{name}_us"] = _bench(lambda: fn(states[0]))
+                row[f"{name}_graph_us"] = graph_time([lambda i=i: fn(states[i], out) for i in range(nbuf)],
+                                                     max(nbuf, 16 if B <= 16 else 4))
+                if B == 1:
+                    row[f"{name}_graph_hot_us"] = graph_time([lambda: fn(states[0], out)], 40)
+            except Exception as exc:  # noqa: BLE001
+                row[f"{name}_error"] = repr(exc)[:200]
+        row["new_us_again"] = _bench(lambda: fns["new"](states[0]))
+        # the same bytes as one step moved by torch's copy (read one state, write another): the floor at this size
+        row["copy_us"] = _bench(lambda: states[1].copy_(states[0]))
+        row["copy_graph_us"] = graph_time([lambda i=i: states[(i + half) % nbuf].copy_(states[i]) for i in range(nbuf)],
+                                          max(nbuf, 16 if B <= 16 else 4))
+        if B == 1:
+            row["copy_graph_hot_us"] = graph_time([lambda: states[1].copy_(states[0])], 40)
+            for name in [n for n in ("new", "old") if n in fns]:
+                row[f"host_us_{name}"] = host_time(lambda: fns[name](states[0]))
+                row[f"host_us_{name}_out"] = host_time(lambda: fns[name](states[0], out))
+            row["host_us_checks"] = host_time(lambda: ref.check_decode_args(q, k, v, states[0], decay, 1.0, None,
+                                                                            "bhkv"))
+            row["direct_relaunch_active"] = bool(tri._PLANS) and tri._DIRECT[0]
+        if B in (16, 64, 128):                                        # other tiles of our kernel, same harness
+            for bv, w in ((128, 4), (32, 1)) if B == 16 else ((128, 4),):
+                tri._DECODE_OVERRIDE.update(BV=bv, num_warps=w)
+                try:
+                    row[f"new_{bv}_{w}w_us"] = _bench(lambda: fns["new"](states[0]))
+                    row[f"new_{bv}_{w}w_graph_us"] = graph_time(
+                        [lambda i=i: fns["new"](states[i], out) for i in range(nbuf)], max(nbuf, 4))
+                finally:
+                    tri._DECODE_OVERRIDE.clear()
+        for key in [k_ for k_ in row if k_.endswith("_us") and not k_.startswith("host")]:
+            row[key.replace("_us", "_TBps")] = 2 * state_bytes / (row[key] * 1e-6) / 1e12
+        rows.append(row)
+        print("ab", {k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+        del states
+        torch.cuda.empty_cache()
+    return rows
+
+
+def ab_table(rows):
+    nan = float("nan")
+    names = [n for n in ("new", "old", "plain16_1w", "plain16_1w_pdl", "plain32_4w", "plain64_2w", "plain64_4w",
+                         "fla", "copy") if any(f"{n}_us" in r for r in rows)]
+    lines = ["| B | " + " | ".join(f"{n} eager / graph us" for n in names) + " | new eager again |",
+             "|---|" + "---|" * (len(names) + 1)]
+    for r in rows:
+        lines.append(f"| {r['B']} | " + " | ".join(f"{r.get(n + '_us', nan):.1f} / {r.get(n + '_graph_us', nan):.1f}"
+                                                   for n in names)
+                     + f" | {r['new_us_again']:.1f} |")
+    r1 = [r for r in rows if r["B"] == 1]
+    if r1:
+        lines.append("B=1 graph per step on one L2-resident state: " + ", ".join(
+            f"{n} {r1[0].get(n + '_graph_hot_us', nan):.2f}" for n in names))
+        lines.append("B=1 host us/call: " + ", ".join(f"{k_[8:]} {v_:.1f}" for k_, v_ in r1[0].items()
+                                                      if k_.startswith("host_us_")))
+    for r in rows:
+        extra = {k_: round(v_, 1) for k_, v_ in r.items() if k_.startswith("new_") and k_[4].isdigit()}
+        if extra:
+            lines.append(f"B={r['B']} other tiles: {extra}")
+    return "\n".join(lines)
+
+
 def table(res):
     lines = ["| B | ours eager us | ours graph us/step | fla eager us | fla graph us/step | torch eager us | "
              "ours TB/s (eager / graph) | fla TB/s (eager / graph) | ours/fla |",
@@ -389,6 +544,9 @@ def main(argv=None):
     p.add_argument("--drift", action="store_true", help="also: bf16-state drift vs fp32 over 4096 steps")
     p.add_argument("--decode-sweep", action="store_true",
                    help="only the decode launch-variant sweep (fp32 and bf16 state) and the bf16 drift run")
+    p.add_argument("--ab", action="store_true",
+                   help="only the decode A/B: old vs new path, plain kernel, fla, same-bytes copy (B 1..256)")
+    p.add_argument("--old", default=None, help="module with the previous lightning_decode, for --ab")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -402,6 +560,24 @@ def main(argv=None):
            "fla_error": fla_err, "shape": {"H": H, "K": D, "V": D, "dtype": "bfloat16", "state": "float32"}}
     res["copy_TBps"], res["copy_us_1GiB"] = copy_ceiling()
     print(f"{name}: device copy {res['copy_TBps']:.3f} TB/s; fla: {fla_err or 'ok'}", flush=True)
+    if args.ab:
+        import importlib
+        import inspect
+        try:
+            from triton.compiler.compiler import CompiledKernel
+            res["triton_getitem_src"] = inspect.getsource(CompiledKernel.__getitem__)
+        except Exception as exc:  # noqa: BLE001
+            res["triton_getitem_src"] = repr(exc)
+        old = importlib.import_module(args.old) if args.old else None
+        res["decode_ab"] = decode_ab(fused_rec, [1, 16, 64, 128, 256], old)
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"{gpu}-lightning-ab.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"copy ceiling {res['copy_TBps']:.3f} TB/s")
+        print(ab_table(res["decode_ab"]))
+        print("wrote", path)
+        return 0
     if args.decode_sweep:
         res["drift"] = drift()
         res["decode_sweep"] = sweep_decode([1, 16, 64, 128, 256])

@@ -159,47 +159,58 @@ def _decode_config(BH: int, K: int, V: int, state_dtype=torch.float32) -> dict:
     return dict(_LARGE_GRID, BV=BV)
 
 
-_DECODE_OVERRIDE: dict = {}  # keys of _decode_config's dict: benchmark sweeps only
-_FAST: dict = {}             # launch signature -> compiled kernel (relaunched without triton's binder)
-_FAST_OK = [os.environ.get("TRITON_INTERPRET") != "1"]
-def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
-    B, _, H, K = q.shape
-    V = v.shape[3]
-    ss = state.stride()
-    inner = ss[3]           # the unit-stride axis: V of (B, H, K, V), or K of the "bhvk" (B, H, V, K) layout
-    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
-    if inner == 1 and qs[3] == 1 and ks[3] == 1 and vs[3] == 1 and os_[3] == 1:
-        cfg = _decode_config(B * H, K, V, state.dtype)
-        if _DECODE_OVERRIDE:
-            cfg = dict(cfg, **_DECODE_OVERRIDE)
-        BV, warps = cfg["BV"], cfg["num_warps"]
-        BK = triton.next_power_of_2(K)
-        ssr = ss[2]             # stride of the other axis (K rows, or V rows for "bhvk")
-        grid = ((V + BV - 1) // BV, B * H, 1)
-        args = (q, k, v, state, decay, out, scale, H, qs[0], qs[2], ks[0], ks[2], vs[0], vs[2],
-                ss[0], ss[1], ssr, os_[0], os_[2], K, V, BK, BV, BK == K, V % BV == 0, vk)
-        nint = 7
-        # Triton specializes int args (== 1, % 16) and pointers (16-byte alignment): the key holds every int arg
-        # and requires all pointers aligned, so a cached kernel is only reused where triton would pick it again.
+_DECODE_OVERRIDE: dict = {}  # keys of _decode_config's dict: benchmark sweeps only (bypasses the plan cache)
+# Launch plans of the unit-stride kernel: key (device, B, H, K, V, dtypes, layout, the five stride tuples) ->
+# (runner, constant args). A runner is the compiled kernel bound to its grid (CompiledKernel[grid]); relaunching it
+# skips triton's binder, the config arithmetic and the grid/args building: the hot path is this key, one dict
+# lookup, the alignment test and the launch (host time: benchmarks/NOTES.md, lightning v5).
+_PLANS: dict = {}
+_DIRECT = [os.environ.get("TRITON_INTERPRET") != "1"]   # False after a failed relaunch: triton's launcher from then on
+_STREAM: list = []   # [driver.get_current_stream], looked up once
+
+
+def _unit_args(B, H, K, V, qs, ks, vs, ss, os_, state_dtype, vk):
+    """(grid, num_warps, ints + constexprs after `scale`) of _decode_unit_kernel for these shapes and strides."""
+    cfg = _decode_config(B * H, K, V, state_dtype)
+    if _DECODE_OVERRIDE:
+        cfg = dict(cfg, **_DECODE_OVERRIDE)
+    BV, warps = cfg["BV"], cfg["num_warps"]
+    BK = triton.next_power_of_2(K)
+    grid = ((V + BV - 1) // BV, B * H, 1)
+    # ss[2]: stride of the state's non-unit inner axis (K rows of (B, H, K, V), V rows of "bhvk")
+    tail = (H, qs[0], qs[2], ks[0], ks[2], vs[0], vs[2], ss[0], ss[1], ss[2], os_[0], os_[2],
+            K, V, BK, BV, BK == K, V % BV == 0, vk)
+    return grid, warps, tail
+
+
+def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool, B: int, H: int, K: int, V: int) -> None:
+    qs, ks, vs, ss, os_ = q.stride(), k.stride(), v.stride(), state.stride(), out.stride()
+    # the unit-stride axis of the state is its last: V of (B, H, K, V), or K of the "bhvk" (B, H, V, K) layout
+    if ss[3] == 1 and qs[3] == 1 and ks[3] == 1 and vs[3] == 1 and os_[3] == 1:
+        # Triton specializes int args (== 1, % 16) and pointers (16-byte alignment, `aligned`): a plan is reused only
+        # where triton would pick the same binary (every int arg is in the key, and all pointers aligned).
         aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | state.data_ptr() | out.data_ptr()
                    | decay.data_ptr()) % 16 == 0
-        key = (q.device.index, q.dtype, state.dtype, warps, args[nint:]) \
-            if aligned and _FAST_OK[0] else None
-        kern = _FAST.get(key) if key is not None else None
-        if kern is not None:
+        key = (q.get_device(), B, H, K, V, q.dtype, state.dtype, vk, qs, ks, vs, ss, os_)
+        plan = _PLANS.get(key) if aligned and _DIRECT[0] and not _DECODE_OVERRIDE else None
+        if plan is not None:
             try:
-                kern[grid](*args)
+                plan[0](q, k, v, state, decay, out, scale, *plan[1], stream=_STREAM[0](key[0]))
                 return
             except Exception as exc:  # noqa: BLE001  (a Triton whose launcher convention differs: stop trying)
                 logger.warning("sparsepatch lightning: direct relaunch failed (%s); using triton's launcher", exc)
-                _FAST_OK[0] = False
-                _FAST.clear()
-        kern = _decode_unit_kernel[grid](*args[:19], K=K, V=V, BK=BK, BV=BV, EVEN_K=BK == K, EVEN_V=V % BV == 0,
-                                         VK=vk, num_warps=warps)
-        if key is not None and kern is not None and hasattr(kern, "__getitem__"):
-            if len(_FAST) > 64:
-                _FAST.clear()
-            _FAST[key] = kern
+                _DIRECT[0] = False
+                _PLANS.clear()
+        grid, warps, tail = _unit_args(B, H, K, V, qs, ks, vs, ss, os_, state.dtype, vk)
+        kern = _decode_unit_kernel[grid](q, k, v, state, decay, out, scale, *tail[:12], K=K, V=V, BK=tail[14],
+                                         BV=tail[15], EVEN_K=tail[16], EVEN_V=tail[17], VK=vk, num_warps=warps)
+        if aligned and _DIRECT[0] and not _DECODE_OVERRIDE and hasattr(kern, "__getitem__") \
+                and q.get_device() == torch.cuda.current_device():
+            if not _STREAM:
+                _STREAM.append(triton.runtime.driver.active.get_current_stream)
+            if len(_PLANS) > 64:
+                _PLANS.clear()
+            _PLANS[key] = (kern[grid], tail)
         return
     if vk:
         ssb, ssh, ssv, ssk = ss
@@ -218,7 +229,8 @@ def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool) -> None:
 @torch.library.custom_op("sparsepatch::lightning_decode_", mutates_args=("state", "out"))
 def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, decay: torch.Tensor,
                out: torch.Tensor, scale: float, state_vk: bool) -> None:
-    _launch_decode(q, k, v, state, decay, out, scale, state_vk)
+    B, _, H, K = q.shape
+    _launch_decode(q, k, v, state, decay, out, scale, state_vk, B, H, K, v.shape[3])
 
 
 @_decode_op.register_fake
@@ -232,11 +244,11 @@ def lightning_decode(q, k, v, state, decay, *, scale=None, out=None, state_layou
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype must be one of {SUPPORTED_DTYPES} for the Triton kernel, got {q.dtype}")
     if out is None:
-        out = q.new_empty((B, 1, H, V))
+        out = torch.empty_like(v, memory_format=torch.contiguous_format)   # (B, 1, H, V), q's dtype (checked)
     if torch.compiler.is_compiling():
         _decode_op(q, k, v, state, decay, out, scale, vk)
     else:
-        _launch_decode(q, k, v, state, decay, out, scale, vk)
+        _launch_decode(q, k, v, state, decay, out, scale, vk, B, H, K, V)
     return out
 
 
