@@ -168,9 +168,11 @@ def _prep_kernel(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_os, stride_oh,
 @triton.jit
 def _dkdv_block(dk, dv, k, v, Q, DO, LSE2, DELTA, start_m, offs_m, offs_d, cols, Sq, stride_qs, stride_ds,
                 qk_scale, causal_off, MASK: tl.constexpr, CAUSAL: tl.constexpr, QD, DOD, tb, th,
-                USE_TMA: tl.constexpr):
+                USE_TMA: tl.constexpr, DQA, DQD, DQ_ADD: tl.constexpr):
     """Add the contribution of queries [start_m, start_m + BLOCK_M) of one head to dk, dv (BLOCK_N, D).
-    USE_TMA: q/dO come through host TMA descriptors QD/DOD over the (B, H, S, D) views (rows past Sq read 0)."""
+    USE_TMA: q/dO come through host TMA descriptors QD/DOD over the (B, H, S, D) views (rows past Sq read 0).
+    DQ_ADD 1 / 2: also add this block's unscaled dq (BLOCK_M, D) fp32 into the head's fp32 accumulator, by one
+    TMA reduce-add through DQD (1) or by per-element atomics at DQA (2: interpreter, no TMA); 0: no dq here."""
     rows = start_m + offs_m
     if USE_TMA:
         q = QD.load([tb, th, start_m, 0]).reshape(offs_m.shape[0], offs_d.shape[0])
@@ -202,6 +204,12 @@ def _dkdv_block(dk, dv, k, v, Q, DO, LSE2, DELTA, start_m, offs_m, offs_d, cols,
     dsT = pT * (dpT - delta[None, :])
     dsT16 = dsT.to(q.dtype)
     dk = tl.dot(dsT16, q, dk)
+    if DQ_ADD == 1:
+        dq = tl.dot(tl.trans(dsT16), k)                            # (BLOCK_M, D) fp32, unscaled
+        DQD.atomic_add([tb, th, start_m, 0], dq.reshape(1, 1, offs_m.shape[0], offs_d.shape[0]))
+    elif DQ_ADD == 2:
+        dq = tl.dot(tl.trans(dsT16), k)
+        tl.atomic_add(DQA + rows[:, None] * offs_d.shape[0] + offs_d[None, :], dq, mask=(rows < Sq)[:, None])
     return dk, dv
 
 
@@ -212,8 +220,13 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
                  stride_dvh, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, scale, qk_scale,
                  causal_off, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  TILE_M: tl.constexpr, TILE_N: tl.constexpr, SKIP: tl.constexpr, CAUSAL: tl.constexpr,
-                 Q_PARTIAL: tl.constexpr, FLAT: tl.constexpr, QD, DOD, USE_TMA: tl.constexpr):
-    """dK/dV of keys [program_id(0) * BLOCK_N, +BLOCK_N) of (batch, kv head) program_id(1)."""
+                 Q_PARTIAL: tl.constexpr, FLAT: tl.constexpr, QD, DOD, USE_TMA: tl.constexpr, DQA, DQD,
+                 DQ_ADD: tl.constexpr, DQ_TAIL: tl.constexpr, ROT: tl.constexpr):
+    """dK/dV of keys [program_id(0) * BLOCK_N, +BLOCK_N) of (batch, kv head) program_id(1); with DQ_ADD also the
+    unscaled dq of every visited block, added into DQA (B, Hq, Sq, D) fp32 (see _dkdv_block). DQ_TAIL: the
+    DQ_ADD mode of the masked pointer-load loops (per-element atomics there: a TMA reduce buffer per loop would
+    overflow shared memory, and those loops see at most a few blocks). ROT: the plain loops start at block
+    pid_n and wrap (order only; the sums are the same up to fp32 rounding)."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // Hk).to(tl.int64)
@@ -239,6 +252,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
         row_base = (b * Hq + h) * Sq
         lse_base = LSE2 + row_base
         dl_base = DELTA + row_base
+        dqa_base = DQA + row_base * HEAD_DIM
         if SKIP:
             j = start_n // TILE_N
             trow = (b * Hq + h) * Tk + j
@@ -251,14 +265,31 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
             if FLAT:
                 # One loop over (listed q-tile, BLOCK_M sub-block) pairs with the q-tile index loaded one
                 # iteration ahead, so the next q/dO addresses never wait on an index load in the same iteration.
-                i_nxt = tl.load(idx)
-                for t in range(0, n_plain * (TILE_M // BLOCK_M)):
-                    i = i_nxt
-                    i_nxt = tl.load(idx + tl.minimum((t + 1) // (TILE_M // BLOCK_M), Tq - 1))
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
-                                         i * TILE_M + (t % (TILE_M // BLOCK_M)) * BLOCK_M, offs_m, offs_d, cols,
-                                         Sq, stride_qs, stride_ds, qk_scale, 0, False, False, QD,
-                                         DOD, tb, th, USE_TMA)
+                if ROT:
+                    # Start at step pid_n (mod the step count) and wrap: programs running together add into
+                    # different dq rows instead of the same ones in lockstep.
+                    nst = n_plain * (TILE_M // BLOCK_M)
+                    r0 = pid_n % tl.maximum(nst, 1)
+                    i_nxt = tl.load(idx + r0 // (TILE_M // BLOCK_M))
+                    for t in range(0, nst):
+                        i = i_nxt
+                        tt = t + r0
+                        tt = tl.where(tt >= nst, tt - nst, tt)
+                        nx = tl.where(tt + 1 >= nst, 0, tt + 1)
+                        i_nxt = tl.load(idx + nx // (TILE_M // BLOCK_M))
+                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
+                                             i * TILE_M + (tt % (TILE_M // BLOCK_M)) * BLOCK_M, offs_m, offs_d,
+                                             cols, Sq, stride_qs, stride_ds, qk_scale, 0, False, False, QD,
+                                             DOD, tb, th, USE_TMA, dqa_base, DQD, DQ_ADD)
+                else:
+                    i_nxt = tl.load(idx)
+                    for t in range(0, n_plain * (TILE_M // BLOCK_M)):
+                        i = i_nxt
+                        i_nxt = tl.load(idx + tl.minimum((t + 1) // (TILE_M // BLOCK_M), Tq - 1))
+                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
+                                             i * TILE_M + (t % (TILE_M // BLOCK_M)) * BLOCK_M, offs_m, offs_d,
+                                             cols, Sq, stride_qs, stride_ds, qk_scale, 0, False, False, QD,
+                                             DOD, tb, th, USE_TMA, dqa_base, DQD, DQ_ADD)
             else:
                 for it in range(0, n_plain):
                     i = tl.load(idx + it)
@@ -266,14 +297,15 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
                         dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
                                              i * TILE_M + s * BLOCK_M, offs_m, offs_d, cols, Sq, stride_qs,
                                              stride_ds, qk_scale, 0, False, False, QD, DOD, tb, th,
-                                             USE_TMA)
+                                             USE_TMA, dqa_base, DQD, DQ_ADD)
             if Q_PARTIAL:  # the partial last q-tile (masked, pointer loads; compiled only when there is one)
-                for it in range(n_plain, cnt):
+                # At most one iteration: not pipelined (num_stages=1), so it adds no shared-memory buffers.
+                for it in tl.range(n_plain, cnt, num_stages=1):
                     for s in tl.static_range(TILE_M // BLOCK_M):
                         dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
                                              (Tq - 1) * TILE_M + s * BLOCK_M, offs_m, offs_d, cols, Sq, stride_qs,
                                              stride_ds, qk_scale, 0, True, False, QD, DOD,
-                                             tb, th, False)
+                                             tb, th, False, dqa_base, DQD, DQ_TAIL)
         else:
             full = Sq // BLOCK_M * BLOCK_M
             if CAUSAL:
@@ -285,19 +317,29 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
                 for start_m in range(lo, mid, BLOCK_M):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m,
                                          offs_m, offs_d, cols, Sq, stride_qs, stride_ds, qk_scale,
-                                         causal_off, True, True, QD, DOD, tb, th, False)
+                                         causal_off, True, True, QD, DOD, tb, th, False, dqa_base, DQD, DQ_TAIL)
                 tail = tl.maximum(mid, full)
             else:
                 mid = 0
                 tail = full
-            for start_m in range(mid, full, BLOCK_M):
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m, offs_m,
-                                     offs_d, cols, Sq, stride_qs, stride_ds, qk_scale, causal_off,
-                                     False, False, QD, DOD, tb, th, USE_TMA)
+            if ROT:  # as in the skip loop: start at block pid_n (mod the block count) and wrap
+                nfb = (full - mid) // BLOCK_M
+                r0 = pid_n % tl.maximum(nfb, 1)
+                for t in range(0, nfb):
+                    tt = t + r0
+                    tt = tl.where(tt >= nfb, tt - nfb, tt)
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, mid + tt * BLOCK_M,
+                                         offs_m, offs_d, cols, Sq, stride_qs, stride_ds, qk_scale, causal_off,
+                                         False, False, QD, DOD, tb, th, USE_TMA, dqa_base, DQD, DQ_ADD)
+            else:
+                for start_m in range(mid, full, BLOCK_M):
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m, offs_m,
+                                         offs_d, cols, Sq, stride_qs, stride_ds, qk_scale, causal_off,
+                                         False, False, QD, DOD, tb, th, USE_TMA, dqa_base, DQD, DQ_ADD)
             for start_m in range(tail, Sq, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m, offs_m,
                                      offs_d, cols, Sq, stride_qs, stride_ds, qk_scale, causal_off,
-                                     True, CAUSAL, QD, DOD, tb, th, False)
+                                     True, CAUSAL, QD, DOD, tb, th, False, dqa_base, DQD, DQ_TAIL)
     dk = dk * scale
     tl.store(DK + b * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
@@ -415,6 +457,22 @@ def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit
+def _dq_convert_kernel(DQA, DQ, stride_dqb, stride_dqs, stride_dqh, Sq, Hq, scale, HEAD_DIM: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """dq (B, Sq, Hq, D) in the output dtype = scale * the fp32 accumulator (B, Hq, Sq, D) of the dq_add path."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = bh % Hq
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = (rows < Sq)[:, None]
+    acc = tl.load(DQA + (bh.to(tl.int64) * Sq + rows[:, None]) * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :],
+             (acc * scale).to(DQ.dtype.element_ty), mask=ok)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
@@ -497,6 +555,17 @@ def _backward_impl(q, k, v, out, lse, dout, dlse, counts, indices, tm, tn, scale
     use_tma = all(x is not None for x in (qd, dod, kd, vd))
     if not use_tma:
         qd = dod = kd = vd = dq  # unused pointers
+    # dq_add: the dK/dV kernel also accumulates dq (one more matmul per block, fp32 reduce-adds into an L2-resident
+    # accumulator) instead of the dQ kernel's three (recomputing QK^T and dO V^T): 5 matmuls per block pair, not 7.
+    dq_add = 0
+    dqa = dqd = dq  # unused pointers
+    if cfg.get("dq_add", False):
+        dqa = torch.zeros((B, Hq, Sq, D), dtype=torch.float32, device=dev)
+        dq_add = 2
+        if not _interpret():   # the interpreter has no descriptor reduce: per-element atomics there
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            dqd = TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()), [1, 1, m1, D])
+            dq_add = 1
     _dkdv_kernel[(triton.cdiv(Sk, n1), B * Hk)](
         q, k, v, dout, lse2, delta, dk, dv, counts_t, indices_t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -504,8 +573,13 @@ def _backward_impl(q, k, v, out, lse, dout, dlse, counts, indices, tm, tn, scale
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         Sq, Sk, Hq, Hk, Hq // Hk, Tq, Tk, scale, qk_scale, causal_off,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, TILE_M=tm, TILE_N=tn, SKIP=skip, CAUSAL=bool(causal),
-        Q_PARTIAL=bool(skip and Sq % tm), FLAT=flat, QD=qd, DOD=dod, USE_TMA=use_tma,
-        num_warps=cfg["w1"], num_stages=cfg["s1"])
+        Q_PARTIAL=bool(skip and Sq % tm), FLAT=flat, QD=qd, DOD=dod, USE_TMA=use_tma, DQA=dqa, DQD=dqd,
+        DQ_ADD=dq_add, DQ_TAIL=2 if dq_add else 0,
+        ROT=bool(cfg.get("rot", False)), num_warps=cfg["w1"], num_stages=cfg["s1"])
+    if dq_add:
+        _dq_convert_kernel[(triton.cdiv(Sq, 64), B * Hq)](dqa, dq, dq.stride(0), dq.stride(1), dq.stride(2), Sq, Hq,
+                                                           scale, HEAD_DIM=D, BLOCK=64, num_warps=4)
+        return dq, dk, dv
     _dq_kernel[(triton.cdiv(Sq, m2), B * Hq)](
         q, k, v, dout, lse2, delta, dq, counts, indices,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
