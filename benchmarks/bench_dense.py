@@ -35,17 +35,15 @@ def _m(M=128, N=128, BD=64, w=8, st=4, ls=4, lbn=128, mb=512):
 
 
 FWD_SWEEP = {
-    320: [_m()],
-    512: [_m()],
-    768: [_m()],
-    1024: [_f(128, 64, 128, 256, 1, 8, 1, "flat2", 3), _m(), _m(st=3, ls=3), _m(lbn=64), _m(mb=2048)],
+    320: [_f(128, 32, 64, 64, 5, 8, 2, "res"), _f(128, 64, 64, 64, 5, 8, 1, "flat2", 3),
+          _f(128, 64, 64, 64, 5, 8, 1, "flat2", 4), _f(128, 64, 64, 64, 5, 8, 1, "res")],
+    768: [_m(), _m(lbn=64)],
+    1024: [_f(128, 64, 128, 256, 1, 8, 1, "flat2", 4)],
 }
 # Backward (materialised P / dS): _pds_kernel tile and pipeline depth, P / dS scratch budget (MiB).
 _b = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_D=64, num_warps=8, num_stages=3, scratch_mb=512)
 BWD_SWEEP = {
-    512: [dict(_b, num_stages=2), dict(_b, BLOCK_D=32, num_stages=4), dict(_b, scratch_mb=2048),
-          dict(_b, BLOCK_N=64, num_stages=4)],
-    1024: [dict(_b, num_stages=2), dict(_b, scratch_mb=2048)],
+    320: [dict(_b, BLOCK_D=32, num_stages=4), dict(_b, num_stages=2), dict(_b, scratch_mb=2048)],
 }
 FP8_SWEEP = [dict(qk_format="int8", cfg=dict()), dict(qk_format="int8", cfg=dict(fuse_q=False)),
              dict(qk_format="e4m3", cfg=dict())]

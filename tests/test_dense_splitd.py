@@ -246,11 +246,14 @@ def test_backward_scratch_chunks_interpreter(scratch):
 
 
 @cpu_only
-@pytest.mark.parametrize("scratch", [None, 0], ids=["whole", "keys-cut"])
+@pytest.mark.parametrize("scratch", [None, 0, "mha"], ids=["whole", "keys-cut", "mha-direct"])
 def test_forward_materialised_interpreter(scratch):
     """cfg q "mat" (row LSE kernel, normalised P written per scratch chunk, O = P V as a GEMM): causal GQA with
-    Sq > Sk (rows that see no key: out 0, lse -inf), whole-pair chunks and keys cut into 16-key chunks."""
-    B, Sq, Sk, Hq, Hk, D = 1, 40, 21, 4, 2, 96
+    Sq > Sk (rows that see no key: out 0, lse -inf), whole-pair chunks and keys cut into 16-key chunks; and MHA
+    B=1 (the GEMM writes the output through a strided view)."""
+    B, Sq, Sk, Hq, Hk, D = (1, 40, 21, 4, 2, 96) if scratch != "mha" else (1, 40, 21, 2, 2, 96)
+    if scratch == "mha":
+        scratch = None
     q, k, v, _ = inputs(B, Sq, Sk, Hq, Hk, D, torch.float32, seed=31)
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=32, num_warps=4, num_stages=2, q="mat", scratch_mb=1)
     old = dense._bwd_chunks

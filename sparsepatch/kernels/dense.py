@@ -17,10 +17,16 @@ Split-D, so no tile grows with D:
     chunk per iteration through a qk_stages-deep ring that never drains between k-blocks; softmax and P @ V run on
     each k-block's last chunk. ("flat": the chunk loop per k-block, also flat2's masked tail. The unrolled "v1"
     mode and the "pin" / "tma" config switches were measured slower or neutral and deleted: benchmarks/NOTES.md.)
-Backward (FlashAttention-2 order, same split): `_prep_kernel` (delta = rowsum(dO * O) - dlse, lse2 = lse*log2e),
-then `_dkdv_kernel`, one program per (k-block, output group, batch, kv head) holding dK/dV chunks of its group
-(NCB <= 4 named chunks each), recomputing S^T and dP^T over the full D, and adding dQ for its own columns with
-fp32 atomics (so no separate dQ pass). GQA query heads of a kv head are looped inside the program.
+  * "mat" (D 1024): materialised forward, `_lse_kernel` (row LSE, one QK^T pass over D), then per scratch chunk
+    `_pds_kernel` writes the normalised P (QK^T again) and O = P @ V runs as one batched cuBLAS GEMM: 3 units of
+    S^2 D matmul instead of the split forward's G + 1 (G = D / 256 output groups).
+Backward (materialised P / dS, bounded scratch): `_prep_kernel` (delta = rowsum(dO * O) - dlse, lse2 = lse*log2e),
+then per chunk of (batch, kv head) pairs and keys `_pds_kernel` computes S = Q K^T and dP = dO V^T over D in one
+pipelined loop of BLOCK_D chunks and writes P and dS = P * (dP - delta) in the input dtype to a scratch of at most
+cfg["scratch_mb"] MiB; dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K are three batched cuBLAS GEMMs over it (GQA
+query heads stacked along the rows, so no reduction pass). 5 units of S^2 D matmul, as credited; the split-D
+flash backward it replaced (one dK/dV program per (k-block, output group), S/dP recomputed per group, dQ by fp32
+atomics: 2G + 3 units) ran 5-19x slower at D 320-1024 (benchmarks/NOTES.md).
 
 Ops: `sparsepatch::dense_splitd_fwd` (autograd attached with torch.library.register_autograd) and
 `sparsepatch::dense_splitd_bwd`, both with fake impls. `attention` calls the op body directly in eager inference.
@@ -59,8 +65,9 @@ FWD_CONFIGS = {  # runs 1-2 sweeps (benchmarks/NOTES.md): TFLOP/s at B1 H48 S819
               qk_stages=3),  # 260
     768: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, DC=256, NC=1, num_warps=8, num_stages=1, q="flat2",
               qk_stages=4),  # 195
-    1024: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, DC=256, NC=1, num_warps=8, num_stages=1, q="flat2",
-               qk_stages=4),  # 152
+    # Materialised: row LSE pass, normalised P per scratch chunk, O = P V by cuBLAS (flat2 W256: 149-154).
+    1024: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_D=64, num_warps=8, num_stages=4, q="mat", lse_stages=4,
+               lse_block_n=128, scratch_mb=512),  # 292
 }
 BWD_CONFIGS = {}  # per head dim overrides of bwd_config
 
@@ -717,7 +724,9 @@ def _fwd_mat(q, k, v, causal, scale, return_lse, cfg, tma, out, lse):
     npc, nkc = _bwd_chunks(n_pairs, R, Sk, es, 2 * (int(cfg["scratch_mb"]) << 20), cfg["BLOCK_N"])
     ps = torch.empty((npc, R, _pad8(nkc)), dtype=dt, device=dev)
     vg = _pairs_view(v, Hk)
-    og = torch.empty((n_pairs, R, D), dtype=dt if nkc == Sk else torch.float32, device=dev)
+    direct = B == 1 and n_rep == 1 and nkc == Sk and out.is_contiguous()  # GEMM writes out through a view
+    og = out[0].transpose(0, 1) if direct else torch.empty((n_pairs, R, D), dtype=dt if nkc == Sk else torch.float32,
+                                                            device=dev)
 
     def launch_p(c, p0, n0, np_, nc):
         n_mt = triton.cdiv(Sq, c["BLOCK_M"])
@@ -738,12 +747,13 @@ def _fwd_mat(q, k, v, causal, scale, return_lse, cfg, tma, out, lse):
             _run("fwd_p", key, cfg, lambda c: launch_p(c, p0, n0, np_, nc), _stage_fallbacks)
             P = ps[:np_, :, :nc]
             if nkc == Sk:
-                torch.bmm(P, vg[sl, n0:n0 + nc], out=og[sl])
+                og[sl].baddbmm_(P, vg[sl, n0:n0 + nc], beta=0.0)
             elif n0 == 0:
                 og[sl].copy_(torch.bmm(P, vg[sl, n0:n0 + nc]))
             else:
                 og[sl].add_(torch.bmm(P, vg[sl, n0:n0 + nc]))
-    out.copy_(og.view(B, Hk, n_rep, Sq, D).permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D))
+    if not direct:
+        out.copy_(og.view(B, Hk, n_rep, Sq, D).permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D))
     if return_lse:
         torch.mul(lse2, LN2, out=lse)
         lse.masked_fill_(lse2 == float("inf"), float("-inf"))
@@ -820,9 +830,17 @@ def _bwd_impl(q, k, v, out, lse, dout, dlse, causal, scale, cfg=None):
     qg = q.view(B, Sq, Hk, n_rep, D).permute(0, 2, 3, 1, 4).reshape(n_pairs, R, D)
     dog = dout.view(B, Sq, Hk, n_rep, D).permute(0, 2, 3, 1, 4).reshape(n_pairs, R, D)
     kg, vg = _pairs_view(k, Hk), _pairs_view(v, Hk)
-    dkg = torch.empty((n_pairs, Sk, D), dtype=dt, device=dev)
-    dvg = torch.empty_like(dkg)
-    dqg = torch.empty((n_pairs, R, D), dtype=dt if nkc == Sk else torch.float32, device=dev)
+    # Outputs in (B, S, H, D); with B == 1 the GEMMs write them through (H, S, D) views (row stride H * D), else
+    # into head-major buffers copied once at the end.
+    dk = torch.empty((B, Sk, Hk, D), dtype=dt, device=dev)
+    dv = torch.empty_like(dk)
+    dq = torch.empty((B, Sq, Hq, D), dtype=dt, device=dev)
+    direct = B == 1
+    dkg = dk[0].transpose(0, 1) if direct else torch.empty((n_pairs, Sk, D), dtype=dt, device=dev)
+    dvg = dv[0].transpose(0, 1) if direct else torch.empty_like(dkg)
+    direct_q = direct and n_rep == 1 and nkc == Sk
+    dqg = dq[0].transpose(0, 1) if direct_q else torch.empty((n_pairs, R, D), dtype=dt if nkc == Sk else torch.float32,
+                                                             device=dev)
     bd = cfg["BLOCK_D"]
 
     def launch(cfg, p0, n0, np_, nc):
@@ -854,10 +872,12 @@ def _bwd_impl(q, k, v, out, lse, dout, dlse, causal, scale, cfg=None):
                     dqg[sl].copy_(part).mul_(scale)
                 else:
                     dqg[sl].add_(part, alpha=scale)
-    dq = dqg.view(B, Hk, n_rep, Sq, D).permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D).to(dt)
-    dk = dkg.view(B, Hk, Sk, D).transpose(1, 2).contiguous()
-    dv = dvg.view(B, Hk, Sk, D).transpose(1, 2).contiguous()
-    return dq.contiguous(), dk, dv
+    if not direct_q:
+        dq.copy_(dqg.view(B, Hk, n_rep, Sq, D).permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D))
+    if not direct:
+        dk.copy_(dkg.view(B, Hk, Sk, D).transpose(1, 2))
+        dv.copy_(dvg.view(B, Hk, Sk, D).transpose(1, 2))
+    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------------------------------
