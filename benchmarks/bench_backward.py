@@ -41,10 +41,13 @@ VARIANTS = {
     "split s3 flat tma": dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, flat=True, tma=True),
     "split s3 flat tma dq128": dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=128, w2=8, s2=2, flat=True, tma=True),
     "split s4 flat tma": dict(M1=64, N1=128, w1=8, s1=4, M2=128, N2=64, w2=8, s2=4, flat=True, tma=True),
-    # dq accumulated by the dK/dV kernel (TMA reduce-add into an fp32 buffer; no dQ kernel): 5 matmuls, not 7
-    "dqadd": dict(M1=64, N1=128, w1=8, s1=3, flat=True, tma=True, dq_add=True, rot=False),
-    "dqadd rot": dict(M1=64, N1=128, w1=8, s1=3, flat=True, tma=True, dq_add=True, rot=True),
-    "dqadd rot s2": dict(M1=64, N1=128, w1=8, s1=2, flat=True, tma=True, dq_add=True, rot=True),
+    # 4-warp programs of 64 keys (dK/dV) / 64 queries (dQ), 2 stages: ~99 KB shared memory and 255 / 158 registers,
+    # so two programs share an SM (one 8-warp program per SM before); streams: dQ kernel on a side stream
+    "w4 dkdv": dict(M1=64, N1=64, w1=4, s1=2, M2=128, N2=64, w2=8, s2=3, flat=True, tma=True),
+    "w4 both": dict(M1=64, N1=64, w1=4, s1=2, M2=64, N2=64, w2=4, s2=2, flat=True, tma=True),
+    "streams": dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, flat=True, tma=True, streams=True),
+    "w4 both streams": dict(M1=64, N1=64, w1=4, s1=2, M2=64, N2=64, w2=4, s2=2, flat=True, tma=True,
+                            streams=True),
 }
 
 

@@ -120,13 +120,10 @@ def test_dense_backward_fp32(Sq, Sk, causal):
 
 @cpu_only
 @pytest.mark.parametrize("variant,skip_mode,causal", [
-    (dict(flat=True), True, False), (dict(flat=True, tma=True), True, False), (dict(tma=True), False, True),
-    (dict(flat=True, tma=True, dq_add=True), True, False), (dict(dq_add=True), False, True),
-    (dict(flat=True, dq_add=True, rot=True), True, False), (dict(dq_add=True, rot=True), False, False)])
+    (dict(flat=True), True, False), (dict(flat=True, tma=True), True, False), (dict(tma=True), False, True)])
 def test_flat_and_tma_variants(variant, skip_mode, causal):
     """cfg flat=True (one loop over (tile, sub-block) pairs, index prefetched), tma=True (q/dO and k/v through
-    host TMA descriptors), dq_add=True (dq accumulated by the dK/dV kernel, no dQ kernel), rot=True (rotated
-    loop start); tile (64, 64) with M1=N2=32 so each listed tile has two sub-blocks; partial tiles, GQA."""
+    host TMA descriptors); tile (64, 64) with M1=N2=32 so each listed tile has two sub-blocks; partial tiles, GQA."""
     Sq, Sk = 150, 200
     q, k, v, do = make_inputs(1, Sq, Sk, 4, 2, 64, torch.float32, seed=18)
     lst = SkipList.from_mask(random_mask(1, 4, 3, 4, 0.5, seed=19), (64, 64), Sq, Sk) if skip_mode else None
@@ -296,9 +293,9 @@ def test_gpu_bf16(S, Hq, Hk, density, causal):
     variants = ()
     if S == 4096 and not causal:   # the launch variants the benchmark times, same tolerance
         variants = (dict(flat=True, s1=3, s2=3), dict(flat=False, tma=False, s1=2), dict(N2=128, s2=2),
-                    dict(dq_add=True), dict(dq_add=True, rot=True), dict(dq_add=True, s1=2))
-    elif density is not None or causal:   # partial last q-tile / causal masks with dq accumulated in dK/dV
-        variants = (dict(dq_add=True, rot=True),)
+                    dict(streams=True), dict(M1=64, N1=64, w1=4, s1=2, M2=64, N2=64, w2=4, s2=2, streams=True))
+    elif density is not None or causal:   # partial tiles / causal masks: 64-key dK/dV and 64-query dQ programs
+        variants = (dict(M1=64, N1=64, w1=4, s1=2, M2=64, N2=64, w2=4, s2=2, streams=True),)
     for var in variants:
         cfg = dict(bwd.CONFIGS[D], **var)
         got = bwd._backward_impl(q, k, v, out, lse, do, None, lst.counts if lst else None,

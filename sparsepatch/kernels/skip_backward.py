@@ -36,6 +36,7 @@ forward's keep test did not mark negligible; intersected with skip_list) — an 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -58,7 +59,9 @@ logger = logging.getLogger(__name__)
 # of the dQ kernel (queries per program M2, key sub-block N2). Block sizes shrink to divide the skip tile.
 # flat=True: the skip loops walk (listed tile, sub-block) pairs with the next tile index loaded one iteration ahead.
 # tma=True: the loop loads (q/dO in dK/dV, k/v in dQ) through host TMA descriptors over the (B, H, S, D) views.
-# (Atomic dq in the dK/dV kernel and one fused dK/dV + dQ launch were measured slower and deleted; NOTES.md.)
+# streams=True: the dQ kernel runs on a side stream, overlapping the dK/dV kernel's last wave.
+# (Atomic dq in the dK/dV kernel -- per-element in round 2, one TMA reduce-add per block in round 3 -- and one
+# fused dK/dV + dQ launch were measured slower and deleted; NOTES.md.)
 # D=128 is the H100 sweep winner of benchmarks/bench_backward.py (2026-11-23: bwd 40.7 ms dense, 39.8 / 19.9 / 5.35
 # / 2.36 ms at 0 / 50 / 87.5 / 95 % skip, B1 H12 S32768; the previous atomic default: 46.9 / 50.9 / 26.1 / 6.9 /
 # 3.2 ms). D=64 is unswept.
@@ -168,11 +171,9 @@ def _prep_kernel(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_os, stride_oh,
 @triton.jit
 def _dkdv_block(dk, dv, k, v, Q, DO, LSE2, DELTA, start_m, offs_m, offs_d, cols, Sq, stride_qs, stride_ds,
                 qk_scale, causal_off, MASK: tl.constexpr, CAUSAL: tl.constexpr, QD, DOD, tb, th,
-                USE_TMA: tl.constexpr, DQA, DQD, DQ_ADD: tl.constexpr):
+                USE_TMA: tl.constexpr):
     """Add the contribution of queries [start_m, start_m + BLOCK_M) of one head to dk, dv (BLOCK_N, D).
-    USE_TMA: q/dO come through host TMA descriptors QD/DOD over the (B, H, S, D) views (rows past Sq read 0).
-    DQ_ADD 1 / 2: also add this block's unscaled dq (BLOCK_M, D) fp32 into the head's fp32 accumulator, by one
-    TMA reduce-add through DQD (1) or by per-element atomics at DQA (2: interpreter, no TMA); 0: no dq here."""
+    USE_TMA: q/dO come through host TMA descriptors QD/DOD over the (B, H, S, D) views (rows past Sq read 0)."""
     rows = start_m + offs_m
     if USE_TMA:
         q = QD.load([tb, th, start_m, 0]).reshape(offs_m.shape[0], offs_d.shape[0])
@@ -204,12 +205,6 @@ def _dkdv_block(dk, dv, k, v, Q, DO, LSE2, DELTA, start_m, offs_m, offs_d, cols,
     dsT = pT * (dpT - delta[None, :])
     dsT16 = dsT.to(q.dtype)
     dk = tl.dot(dsT16, q, dk)
-    if DQ_ADD == 1:
-        dq = tl.dot(tl.trans(dsT16), k)                            # (BLOCK_M, D) fp32, unscaled
-        DQD.atomic_add([tb, th, start_m, 0], dq.reshape(1, 1, offs_m.shape[0], offs_d.shape[0]))
-    elif DQ_ADD == 2:
-        dq = tl.dot(tl.trans(dsT16), k)
-        tl.atomic_add(DQA + rows[:, None] * offs_d.shape[0] + offs_d[None, :], dq, mask=(rows < Sq)[:, None])
     return dk, dv
 
 
@@ -220,13 +215,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
                  stride_dvh, Sq, Sk, Hq, Hk, n_rep, Tq, Tk, scale, qk_scale,
                  causal_off, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  TILE_M: tl.constexpr, TILE_N: tl.constexpr, SKIP: tl.constexpr, CAUSAL: tl.constexpr,
-                 Q_PARTIAL: tl.constexpr, FLAT: tl.constexpr, QD, DOD, USE_TMA: tl.constexpr, DQA, DQD,
-                 DQ_ADD: tl.constexpr, DQ_TAIL: tl.constexpr, ROT: tl.constexpr):
-    """dK/dV of keys [program_id(0) * BLOCK_N, +BLOCK_N) of (batch, kv head) program_id(1); with DQ_ADD also the
-    unscaled dq of every visited block, added into DQA (B, Hq, Sq, D) fp32 (see _dkdv_block). DQ_TAIL: the
-    DQ_ADD mode of the masked pointer-load loops (per-element atomics there: a TMA reduce buffer per loop would
-    overflow shared memory, and those loops see at most a few blocks). ROT: the plain loops start at block
-    pid_n and wrap (order only; the sums are the same up to fp32 rounding)."""
+                 Q_PARTIAL: tl.constexpr, FLAT: tl.constexpr, QD, DOD, USE_TMA: tl.constexpr):
+    """dK/dV of keys [program_id(0) * BLOCK_N, +BLOCK_N) of (batch, kv head) program_id(1)."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // Hk).to(tl.int64)
@@ -252,7 +242,6 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
         row_base = (b * Hq + h) * Sq
         lse_base = LSE2 + row_base
         dl_base = DELTA + row_base
-        dqa_base = DQA + row_base * HEAD_DIM
         if SKIP:
             j = start_n // TILE_N
             trow = (b * Hq + h) * Tk + j
@@ -265,31 +254,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
             if FLAT:
                 # One loop over (listed q-tile, BLOCK_M sub-block) pairs with the q-tile index loaded one
                 # iteration ahead, so the next q/dO addresses never wait on an index load in the same iteration.
-                if ROT:
-                    # Start at step pid_n (mod the step count) and wrap: programs running together add into
-                    # different dq rows instead of the same ones in lockstep.
-                    nst = n_plain * (TILE_M // BLOCK_M)
-                    r0 = pid_n % tl.maximum(nst, 1)
-                    i_nxt = tl.load(idx + r0 // (TILE_M // BLOCK_M))
-                    for t in range(0, nst):
-                        i = i_nxt
-                        tt = t + r0
-                        tt = tl.where(tt >= nst, tt - nst, tt)
-                        nx = tl.where(tt + 1 >= nst, 0, tt + 1)
-                        i_nxt = tl.load(idx + nx // (TILE_M // BLOCK_M))
-                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
-                                             i * TILE_M + (tt % (TILE_M // BLOCK_M)) * BLOCK_M, offs_m, offs_d,
-                                             cols, Sq, stride_qs, stride_ds, qk_scale, 0, False, False, QD,
-                                             DOD, tb, th, USE_TMA, dqa_base, DQD, DQ_ADD)
-                else:
-                    i_nxt = tl.load(idx)
-                    for t in range(0, n_plain * (TILE_M // BLOCK_M)):
-                        i = i_nxt
-                        i_nxt = tl.load(idx + tl.minimum((t + 1) // (TILE_M // BLOCK_M), Tq - 1))
-                        dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
-                                             i * TILE_M + (t % (TILE_M // BLOCK_M)) * BLOCK_M, offs_m, offs_d,
-                                             cols, Sq, stride_qs, stride_ds, qk_scale, 0, False, False, QD,
-                                             DOD, tb, th, USE_TMA, dqa_base, DQD, DQ_ADD)
+                i_nxt = tl.load(idx)
+                for t in range(0, n_plain * (TILE_M // BLOCK_M)):
+                    i = i_nxt
+                    i_nxt = tl.load(idx + tl.minimum((t + 1) // (TILE_M // BLOCK_M), Tq - 1))
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
+                                         i * TILE_M + (t % (TILE_M // BLOCK_M)) * BLOCK_M, offs_m, offs_d, cols,
+                                         Sq, stride_qs, stride_ds, qk_scale, 0, False, False, QD,
+                                         DOD, tb, th, USE_TMA)
             else:
                 for it in range(0, n_plain):
                     i = tl.load(idx + it)
@@ -297,15 +269,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
                         dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
                                              i * TILE_M + s * BLOCK_M, offs_m, offs_d, cols, Sq, stride_qs,
                                              stride_ds, qk_scale, 0, False, False, QD, DOD, tb, th,
-                                             USE_TMA, dqa_base, DQD, DQ_ADD)
+                                             USE_TMA)
             if Q_PARTIAL:  # the partial last q-tile (masked, pointer loads; compiled only when there is one)
-                # At most one iteration: not pipelined (num_stages=1), so it adds no shared-memory buffers.
-                for it in tl.range(n_plain, cnt, num_stages=1):
+                for it in range(n_plain, cnt):
                     for s in tl.static_range(TILE_M // BLOCK_M):
                         dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
                                              (Tq - 1) * TILE_M + s * BLOCK_M, offs_m, offs_d, cols, Sq, stride_qs,
                                              stride_ds, qk_scale, 0, True, False, QD, DOD,
-                                             tb, th, False, dqa_base, DQD, DQ_TAIL)
+                                             tb, th, False)
         else:
             full = Sq // BLOCK_M * BLOCK_M
             if CAUSAL:
@@ -317,29 +288,19 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, CNT_T, IDX_T,
                 for start_m in range(lo, mid, BLOCK_M):
                     dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m,
                                          offs_m, offs_d, cols, Sq, stride_qs, stride_ds, qk_scale,
-                                         causal_off, True, True, QD, DOD, tb, th, False, dqa_base, DQD, DQ_TAIL)
+                                         causal_off, True, True, QD, DOD, tb, th, False)
                 tail = tl.maximum(mid, full)
             else:
                 mid = 0
                 tail = full
-            if ROT:  # as in the skip loop: start at block pid_n (mod the block count) and wrap
-                nfb = (full - mid) // BLOCK_M
-                r0 = pid_n % tl.maximum(nfb, 1)
-                for t in range(0, nfb):
-                    tt = t + r0
-                    tt = tl.where(tt >= nfb, tt - nfb, tt)
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, mid + tt * BLOCK_M,
-                                         offs_m, offs_d, cols, Sq, stride_qs, stride_ds, qk_scale, causal_off,
-                                         False, False, QD, DOD, tb, th, USE_TMA, dqa_base, DQD, DQ_ADD)
-            else:
-                for start_m in range(mid, full, BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m, offs_m,
-                                         offs_d, cols, Sq, stride_qs, stride_ds, qk_scale, causal_off,
-                                         False, False, QD, DOD, tb, th, USE_TMA, dqa_base, DQD, DQ_ADD)
+            for start_m in range(mid, full, BLOCK_M):
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m, offs_m,
+                                     offs_d, cols, Sq, stride_qs, stride_ds, qk_scale, causal_off,
+                                     False, False, QD, DOD, tb, th, USE_TMA)
             for start_m in range(tail, Sq, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start_m, offs_m,
                                      offs_d, cols, Sq, stride_qs, stride_ds, qk_scale, causal_off,
-                                     True, CAUSAL, QD, DOD, tb, th, False, dqa_base, DQD, DQ_TAIL)
+                                     True, CAUSAL, QD, DOD, tb, th, False)
     dk = dk * scale
     tl.store(DK + b * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
@@ -457,22 +418,6 @@ def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
-def _dq_convert_kernel(DQA, DQ, stride_dqb, stride_dqs, stride_dqh, Sq, Hq, scale, HEAD_DIM: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """dq (B, Sq, Hq, D) in the output dtype = scale * the fp32 accumulator (B, Hq, Sq, D) of the dq_add path."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // Hq).to(tl.int64)
-    h = bh % Hq
-    rows = pid * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = (rows < Sq)[:, None]
-    acc = tl.load(DQA + (bh.to(tl.int64) * Sq + rows[:, None]) * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :],
-             (acc * scale).to(DQ.dtype.element_ty), mask=ok)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------------
@@ -555,17 +500,6 @@ def _backward_impl(q, k, v, out, lse, dout, dlse, counts, indices, tm, tn, scale
     use_tma = all(x is not None for x in (qd, dod, kd, vd))
     if not use_tma:
         qd = dod = kd = vd = dq  # unused pointers
-    # dq_add: the dK/dV kernel also accumulates dq (one more matmul per block, fp32 reduce-adds into an L2-resident
-    # accumulator) instead of the dQ kernel's three (recomputing QK^T and dO V^T): 5 matmuls per block pair, not 7.
-    dq_add = 0
-    dqa = dqd = dq  # unused pointers
-    if cfg.get("dq_add", False):
-        dqa = torch.zeros((B, Hq, Sq, D), dtype=torch.float32, device=dev)
-        dq_add = 2
-        if not _interpret():   # the interpreter has no descriptor reduce: per-element atomics there
-            from triton.tools.tensor_descriptor import TensorDescriptor
-            dqd = TensorDescriptor(dqa, list(dqa.shape), list(dqa.stride()), [1, 1, m1, D])
-            dq_add = 1
     _dkdv_kernel[(triton.cdiv(Sk, n1), B * Hk)](
         q, k, v, dout, lse2, delta, dk, dv, counts_t, indices_t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -573,23 +507,40 @@ def _backward_impl(q, k, v, out, lse, dout, dlse, counts, indices, tm, tn, scale
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         Sq, Sk, Hq, Hk, Hq // Hk, Tq, Tk, scale, qk_scale, causal_off,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, TILE_M=tm, TILE_N=tn, SKIP=skip, CAUSAL=bool(causal),
-        Q_PARTIAL=bool(skip and Sq % tm), FLAT=flat, QD=qd, DOD=dod, USE_TMA=use_tma, DQA=dqa, DQD=dqd,
-        DQ_ADD=dq_add, DQ_TAIL=2 if dq_add else 0,
-        ROT=bool(cfg.get("rot", False)), num_warps=cfg["w1"], num_stages=cfg["s1"])
-    if dq_add:
-        _dq_convert_kernel[(triton.cdiv(Sq, 64), B * Hq)](dqa, dq, dq.stride(0), dq.stride(1), dq.stride(2), Sq, Hq,
-                                                           scale, HEAD_DIM=D, BLOCK=64, num_warps=4)
-        return dq, dk, dv
-    _dq_kernel[(triton.cdiv(Sq, m2), B * Hq)](
-        q, k, v, dout, lse2, delta, dq, counts, indices,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        Sq, Sk, Hq, Hq // Hk, Tq, Tk, scale, qk_scale, causal_off,
-        HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, TILE_M=tm, TILE_N=tn, SKIP=skip, CAUSAL=bool(causal),
-        K_PARTIAL=bool(skip and Sk % tn), FLAT=flat, KD=kd, VD=vd, USE_TMA=use_tma, num_warps=cfg["w2"],
-        num_stages=cfg["s2"])
+        Q_PARTIAL=bool(skip and Sq % tm), FLAT=flat, QD=qd, DOD=dod, USE_TMA=use_tma,
+        num_warps=cfg["w1"], num_stages=cfg["s1"])
+    # streams: the dQ kernel goes on a side stream (it needs only the prep outputs), launched after the dK/dV
+    # kernel, so its programs fill the SMs that the dK/dV grid's last wave leaves idle instead of waiting for it.
+    main = side = None
+    if cfg.get("streams", False) and q.is_cuda:
+        main = torch.cuda.current_stream(dev)
+        side = _side_stream(dev)
+        side.wait_stream(main)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        _dq_kernel[(triton.cdiv(Sq, m2), B * Hq)](
+            q, k, v, dout, lse2, delta, dq, counts, indices,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            Sq, Sk, Hq, Hq // Hk, Tq, Tk, scale, qk_scale, causal_off,
+            HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, TILE_M=tm, TILE_N=tn, SKIP=skip, CAUSAL=bool(causal),
+            K_PARTIAL=bool(skip and Sk % tn), FLAT=flat, KD=kd, VD=vd, USE_TMA=use_tma, num_warps=cfg["w2"],
+            num_stages=cfg["s2"])
+    if side is not None:
+        main.wait_stream(side)   # everything the dQ kernel touched was allocated on main: freed only after this
     return dq, dk, dv
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(dev):
+    """One cached side stream per CUDA device (the `streams` config key)."""
+    dev = torch.device(dev)
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _SIDE_STREAMS[key]
 
 
 @torch.library.custom_op("sparsepatch::attention_bwd", mutates_args=())
