@@ -392,9 +392,28 @@ def _plain_kernel():
         tl.store(sp, s)
         tl.store(O + bh * D + ov, tl.sum(s * (q * scale)[:, None], 0).to(O.dtype.element_ty))
 
-    def run(q, k, v, st, decay, out, BV, warps, pdl=False):
+    @triton.jit
+    def plain_tma(Q, Kt, Vt, Sd, G, O, scale, H, D: tl.constexpr, BV: tl.constexpr):
+        # the state tile moved by the bulk tensor copy engine (host descriptor over the (B*H*K, V) view)
+        pv = tl.program_id(0)
+        bh = tl.program_id(1)
+        ok = tl.arange(0, D)
+        ov = pv * BV + tl.arange(0, BV)
+        s = Sd.load([bh * D, pv * BV])
+        q = tl.load(Q + bh * D + ok).to(tl.float32)
+        k = tl.load(Kt + bh * D + ok).to(tl.float32)
+        v = tl.load(Vt + bh * D + ov).to(tl.float32)
+        s = s * tl.exp(-tl.load(G + bh % H)) + k[:, None] * v[None, :]
+        Sd.store([bh * D, pv * BV], s)
+        tl.store(O + bh * D + ov, tl.sum(s * (q * scale)[:, None], 0).to(O.dtype.element_ty))
+
+    def run(q, k, v, st, decay, out, BV, warps, pdl=False, tma=False):
         B, _, Hh, Dd = q.shape
-        if pdl:
+        if tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            sd = TensorDescriptor(st, [B * Hh * Dd, Dd], [Dd, 1], [Dd, BV])
+            plain_tma[(Dd // BV, B * Hh)](q, k, v, sd, decay, out, 1.0, Hh, D=Dd, BV=BV, num_warps=warps)
+        elif pdl:
             plain_pdl[(Dd // BV, B * Hh)](q, k, v, st, decay, out, 1.0, Hh, D=Dd, BV=BV, num_warps=warps,
                                           launch_pdl=True)
         else:
@@ -429,6 +448,9 @@ def decode_ab(fused_recurrent, batches, old=None):
                                                                            bv, w)
         if B == 1:
             fns["plain16_1w_pdl"] = lambda st, o=None: plain(q, k, v, st, decay, out if o is None else o, 16, 1, True)
+        for bv, w in ((16, 1),) if B == 1 else ((64, 2), (64, 4)):
+            fns[f"tma{bv}_{w}w"] = lambda st, o=None, bv=bv, w=w: plain(q, k, v, st, decay, out if o is None else o,
+                                                                         bv, w, tma=True)
         if fused_recurrent is not None:
             fns["fla"] = lambda st, o=None: fused_recurrent(q, k, v, g_gamma=gg, scale=1.0, initial_state=st,
                                                             output_final_state=True)
@@ -486,7 +508,7 @@ def decode_ab(fused_recurrent, batches, old=None):
 def ab_table(rows):
     nan = float("nan")
     names = [n for n in ("new", "old", "plain16_1w", "plain16_1w_pdl", "plain32_4w", "plain64_2w", "plain64_4w",
-                         "fla", "copy") if any(f"{n}_us" in r for r in rows)]
+                         "tma16_1w", "tma64_2w", "tma64_4w", "fla", "copy") if any(f"{n}_us" in r for r in rows)]
     lines = ["| B | " + " | ".join(f"{n} eager / graph us" for n in names) + " | new eager again |",
              "|---|" + "---|" * (len(names) + 1)]
     for r in rows:
@@ -566,6 +588,8 @@ def main(argv=None):
         try:
             from triton.compiler.compiler import CompiledKernel
             res["triton_getitem_src"] = inspect.getsource(CompiledKernel.__getitem__)
+            from triton.backends.nvidia.driver import CudaLauncher
+            res["triton_launcher_call_src"] = inspect.getsource(CudaLauncher.__call__)
         except Exception as exc:  # noqa: BLE001
             res["triton_getitem_src"] = repr(exc)
         old = importlib.import_module(args.old) if args.old else None
