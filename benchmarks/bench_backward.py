@@ -34,20 +34,15 @@ TILE = (128, 128)
 
 # Named launch variants (merged over CONFIGS[D]); each is timed on the dense backward and on the skip lists, and the
 # fastest by the sum over all of them is used for the table. flat: one loop over (listed tile, sub-block) pairs
-# with the index prefetched; tma: host TMA descriptors for the loop loads (q/dO in dK/dV, k/v in dQ). The atomic-dq
-# and fused (one launch) variants timed in round 2 were deleted (measured slower; benchmarks/NOTES.md).
+# with the index prefetched; tma: host TMA descriptors for the loop loads (q/dO in dK/dV, k/v in dQ). Variants
+# measured slower or neutral in rounds 2-3 were deleted (atomic / TMA-reduce dq, fused launch, side-stream dQ,
+# 4-warp dQ, s4, dQ N2=128, no TMA; benchmarks/NOTES.md).
 VARIANTS = {
-    "split s3 flat": dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, flat=True, tma=False),
+    # round-2 default: one 8-warp program of 128 keys per SM (165 KB shared memory)
     "split s3 flat tma": dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, flat=True, tma=True),
-    "split s3 flat tma dq128": dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=128, w2=8, s2=2, flat=True, tma=True),
-    "split s4 flat tma": dict(M1=64, N1=128, w1=8, s1=4, M2=128, N2=64, w2=8, s2=4, flat=True, tma=True),
-    # 4-warp programs of 64 keys (dK/dV) / 64 queries (dQ), 2 stages: ~99 KB shared memory and 255 / 158 registers,
-    # so two programs share an SM (one 8-warp program per SM before); streams: dQ kernel on a side stream
+    # round-3 default: 4-warp dK/dV programs of 64 keys at 2 stages (~99 KB, 255 registers x 128 threads), so two
+    # share an SM; the dQ kernel unchanged (its 4-warp 64-query version lost: k/v read from L2 twice as often)
     "w4 dkdv": dict(M1=64, N1=64, w1=4, s1=2, M2=128, N2=64, w2=8, s2=3, flat=True, tma=True),
-    "w4 both": dict(M1=64, N1=64, w1=4, s1=2, M2=64, N2=64, w2=4, s2=2, flat=True, tma=True),
-    "streams": dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, flat=True, tma=True, streams=True),
-    "w4 both streams": dict(M1=64, N1=64, w1=4, s1=2, M2=64, N2=64, w2=4, s2=2, flat=True, tma=True,
-                            streams=True),
 }
 
 

@@ -293,9 +293,9 @@ def test_gpu_bf16(S, Hq, Hk, density, causal):
     variants = ()
     if S == 4096 and not causal:   # the launch variants the benchmark times, same tolerance
         variants = (dict(flat=True, s1=3, s2=3), dict(flat=False, tma=False, s1=2), dict(N2=128, s2=2),
-                    dict(streams=True), dict(M1=64, N1=64, w1=4, s1=2, M2=64, N2=64, w2=4, s2=2, streams=True))
-    elif density is not None or causal:   # partial tiles / causal masks: 64-key dK/dV and 64-query dQ programs
-        variants = (dict(M1=64, N1=64, w1=4, s1=2, M2=64, N2=64, w2=4, s2=2, streams=True),)
+                    dict(N1=128, w1=8, s1=3))
+    elif density is not None or causal:   # partial tiles / causal masks: the round-2 8-warp 128-key dK/dV programs
+        variants = (dict(N1=128, w1=8, s1=3),)
     for var in variants:
         cfg = dict(bwd.CONFIGS[D], **var)
         got = bwd._backward_impl(q, k, v, out, lse, do, None, lst.counts if lst else None,

@@ -36,7 +36,6 @@ forward's keep test did not mark negligible; intersected with skip_list) — an 
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 
@@ -59,14 +58,16 @@ logger = logging.getLogger(__name__)
 # of the dQ kernel (queries per program M2, key sub-block N2). Block sizes shrink to divide the skip tile.
 # flat=True: the skip loops walk (listed tile, sub-block) pairs with the next tile index loaded one iteration ahead.
 # tma=True: the loop loads (q/dO in dK/dV, k/v in dQ) through host TMA descriptors over the (B, H, S, D) views.
-# streams=True: the dQ kernel runs on a side stream, overlapping the dK/dV kernel's last wave.
-# (Atomic dq in the dK/dV kernel -- per-element in round 2, one TMA reduce-add per block in round 3 -- and one
-# fused dK/dV + dQ launch were measured slower and deleted; NOTES.md.)
-# D=128 is the H100 sweep winner of benchmarks/bench_backward.py (2026-11-23: bwd 40.7 ms dense, 39.8 / 19.9 / 5.35
-# / 2.36 ms at 0 / 50 / 87.5 / 95 % skip, B1 H12 S32768; the previous atomic default: 46.9 / 50.9 / 26.1 / 6.9 /
-# 3.2 ms). D=64 is unswept.
+# (Atomic dq in the dK/dV kernel -- per-element in round 2, one TMA reduce-add per block in round 3 --, one fused
+# dK/dV + dQ launch, the dQ kernel on a side stream, and 4-warp 64-query dQ programs were measured slower or
+# neutral and deleted; NOTES.md.)
+# D=128 is the H100 sweep winner of benchmarks/bench_backward.py (2026-11-23 round 3: 4-warp dK/dV programs of 64
+# keys at 2 stages, ~99 KB shared memory and 255 registers x 128 threads, so two run per SM and one's softmax
+# overlaps the other's wgmma: bwd 37.9 ms dense, 37.7 / 18.8 / 5.18 / 2.26 ms at 0 / 50 / 87.5 / 95 % skip in the
+# peer table, B1 H12 S32768; the round-2 default with one 8-warp 128-key program per SM: 40.4 / 39.9 / 19.6 / 5.44
+# / 2.38). D=64 is unswept.
 CONFIGS = {
-    128: dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3, flat=True, tma=True),
+    128: dict(M1=64, N1=64, w1=4, s1=2, M2=128, N2=64, w2=8, s2=3, flat=True, tma=True),
     64: dict(M1=64, N1=128, w1=8, s1=3, M2=128, N2=64, w2=8, s2=3),
 }
 
@@ -509,38 +510,16 @@ def _backward_impl(q, k, v, out, lse, dout, dlse, counts, indices, tm, tn, scale
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, TILE_M=tm, TILE_N=tn, SKIP=skip, CAUSAL=bool(causal),
         Q_PARTIAL=bool(skip and Sq % tm), FLAT=flat, QD=qd, DOD=dod, USE_TMA=use_tma,
         num_warps=cfg["w1"], num_stages=cfg["s1"])
-    # streams: the dQ kernel goes on a side stream (it needs only the prep outputs), launched after the dK/dV
-    # kernel, so its programs fill the SMs that the dK/dV grid's last wave leaves idle instead of waiting for it.
-    main = side = None
-    if cfg.get("streams", False) and q.is_cuda:
-        main = torch.cuda.current_stream(dev)
-        side = _side_stream(dev)
-        side.wait_stream(main)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        _dq_kernel[(triton.cdiv(Sq, m2), B * Hq)](
-            q, k, v, dout, lse2, delta, dq, counts, indices,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            Sq, Sk, Hq, Hq // Hk, Tq, Tk, scale, qk_scale, causal_off,
-            HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, TILE_M=tm, TILE_N=tn, SKIP=skip, CAUSAL=bool(causal),
-            K_PARTIAL=bool(skip and Sk % tn), FLAT=flat, KD=kd, VD=vd, USE_TMA=use_tma, num_warps=cfg["w2"],
-            num_stages=cfg["s2"])
-    if side is not None:
-        main.wait_stream(side)   # everything the dQ kernel touched was allocated on main: freed only after this
+    _dq_kernel[(triton.cdiv(Sq, m2), B * Hq)](
+        q, k, v, dout, lse2, delta, dq, counts, indices,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        Sq, Sk, Hq, Hq // Hk, Tq, Tk, scale, qk_scale, causal_off,
+        HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, TILE_M=tm, TILE_N=tn, SKIP=skip, CAUSAL=bool(causal),
+        K_PARTIAL=bool(skip and Sk % tn), FLAT=flat, KD=kd, VD=vd, USE_TMA=use_tma, num_warps=cfg["w2"],
+        num_stages=cfg["s2"])
     return dq, dk, dv
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(dev):
-    """One cached side stream per CUDA device (the `streams` config key)."""
-    dev = torch.device(dev)
-    key = dev.index if dev.index is not None else torch.cuda.current_device()
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
-    return _SIDE_STREAMS[key]
 
 
 @torch.library.custom_op("sparsepatch::attention_bwd", mutates_args=())
