@@ -29,22 +29,15 @@ def _f(M, N, BD, DC, NC, w, st, q, qs=3):
 # Forward variants timed with --sweep (the default config of each D is timed in the main row). q: "res" resident Q
 # + (K, V) pipelined num_stages deep; "flat" pipelined run-time loop over QK^T chunks; "flat2" one (k-block, chunk)
 # ring. fp8: the ws / exp16 / magic switches timed in runs 1-3 were deleted (neutral or slower; benchmarks/NOTES.md).
-def _m(M=128, N=128, BD=64, w=8, st=4, ls=4, lbn=128, mb=512):
-    return dict(BLOCK_M=M, BLOCK_N=N, BLOCK_D=BD, num_warps=w, num_stages=st, q="mat", lse_stages=ls,
-                lse_block_n=lbn, scratch_mb=mb)
-
-
 FWD_SWEEP = {
-    320: [_f(128, 32, 64, 64, 5, 8, 2, "res"), _f(128, 64, 64, 64, 5, 8, 1, "flat2", 3),
-          _f(128, 64, 64, 64, 5, 8, 1, "flat2", 4), _f(128, 64, 64, 64, 5, 8, 1, "res")],
-    768: [_m(), _m(lbn=64)],
+    256: [_f(128, 64, 128, 64, 4, 8, 2, "res"), _f(128, 32, 128, 64, 4, 8, 2, "res")],
+    320: [_f(64, 64, 64, 64, 5, 8, 2, "res"), _f(128, 32, 64, 64, 5, 8, 3, "res")],
+    384: [_f(128, 32, 64, 64, 6, 8, 2, "res"), _f(128, 32, 128, 64, 3, 8, 2, "res")],
     1024: [_f(128, 64, 128, 256, 1, 8, 1, "flat2", 4)],
 }
-# Backward (materialised P / dS): _pds_kernel tile and pipeline depth, P / dS scratch budget (MiB).
-_b = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_D=64, num_warps=8, num_stages=3, scratch_mb=512)
-BWD_SWEEP = {
-    320: [dict(_b, BLOCK_D=32, num_stages=4), dict(_b, num_stages=2), dict(_b, scratch_mb=2048)],
-}
+# Backward (materialised P / dS): _pds_kernel tile and pipeline depth, P / dS scratch budget (MiB). Runs 1-2 swept
+# stages 2 / BLOCK_D 32 x 4 stages / BLOCK_N 64 / 2 GiB at D 320, 512, 1024 (benchmarks/NOTES.md).
+BWD_SWEEP = {}
 FP8_SWEEP = [dict(qk_format="int8", cfg=dict()), dict(qk_format="int8", cfg=dict(fuse_q=False)),
              dict(qk_format="e4m3", cfg=dict())]
 

@@ -17,7 +17,7 @@ Split-D, so no tile grows with D:
     chunk per iteration through a qk_stages-deep ring that never drains between k-blocks; softmax and P @ V run on
     each k-block's last chunk. ("flat": the chunk loop per k-block, also flat2's masked tail. The unrolled "v1"
     mode and the "pin" / "tma" config switches were measured slower or neutral and deleted: benchmarks/NOTES.md.)
-  * "mat" (D 1024): materialised forward, `_lse_kernel` (row LSE, one QK^T pass over D), then per scratch chunk
+  * "mat" (D 768, 1024): materialised forward, `_lse_kernel` (row LSE, one QK^T pass over D), then per scratch chunk
     `_pds_kernel` writes the normalised P (QK^T again) and O = P @ V runs as one batched cuBLAS GEMM: 3 units of
     S^2 D matmul instead of the split forward's G + 1 (G = D / 256 output groups).
 Backward (materialised P / dS, bounded scratch): `_prep_kernel` (delta = rowsum(dO * O) - dlse, lse2 = lse*log2e),
@@ -58,16 +58,18 @@ NC_MAX = 8    # forward output chunks per program
 # Q chunks resident in shared memory so the k-block loop pipelines K/V num_stages deep (fits while
 # ~(BLOCK_M + 2 * num_stages * BLOCK_N) * D * 2 B <= 227 KB), "flat" runs a pipelined loop over the D chunks of
 # QK^T (Q and K chunk per iteration, qk_stages deep) and loads V per k-block.
-FWD_CONFIGS = {  # runs 1-2 sweeps (benchmarks/NOTES.md): TFLOP/s at B1 H48 S8192 fp16
-    320: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DC=64, NC=5, num_warps=8, num_stages=2, q="res"),  # 260
-    384: dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, DC=128, NC=3, num_warps=8, num_stages=3, q="res"),
+_MAT = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_D=64, num_warps=8, num_stages=4, q="mat", lse_stages=4, lse_block_n=128,
+            scratch_mb=512)
+FWD_CONFIGS = {  # v2 runs 1-3 and v3 runs 1-2 sweeps (benchmarks/NOTES.md): TFLOP/s at B1 H48 S8192 fp16
+    # 128 rows per program (two warpgroups of m64), 32-key K/V stages: 351 vs 238 for M64 N64 (v3 run 2).
+    320: dict(BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, DC=64, NC=5, num_warps=8, num_stages=2, q="res"),
+    384: dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, DC=128, NC=3, num_warps=8, num_stages=3, q="res"),  # 214
     512: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, DC=256, NC=1, num_warps=8, num_stages=1, q="flat2",
-              qk_stages=3),  # 260
-    768: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, DC=256, NC=1, num_warps=8, num_stages=1, q="flat2",
-              qk_stages=4),  # 195
-    # Materialised: row LSE pass, normalised P per scratch chunk, O = P V by cuBLAS (flat2 W256: 149-154).
-    1024: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_D=64, num_warps=8, num_stages=4, q="mat", lse_stages=4,
-               lse_block_n=128, scratch_mb=512),  # 292
+              qk_stages=3),  # 246-260 (mat 250)
+    # Materialised: row LSE pass, normalised P per scratch chunk, O = P V by cuBLAS (v3 run 2: flat2 W256 196 /
+    # 152 at D 768 / 1024).
+    768: dict(_MAT),  # 288
+    1024: dict(_MAT),  # 292-303
 }
 BWD_CONFIGS = {}  # per head dim overrides of bwd_config
 
