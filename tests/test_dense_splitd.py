@@ -124,6 +124,8 @@ GPU_CASES = [  # (B, Sq, Sk, Hq, Hk, D, causal)
     (1, 2048, 2048, 2, 2, 768, True),
     (1, 1024, 1024, 2, 2, 1024, False),
     (1, 2000, 2000, 2, 2, 1024, True),  # partial tiles
+    (1, 1, 300, 4, 2, 1024, True),      # decode-like row, GQA (materialised forward, TMA boxes past the end)
+    (2, 77, 77, 2, 2, 768, False),      # B > 1: head-major GEMM buffers copied back
 ]
 
 
