@@ -373,60 +373,19 @@ def _plain_kernel():
         tl.store(sp, s)
         tl.store(O + bh * D + ov, tl.sum(s * (q * scale)[:, None], 0).to(O.dtype.element_ty))
 
-    @triton.jit
-    def plain_pdl(Q, Kt, Vt, S, G, O, scale, H, D: tl.constexpr, BV: tl.constexpr):
-        # programmatic dependent launch: this grid may start while the previous kernel drains; every load waits
-        # for it (griddepcontrol.wait), so only the launch itself overlaps
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-        pv = tl.program_id(0)
-        bh = tl.program_id(1)
-        ok = tl.arange(0, D)
-        ov = pv * BV + tl.arange(0, BV)
-        sp = S + bh.to(tl.int64) * D * D + ok[:, None] * D + ov[None, :]
-        s = tl.load(sp)
-        q = tl.load(Q + bh * D + ok).to(tl.float32)
-        k = tl.load(Kt + bh * D + ok).to(tl.float32)
-        v = tl.load(Vt + bh * D + ov).to(tl.float32)
-        s = s * tl.exp(-tl.load(G + bh % H)) + k[:, None] * v[None, :]
-        tl.store(sp, s)
-        tl.store(O + bh * D + ov, tl.sum(s * (q * scale)[:, None], 0).to(O.dtype.element_ty))
-
-    @triton.jit
-    def plain_tma(Q, Kt, Vt, Sd, G, O, scale, H, D: tl.constexpr, BV: tl.constexpr):
-        # the state tile moved by the bulk tensor copy engine (host descriptor over the (B*H*K, V) view)
-        pv = tl.program_id(0)
-        bh = tl.program_id(1)
-        ok = tl.arange(0, D)
-        ov = pv * BV + tl.arange(0, BV)
-        s = Sd.load([bh * D, pv * BV])
-        q = tl.load(Q + bh * D + ok).to(tl.float32)
-        k = tl.load(Kt + bh * D + ok).to(tl.float32)
-        v = tl.load(Vt + bh * D + ov).to(tl.float32)
-        s = s * tl.exp(-tl.load(G + bh % H)) + k[:, None] * v[None, :]
-        Sd.store([bh * D, pv * BV], s)
-        tl.store(O + bh * D + ov, tl.sum(s * (q * scale)[:, None], 0).to(O.dtype.element_ty))
-
-    def run(q, k, v, st, decay, out, BV, warps, pdl=False, tma=False):
+    def run(q, k, v, st, decay, out, BV, warps):
         B, _, Hh, Dd = q.shape
-        if tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-            sd = TensorDescriptor(st, [B * Hh * Dd, Dd], [Dd, 1], [Dd, BV])
-            plain_tma[(Dd // BV, B * Hh)](q, k, v, sd, decay, out, 1.0, Hh, D=Dd, BV=BV, num_warps=warps)
-        elif pdl:
-            plain_pdl[(Dd // BV, B * Hh)](q, k, v, st, decay, out, 1.0, Hh, D=Dd, BV=BV, num_warps=warps,
-                                          launch_pdl=True)
-        else:
-            plain[(Dd // BV, B * Hh)](q, k, v, st, decay, out, 1.0, Hh, D=Dd, BV=BV, num_warps=warps)
+        plain[(Dd // BV, B * Hh)](q, k, v, st, decay, out, 1.0, Hh, D=Dd, BV=BV, num_warps=warps)
         return out
     return run
 
 
 def decode_ab(fused_recurrent, batches, old=None):
     """Old vs new decode path, the plain kernel, fla and a same-bytes copy, in one process on the same inputs:
-    eager do_bench (the default twice: the run's noise), per step in a CUDA graph cycling over >= 160 MiB of states
+    eager do_bench (new and old three times, interleaved: the run's noise), per step in a CUDA graph cycling over >= 160 MiB of states
     (cold L2), and at B=1 also per step on ONE state (L2-resident: 4.2 MB of the 50 MB L2 stays hot between
-    replays). Host time per call at B=1 (wall clock of back-to-back calls). `old`: a module with the previous
+    replays). Host time per call at B=1 (wall clock of back-to-back calls). Launch variants of the new kernel
+    (runtime row strides, other tiles). `old`: a module with the previous
     lightning_decode (benchmarks/NOTES.md, lightning v5), or None."""
     from sparsepatch.kernels import lightning as tri
     plain = _plain_kernel()
@@ -443,14 +402,9 @@ def decode_ab(fused_recurrent, batches, old=None):
         fns = {"new": lambda st, o=None: tri.lightning_decode(q, k, v, st, decay, scale=1.0, out=o)}
         if old is not None:
             fns["old"] = lambda st, o=None: old.lightning_decode(q, k, v, st, decay, scale=1.0, out=o)
-        for bv, w in ((16, 1), (32, 4), (64, 4)) if B == 1 else ((32, 4), (64, 2), (64, 4)):
-            fns[f"plain{bv}_{w}w"] = lambda st, o=None, bv=bv, w=w: plain(q, k, v, st, decay, out if o is None else o,
-                                                                           bv, w)
-        if B == 1:
-            fns["plain16_1w_pdl"] = lambda st, o=None: plain(q, k, v, st, decay, out if o is None else o, 16, 1, True)
-        for bv, w in ((16, 1),) if B == 1 else ((64, 2), (64, 4)):
-            fns[f"tma{bv}_{w}w"] = lambda st, o=None, bv=bv, w=w: plain(q, k, v, st, decay, out if o is None else o,
-                                                                         bv, w, tma=True)
+        bv, w = (16, 1) if B == 1 else (64, 2)                  # our default tiles
+        fns[f"plain{bv}_{w}w"] = lambda st, o=None, bv=bv, w=w: plain(q, k, v, st, decay, out if o is None else o,
+                                                                        bv, w)
         if fused_recurrent is not None:
             fns["fla"] = lambda st, o=None: fused_recurrent(q, k, v, g_gamma=gg, scale=1.0, initial_state=st,
                                                             output_final_state=True)
@@ -474,7 +428,9 @@ def decode_ab(fused_recurrent, batches, old=None):
                     row[f"{name}_graph_hot_us"] = graph_time([lambda: fn(states[0], out)], 40)
             except Exception as exc:  # noqa: BLE001
                 row[f"{name}_error"] = repr(exc)[:200]
-        row["new_us_again"] = _bench(lambda: fns["new"](states[0]))
+        for rep in (2, 3):                                            # eager again, interleaved: the noise
+            for name in [n for n in ("new", "old") if n in fns]:
+                row[f"{name}_us_r{rep}"] = _bench(lambda: fns[name](states[0]))
         # the same bytes as one step moved by torch's copy (read one state, write another): the floor at this size
         row["copy_us"] = _bench(lambda: states[1].copy_(states[0]))
         row["copy_graph_us"] = graph_time([lambda i=i: states[(i + half) % nbuf].copy_(states[i]) for i in range(nbuf)],
@@ -487,15 +443,21 @@ def decode_ab(fused_recurrent, batches, old=None):
             row["host_us_checks"] = host_time(lambda: ref.check_decode_args(q, k, v, states[0], decay, 1.0, None,
                                                                             "bhkv"))
             row["direct_relaunch_active"] = bool(tri._PLANS) and tri._DIRECT[0]
-        if B in (16, 64, 128):                                        # other tiles of our kernel, same harness
-            for bv, w in ((128, 4), (32, 1)) if B == 16 else ((128, 4),):
-                tri._DECODE_OVERRIDE.update(BV=bv, num_warps=w)
-                try:
-                    row[f"new_{bv}_{w}w_us"] = _bench(lambda: fns["new"](states[0]))
-                    row[f"new_{bv}_{w}w_graph_us"] = graph_time(
-                        [lambda i=i: fns["new"](states[i], out) for i in range(nbuf)], max(nbuf, 4))
-                finally:
-                    tri._DECODE_OVERRIDE.clear()
+        # launch variants of our kernel (sweep overrides: triton's launcher, same binary as a plan would run)
+        variants = [({"CS": False}, "nocs")] + [({"BV": bv, "num_warps": w}, f"{bv}_{w}w") for bv, w in
+                                                {1: ((32, 1), (16, 2)), 16: ((32, 1), (16, 1))}.get(B, ((16, 1),))]
+        for ov, tag in variants:
+            tri._DECODE_OVERRIDE.update(ov)
+            try:
+                row[f"new_{tag}_us"] = _bench(lambda: fns["new"](states[0]))
+                row[f"new_{tag}_graph_us"] = graph_time(
+                    [lambda i=i: fns["new"](states[i], out) for i in range(nbuf)], max(nbuf, 16 if B <= 16 else 4))
+                if B == 1:
+                    row[f"new_{tag}_graph_hot_us"] = graph_time([lambda: fns["new"](states[0], out)], 40)
+            except Exception as exc:  # noqa: BLE001
+                row[f"new_{tag}_error"] = repr(exc)[:200]
+            finally:
+                tri._DECODE_OVERRIDE.clear()
         for key in [k_ for k_ in row if k_.endswith("_us") and not k_.startswith("host")]:
             row[key.replace("_us", "_TBps")] = 2 * state_bytes / (row[key] * 1e-6) / 1e12
         rows.append(row)
@@ -507,22 +469,24 @@ def decode_ab(fused_recurrent, batches, old=None):
 
 def ab_table(rows):
     nan = float("nan")
-    names = [n for n in ("new", "old", "plain16_1w", "plain16_1w_pdl", "plain32_4w", "plain64_2w", "plain64_4w",
-                         "tma16_1w", "tma64_2w", "tma64_4w", "fla", "copy") if any(f"{n}_us" in r for r in rows)]
-    lines = ["| B | " + " | ".join(f"{n} eager / graph us" for n in names) + " | new eager again |",
+    names = [n for n in ("new", "new_nocs", "old", "plain16_1w", "plain64_2w", "fla", "copy")
+             if any(f"{n}_us" in r for r in rows)]
+    lines = ["| B | " + " | ".join(f"{n} eager / graph us" for n in names) + " | new / old eager r2, r3 |",
              "|---|" + "---|" * (len(names) + 1)]
     for r in rows:
         lines.append(f"| {r['B']} | " + " | ".join(f"{r.get(n + '_us', nan):.1f} / {r.get(n + '_graph_us', nan):.1f}"
                                                    for n in names)
-                     + f" | {r['new_us_again']:.1f} |")
+                     + f" | {r.get('new_us_r2', nan):.1f}, {r.get('new_us_r3', nan):.1f} / "
+                       f"{r.get('old_us_r2', nan):.1f}, {r.get('old_us_r3', nan):.1f} |")
     r1 = [r for r in rows if r["B"] == 1]
     if r1:
         lines.append("B=1 graph per step on one L2-resident state: " + ", ".join(
-            f"{n} {r1[0].get(n + '_graph_hot_us', nan):.2f}" for n in names))
+            f"{n} {r1[0].get(n + '_graph_hot_us', nan):.2f}" for n in names + ["new_32_1w", "new_16_2w"]))
         lines.append("B=1 host us/call: " + ", ".join(f"{k_[8:]} {v_:.1f}" for k_, v_ in r1[0].items()
                                                       if k_.startswith("host_us_")))
     for r in rows:
-        extra = {k_: round(v_, 1) for k_, v_ in r.items() if k_.startswith("new_") and k_[4].isdigit()}
+        extra = {k_: round(v_, 2) for k_, v_ in r.items() if k_.startswith("new_") and k_[4].isdigit()
+                 and k_.endswith("_us")}
         if extra:
             lines.append(f"B={r['B']} other tiles: {extra}")
     return "\n".join(lines)

@@ -236,9 +236,10 @@ def test_triton_prefill_then_decode_equals_longer_prefill(dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("cfg", [dict(BV=8, num_warps=1), dict(BV=16, num_warps=2)])
+@pytest.mark.parametrize("cfg", [dict(BV=8, num_warps=1), dict(BV=16, num_warps=2), dict(CS=False)])
 def test_triton_decode_launch_variants_match_reference(cfg):
-    """Decode tile widths / warps the sweep may pick, both layouts, fp32 and fp16 states."""
+    """Decode tile widths / warps the sweep may pick, and runtime (not constant) row strides of a contiguous state,
+    both layouts, fp32 and fp16 states."""
     from sparsepatch.kernels import lightning as tri
     dev = "cuda" if CUDA else "cpu"
     q, k, v, decay, h0 = inputs(3, 1, 3, 16, 32, torch.float32, dev, seed=13)
@@ -322,6 +323,7 @@ def test_gpu_decode_bf16_realistic(B):
         o_ref = ref.lightning_decode(q, k, v, s_ref, decay, scale=1.0)
         o_tri = tri.lightning_decode(q, k, v, s_tri, decay, scale=1.0)
     assert rel(s_tri, s_ref) < 1e-6 and rel(o_tri, o_ref) < 1e-2
+    assert tri._PLANS and tri._DIRECT[0]                               # the cached plan ran (no fallback)
 
 
 @gpu

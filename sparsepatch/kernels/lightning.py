@@ -50,91 +50,50 @@ def supports(q: torch.Tensor, **kw) -> bool:
 
 # ----------------------------------------------------------------------------------------------------------- decode
 @triton.jit
-def _decode_kernel(Q, Kt, Vt, S, G, O, scale, H,
-                   sqb, sqh, sqd, skb, skh, skd, svb, svh, svd,
-                   ssb, ssh, ssk, ssv, sob, soh, sod,
-                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   EVEN_K: tl.constexpr, EVEN_V: tl.constexpr):
-    """Any strides. The state is widened to fp32 after the load and rounded to its own dtype at the store."""
+def _decode_kernel(Q, Kt, Vt, S, G, O, scale,
+                   sqb, sqh, sqd, skb, skh, skd, svb, svh, svd, ssb, ssh, ssk, ssv, sob, soh, sod,
+                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EVEN: tl.constexpr,
+                   CSK: tl.constexpr, CSV: tl.constexpr):
+    """One program per (V-block, head, batch): the (BK, BV) state tile is read once, updated and written back.
+    Any strides: Triton specializes the unit ones (== 1) and those divisible by 16, which makes the state accesses
+    16-byte vectors on the unit-stride axis (V of "bhkv", K of "bhvk"). CSK / CSV (0: runtime) give a contiguous
+    state's row stride at compile time, so the tile's loads are immediate offsets from one address. The state is
+    widened to fp32 after the load and rounded to its own dtype at the store. Head and batch are grid axes (no
+    pid // H before the first load)."""
+    if CSK != 0:
+        ssk = CSK
+    if CSV != 0:
+        ssv = CSV
     pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     ok = tl.arange(0, BK)
     ov = pid_v * BV + tl.arange(0, BV)
-    g = tl.exp(-tl.load(G + h))
     sp = S + b * ssb + h * ssh + ok[:, None] * ssk + ov[None, :] * ssv
-    if EVEN_K and EVEN_V:
+    qp = Q + b * sqb + h * sqh + ok * sqd
+    kp = Kt + b * skb + h * skh + ok * skd
+    vp = Vt + b * svb + h * svh + ov * svd
+    op = O + b * sob + h * soh + ov * sod
+    if EVEN:
         s = tl.load(sp).to(tl.float32)
-        q = tl.load(Q + b * sqb + h * sqh + ok * sqd).to(tl.float32)
-        k = tl.load(Kt + b * skb + h * skh + ok * skd).to(tl.float32)
-        v = tl.load(Vt + b * svb + h * svh + ov * svd).to(tl.float32)
+        q = tl.load(qp).to(tl.float32)
+        k = tl.load(kp).to(tl.float32)
+        v = tl.load(vp).to(tl.float32)
     else:
         mk = ok < K
         mv = ov < V
         s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
-        q = tl.load(Q + b * sqb + h * sqh + ok * sqd, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(Kt + b * skb + h * skh + ok * skd, mask=mk, other=0.0).to(tl.float32)
-        v = tl.load(Vt + b * svb + h * svh + ov * svd, mask=mv, other=0.0).to(tl.float32)
-    s = s * g + k[:, None] * v[None, :]
+        q = tl.load(qp, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(kp, mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(vp, mask=mv, other=0.0).to(tl.float32)
+    s = s * tl.exp(-tl.load(G + h)) + k[:, None] * v[None, :]
     o = tl.sum(s * (q * scale)[:, None], axis=0)
-    op = O + b * sob + h * soh + ov * sod
-    if EVEN_K and EVEN_V:
+    if EVEN:
         tl.store(sp, s.to(S.dtype.element_ty))
         tl.store(op, o.to(O.dtype.element_ty))
     else:
         tl.store(sp, s.to(S.dtype.element_ty), mask=mk[:, None] & mv[None, :])
         tl.store(op, o.to(O.dtype.element_ty), mask=mv)
-
-
-@triton.jit
-def _load_state(sp, mask, EVEN: tl.constexpr):
-    """(BK, BV) state tile widened to fp32 (masked unless EVEN)."""
-    if EVEN:
-        s = tl.load(sp)
-    else:
-        s = tl.load(sp, mask=mask, other=0.0)
-    return s.to(tl.float32)
-
-
-@triton.jit
-def _store_state(sp, s, mask, EVEN: tl.constexpr):
-    """Store an fp32 tile rounded to the state's dtype (masked unless EVEN)."""
-    s = s.to(sp.dtype.element_ty)
-    if EVEN:
-        tl.store(sp, s)
-    else:
-        tl.store(sp, s, mask=mask)
-
-
-@triton.jit
-def _decode_unit_kernel(Q, Kt, Vt, S, G, O, scale, H,
-                        sqb, sqh, skb, skh, svb, svh, ssb, ssh, ssr, sob, soh,
-                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, VK: tl.constexpr):
-    """_decode_kernel for unit last-dim strides of q/k/v/out and of the state's inner axis (ssr: the other one).
-    One program per (V-block, batch * head)."""
-    pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    ok = tl.arange(0, BK)
-    ov = pid_v * BV + tl.arange(0, BV)
-    g = tl.exp(-tl.load(G + h))
-    if VK:
-        sp = S + b * ssb + h * ssh + ok[:, None] + ov[None, :] * ssr
-    else:
-        sp = S + b * ssb + h * ssh + ok[:, None] * ssr + ov[None, :]
-    mk = ok < K
-    mv = ov < V
-    s = _load_state(sp, mk[:, None] & mv[None, :], EVEN_K and EVEN_V)
-    q = tl.load(Q + b * sqb + h * sqh + ok, mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(Kt + b * skb + h * skh + ok, mask=mk, other=0.0).to(tl.float32)
-    v = tl.load(Vt + b * svb + h * svh + ov, mask=mv, other=0.0).to(tl.float32)
-    s = s * g + k[:, None] * v[None, :]
-    o = tl.sum(s * (q * scale)[:, None], axis=0)
-    _store_state(sp, s, mk[:, None] & mv[None, :], EVEN_K and EVEN_V)
-    tl.store(O + b * sob + h * soh + ov, o.to(O.dtype.element_ty), mask=mv)
 
 
 # Decode launch settings per regime, from the H100 sweeps (benchmarks/NOTES.md, lightning section, v3 and v4):
@@ -159,71 +118,95 @@ def _decode_config(BH: int, K: int, V: int, state_dtype=torch.float32) -> dict:
     return dict(_LARGE_GRID, BV=BV)
 
 
-_DECODE_OVERRIDE: dict = {}  # keys of _decode_config's dict: benchmark sweeps only (bypasses the plan cache)
-# Launch plans of the unit-stride kernel: key (device, B, H, K, V, dtypes, layout, the five stride tuples) ->
-# (runner, constant args). A runner is the compiled kernel bound to its grid (CompiledKernel[grid]); relaunching it
-# skips triton's binder, the config arithmetic and the grid/args building: the hot path is this key, one dict
-# lookup, the alignment test and the launch (host time: benchmarks/NOTES.md, lightning v5).
+_DECODE_OVERRIDE: dict = {}  # BV / num_warps / CS (False: runtime row strides): sweeps only, bypasses the plans
+# Launch plans: key (device, B, H, K, V, dtypes, layout, the five stride tuples) -> (launch, constant args). The
+# key holds every int argument, so a plan is reused only where Triton would pick the same binary (it specializes
+# ints == 1 and % 16, and pointers by 16-byte alignment: plans are made and used for aligned pointers only). The
+# hot path is this key, one dict lookup, the alignment test and the launch, with no config arithmetic (Triton's
+# next_power_of_2 / cdiv cost microseconds each), grid or argument building (host time: NOTES, lightning v5).
 _PLANS: dict = {}
-_DIRECT = [os.environ.get("TRITON_INTERPRET") != "1"]   # False after a failed relaunch: triton's launcher from then on
+_DIRECT = [os.environ.get("TRITON_INTERPRET") != "1"]   # False after a failed relaunch: Triton's launcher from then on
 _STREAM: list = []   # [driver.get_current_stream], looked up once
+# Triton versions whose compiled-kernel launcher (CompiledKernel.run.launch, a C function) is called directly with
+# the argument layout of CudaLauncher.__call__ (checked against its source: 3.6.0). Others go through
+# CompiledKernel[grid] (the public runner), which adds the launch-metadata and scratch-allocation steps.
+_C_LAUNCH_VERSIONS = ("3.6.0",)
 
 
-def _unit_args(B, H, K, V, qs, ks, vs, ss, os_, state_dtype, vk):
-    """(grid, num_warps, ints + constexprs after `scale`) of _decode_unit_kernel for these shapes and strides."""
+def _state_strides(t: torch.Tensor, vk: bool):
+    """(batch, head, K, V) strides of a state in either layout."""
+    s0, s1, s2, s3 = t.stride()
+    return (s0, s1, s3, s2) if vk else (s0, s1, s2, s3)
+
+
+def _decode_args(B, H, K, V, qs, ks, vs, ss, os_, state_dtype):
+    """(grid, num_warps, args after `scale`) of _decode_kernel; ss are the (batch, head, K, V) state strides."""
     cfg = _decode_config(B * H, K, V, state_dtype)
     if _DECODE_OVERRIDE:
         cfg = dict(cfg, **_DECODE_OVERRIDE)
     BV, warps = cfg["BV"], cfg["num_warps"]
     BK = triton.next_power_of_2(K)
-    grid = ((V + BV - 1) // BV, B * H, 1)
-    # ss[2]: stride of the state's non-unit inner axis (K rows of (B, H, K, V), V rows of "bhvk")
-    tail = (H, qs[0], qs[2], ks[0], ks[2], vs[0], vs[2], ss[0], ss[1], ss[2], os_[0], os_[2],
-            K, V, BK, BV, BK == K, V % BV == 0, vk)
+    grid = ((V + BV - 1) // BV, H, B)
+    # contiguous rows of a contiguous state ((K, V) row-major, or (V, K) for "bhvk"): the row stride as a constant
+    cs = cfg.get("CS", True)
+    csk = V if cs and ss[3] == 1 and ss[2] == V else 0
+    csv = K if cs and ss[2] == 1 and ss[3] == K else 0
+    tail = (qs[0], qs[2], qs[3], ks[0], ks[2], ks[3], vs[0], vs[2], vs[3], *ss, os_[0], os_[2], os_[3],
+            K, V, BK, BV, BK == K and V % BV == 0, csk, csv)
     return grid, warps, tail
 
 
+def _make_plan(kern, grid, tail):
+    """A relaunch closure (stream, *pointer/scale args) over the compiled kernel `kern` for this grid, or None."""
+    if not hasattr(kern, "__getitem__"):
+        return None
+    runner = kern[grid]
+    run = getattr(kern, "run", None)
+    if (triton.__version__ in _C_LAUNCH_VERSIONS and hasattr(run, "launch")
+            and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0):
+        from triton import knobs
+        launch, fn, meta = run.launch, kern.function, kern.packed_metadata
+        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+        hooks = knobs.runtime
+        g0, g1, g2 = grid
+
+        def relaunch(stream, *args):
+            if hooks.launch_enter_hook is None and hooks.launch_exit_hook is None:
+                launch(g0, g1, g2, stream, fn, coop, pdl, None, None, meta, None, None, None, *args, *tail)
+            else:   # a profiler's launch hooks: Triton's runner calls them
+                runner(*args, *tail, stream=stream)
+        return relaunch
+    return lambda stream, *args: runner(*args, *tail, stream=stream)
+
+
 def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool, B: int, H: int, K: int, V: int) -> None:
-    qs, ks, vs, ss, os_ = q.stride(), k.stride(), v.stride(), state.stride(), out.stride()
-    # the unit-stride axis of the state is its last: V of (B, H, K, V), or K of the "bhvk" (B, H, V, K) layout
-    if ss[3] == 1 and qs[3] == 1 and ks[3] == 1 and vs[3] == 1 and os_[3] == 1:
-        # Triton specializes int args (== 1, % 16) and pointers (16-byte alignment, `aligned`): a plan is reused only
-        # where triton would pick the same binary (every int arg is in the key, and all pointers aligned).
-        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | state.data_ptr() | out.data_ptr()
-                   | decay.data_ptr()) % 16 == 0
-        key = (q.get_device(), B, H, K, V, q.dtype, state.dtype, vk, qs, ks, vs, ss, os_)
-        plan = _PLANS.get(key) if aligned and _DIRECT[0] and not _DECODE_OVERRIDE else None
+    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | state.data_ptr() | out.data_ptr()
+               | decay.data_ptr()) % 16 == 0
+    key = (q.get_device(), B, H, K, V, q.dtype, state.dtype, vk, q.stride(), k.stride(), v.stride(),
+           state.stride(), out.stride())
+    use_plan = aligned and _DIRECT[0] and not _DECODE_OVERRIDE
+    plan = _PLANS.get(key) if use_plan else None
+    if plan is not None:
+        try:
+            plan(_STREAM[0](key[0]), q, k, v, state, decay, out, scale)
+            return
+        except Exception as exc:  # noqa: BLE001  (a Triton whose launcher differs, or launch hooks: stop trying)
+            logger.warning("sparsepatch lightning: direct relaunch failed (%s); using triton's launcher", exc)
+            _DIRECT[0] = False
+            _PLANS.clear()
+            use_plan = False
+    grid, warps, tail = _decode_args(B, H, K, V, key[8], key[9], key[10], _state_strides(state, vk), key[12],
+                                     state.dtype)
+    kern = _decode_kernel[grid](q, k, v, state, decay, out, scale, *tail[:-7], K=K, V=V, BK=tail[-5],
+                                BV=tail[-4], EVEN=tail[-3], CSK=tail[-2], CSV=tail[-1], num_warps=warps)
+    if use_plan and key[0] == torch.cuda.current_device():
+        plan = _make_plan(kern, grid, tail)
         if plan is not None:
-            try:
-                plan[0](q, k, v, state, decay, out, scale, *plan[1], stream=_STREAM[0](key[0]))
-                return
-            except Exception as exc:  # noqa: BLE001  (a Triton whose launcher convention differs: stop trying)
-                logger.warning("sparsepatch lightning: direct relaunch failed (%s); using triton's launcher", exc)
-                _DIRECT[0] = False
-                _PLANS.clear()
-        grid, warps, tail = _unit_args(B, H, K, V, qs, ks, vs, ss, os_, state.dtype, vk)
-        kern = _decode_unit_kernel[grid](q, k, v, state, decay, out, scale, *tail[:12], K=K, V=V, BK=tail[14],
-                                         BV=tail[15], EVEN_K=tail[16], EVEN_V=tail[17], VK=vk, num_warps=warps)
-        if aligned and _DIRECT[0] and not _DECODE_OVERRIDE and hasattr(kern, "__getitem__") \
-                and q.get_device() == torch.cuda.current_device():
             if not _STREAM:
                 _STREAM.append(triton.runtime.driver.active.get_current_stream)
             if len(_PLANS) > 64:
                 _PLANS.clear()
-            _PLANS[key] = (kern[grid], tail)
-        return
-    if vk:
-        ssb, ssh, ssv, ssk = ss
-    else:
-        ssb, ssh, ssk, ssv = ss
-    BK = triton.next_power_of_2(K)
-    BV = _decode_config(B * H, K, V, state.dtype)["BV"]
-    warps = 1 if BV <= 16 else 2
-    _decode_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, v, state, decay, out, scale, H,
-        qs[0], qs[2], qs[3], ks[0], ks[2], ks[3], vs[0], vs[2], vs[3],
-        ssb, ssh, ssk, ssv, os_[0], os_[2], os_[3],
-        K=K, V=V, BK=BK, BV=BV, EVEN_K=BK == K, EVEN_V=V % BV == 0, num_warps=warps)
+            _PLANS[key] = plan
 
 
 @torch.library.custom_op("sparsepatch::lightning_decode_", mutates_args=("state", "out"))
@@ -327,11 +310,6 @@ def _prefill_config(N: int, H: int, K: int, V: int) -> tuple[int, int, int]:
 
 
 _PREFILL_OVERRIDE: dict = {}  # {"BV", "num_warps", "num_stages", "C"}: benchmark sweeps only
-
-
-def _state_strides(t: torch.Tensor, vk: bool):
-    s0, s1, s2, s3 = t.stride()
-    return (s0, s1, s3, s2) if vk else (s0, s1, s2, s3)
 
 
 def _launch_prefill(q, k, v, decay, initial_state, cu_seqlens, scale: float, vk: bool, state_dtype=torch.float32):
