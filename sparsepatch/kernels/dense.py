@@ -61,9 +61,11 @@ NC_MAX = 8    # forward output chunks per program
 _MAT = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_D=64, num_warps=8, num_stages=4, q="mat", lse_stages=4, lse_block_n=128,
             scratch_mb=512)
 FWD_CONFIGS = {  # v2 runs 1-3 and v3 runs 1-2 sweeps (benchmarks/NOTES.md): TFLOP/s at B1 H48 S8192 fp16
-    # 128 rows per program (two warpgroups of m64), 32-key K/V stages: 351 vs 238 for M64 N64 (v3 run 2).
-    320: dict(BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, DC=64, NC=5, num_warps=8, num_stages=2, q="res"),
-    384: dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, DC=128, NC=3, num_warps=8, num_stages=3, q="res"),  # 214
+    # 128 rows per program (two warpgroups of m64) with 64-column output chunks (v3 run 3 sweep): D256 472 vs 238
+    # (generic M64), D320 at 3 K/V stages 407 vs 347 at 2 (238 for M64 N64), D384 383 vs 212 (M64 DC128).
+    256: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, DC=64, NC=4, num_warps=8, num_stages=2, q="res"),
+    320: dict(BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, DC=64, NC=5, num_warps=8, num_stages=3, q="res"),
+    384: dict(BLOCK_M=128, BLOCK_N=32, BLOCK_D=64, DC=64, NC=6, num_warps=8, num_stages=2, q="res"),
     512: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128, DC=256, NC=1, num_warps=8, num_stages=1, q="flat2",
               qk_stages=3),  # 246-260 (mat 250)
     # Materialised: row LSE pass, normalised P per scratch chunk, O = P V by cuBLAS (v3 run 2: flat2 W256 196 /
