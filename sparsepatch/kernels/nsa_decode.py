@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from .nsa_reference import FORCE_FIRST
 
 __all__ = ["nsa_decode", "applies"]
@@ -44,9 +46,17 @@ FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
 # Launch settings (H100, bf16, D=128, HQ64/H4).
 CMP_BLOCK_N = 64          # compressed keys per tile (a multiple of block_size / compress_stride, which is <= 64)
 TARGET_PROGRAMS = 160     # compressed-branch programs aimed at (tiles per split = cdiv(tiles * B * Hk, this))
-NUM_WARPS = dict(cmp=4, score=4, attn=4, combine=4)
-SCORE_CHUNK = 128         # selection blocks scored per program (the first top-k stage ranks within a chunk)
+NUM_WARPS = dict(cmp=4, sel=4)
+SCORE_CHUNK = 64          # selection blocks scored per program (the first top-k stage ranks within a chunk)
 NUM_STAGES = dict(cmp=2)
+FUSE = True               # score + attention + merge in one launch with in-kernel barriers (when co-resident)
+PDL = True                # programmatic dependent launch of the selection kernel (Hopper; no-op semantics else)
+SCORE_TILES = True        # score stage: tile maxima loaded per tile (else gathered per block)
+SPLIT_PRE = False         # the compressed + window merge on G extra programs of the selection kernel
+PROBE = None              # a dict: the next calls record per-program phase clocks into it (benchmarks only)
+SPIN_LIMIT = 1 << 22      # polls before a barrier wait gives up (a safety net against a hung device, never hit)
+SPIN_LIMIT_C = tl.constexpr(SPIN_LIMIT)
+_SMS: dict = {}
 
 
 # ---------------------------------------------------------------------------------------------------------- kernels
@@ -65,54 +75,105 @@ def _group_query(Q, sqb, sqh, Hk, G, GP: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _dec_cmp_kernel(Q, KC, VC, WS, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
-                    sqb, sqh, skb, sks, skh, svb, svs, svh,
-                    n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
+def _attend_keys(q, K, V, b64, hk, start, hi, S, skb, sks, skh, svb, svs, svh, qk_scale, offs_d,
+                 BLK: tl.constexpr):
+    """Partial (m, l, acc) of the (GP, HEAD_DIM) query rows over keys [start, min(hi, S)), at most BLK of them
+    (log2 units; m = -inf and l = 0 where no key is valid)."""
+    key = start + tl.arange(0, BLK)
+    ok = (key < hi) & (key < S)
+    k = tl.load(K + b64 * skb + hk * skh + key[:, None].to(tl.int64) * sks + offs_d[None, :], mask=ok[:, None],
+                other=0.0)
+    v = tl.load(V + b64 * svb + hk * svh + key[:, None].to(tl.int64) * svs + offs_d[None, :], mask=ok[:, None],
+                other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m = tl.max(s, 1)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.math.exp2(s - m_use[:, None])
+    return m, tl.sum(p, 1), tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def _store_partial(WS, o_m, o_l, o_acc, prow, m, l_i, acc, g_ok, offs_d, HEAD_DIM: tl.constexpr):
+    tl.store(WS + o_m + prow, m, mask=g_ok)
+    tl.store(WS + o_l + prow, l_i, mask=g_ok)
+    tl.store(WS + o_acc + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
+
+
+@triton.jit
+def _dec_cmp_kernel(Q, KC, VC, K, V, WS, CNT, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
+                    sqb, sqh, skb, sks, skh, svb, svs, svh, sKb, sKs, sKh, sVb, sVs, sVh,
+                    n_c, S, Hk, G, n_split, n_tiles, tps, NBW, window, n_part, qk_scale,
                     CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NSEL: tl.constexpr,
+                    BLK: tl.constexpr, NSELP: tl.constexpr, USE_PDL: tl.constexpr, TS, PROBE: tl.constexpr):
     sp = tl.program_id(0)
+    ts = TS + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + sp) * 4
+    if PROBE:
+        _gstamp(ts, 0)
+        _stamp(ts, 1, sp)
+    if USE_PDL:        # the selection kernel may start now: it only loads q before its griddepcontrol.wait
+        gdc_launch_dependents()
     b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    kbase = KC + b64 * skb + hk * skh
-    vbase = VC + b64 * svb + hk * svh
-    NB: tl.constexpr = BLOCK_N // R
-    cr = offs_n % R
-    w1 = tl.minimum(CB, BS - cr * CS).to(tl.float32)     # overlap with the compressed block's own selection block
-    w2 = CB - w1                                           # spill into the next one
-    jj = tl.arange(0, NB)
-    ia_row = WS + o_ia + (bh64 * GP + g[:, None]) * NBW
-    ib_row = WS + o_ib + (bh64 * GP + g[:, None]) * NBW
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, HEAD_DIM], tl.float32)
-    t_lo = sp * tps
-    t_hi = tl.minimum(t_lo + tps, n_tiles)
-    for t in range(t_lo, t_hi):
-        c = t * BLOCK_N + offs_n
-        ok = c < n_c
-        k = tl.load(kbase + c[:, None].to(tl.int64) * sks + offs_d[None, :], mask=ok[:, None], other=0.0)
-        v = tl.load(vbase + c[:, None].to(tl.int64) * svs + offs_d[None, :], mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        mt = tl.max(s, 1)                                  # finite: a launched tile holds >= 1 compressed key
-        pt = tl.math.exp2(s - mt[:, None])
-        a = tl.sum(tl.reshape(pt * w1[None, :], (GP, NB, R)), 2)
-        sb = tl.sum(tl.reshape(pt * w2[None, :], (GP, NB, R)), 2)
-        j = t * NB + jj
-        tl.store(ia_row + j[None, :], a, mask=g_ok[:, None])
-        tl.store(ib_row + (j + 1)[None, :], sb, mask=g_ok[:, None])
-        tl.store(WS + o_mt + (bh64 * n_tiles + t) * GP + g, mt, mask=g_ok)
-        m_new = tl.maximum(m_i, mt)
-        alpha = tl.math.exp2(m_i - m_new)
-        p = pt * tl.math.exp2(mt - m_new)[:, None]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
-    prow = (bh64 * n_split + sp) * GP + g
-    tl.store(WS + o_pm + prow, m_i, mask=g_ok)
-    tl.store(WS + o_pl + prow, l_i, mask=g_ok)
-    tl.store(WS + o_pacc + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
+    if sp == 0:        # the selection kernel's barrier counters and selected-block slots (it reads them only after
+        CNTW: tl.constexpr = 4 + NSELP     # this kernel ends): 3 counters, a pad, NSELP slots (-1 = none)
+        c4 = tl.arange(0, 4)
+        tl.store(CNT + bh64 * CNTW + c4, tl.zeros([4], tl.int32))
+        sl = tl.arange(0, NSELP)
+        tl.store(CNT + bh64 * CNTW + 4 + sl, tl.full([NSELP], -1, tl.int32))
+    if sp < n_split:
+        offs_n = tl.arange(0, BLOCK_N)
+        kbase = KC + b64 * skb + hk * skh
+        vbase = VC + b64 * svb + hk * svh
+        NB: tl.constexpr = BLOCK_N // R
+        cr = offs_n % R
+        w1 = tl.minimum(CB, BS - cr * CS).to(tl.float32)     # overlap with the compressed block's own selection block
+        w2 = CB - w1                                           # spill into the next one
+        jj = tl.arange(0, NB)
+        ia_row = WS + o_ia + (bh64 * GP + g[:, None]) * NBW
+        ib_row = WS + o_ib + (bh64 * GP + g[:, None]) * NBW
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, HEAD_DIM], tl.float32)
+        t_lo = sp * tps
+        t_hi = tl.minimum(t_lo + tps, n_tiles)
+        for t in range(t_lo, t_hi):
+            c = t * BLOCK_N + offs_n
+            ok = c < n_c
+            k = tl.load(kbase + c[:, None].to(tl.int64) * sks + offs_d[None, :], mask=ok[:, None], other=0.0)
+            v = tl.load(vbase + c[:, None].to(tl.int64) * svs + offs_d[None, :], mask=ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            mt = tl.max(s, 1)                                  # finite: a launched tile holds >= 1 compressed key
+            pt = tl.math.exp2(s - mt[:, None])
+            a = tl.sum(tl.reshape(pt * w1[None, :], (GP, NB, R)), 2)
+            sb = tl.sum(tl.reshape(pt * w2[None, :], (GP, NB, R)), 2)
+            j = t * NB + jj
+            tl.store(ia_row + j[None, :], a, mask=g_ok[:, None])
+            tl.store(ib_row + (j + 1)[None, :], sb, mask=g_ok[:, None])
+            tl.store(WS + o_mt + (bh64 * n_tiles + t) * GP + g, mt, mask=g_ok)
+            m_new = tl.maximum(m_i, mt)
+            alpha = tl.math.exp2(m_i - m_new)
+            p = pt * tl.math.exp2(mt - m_new)[:, None]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
+        _store_partial(WS, o_pm, o_pl, o_pacc, (bh64 * n_split + sp) * GP + g, m_i, l_i, acc, g_ok, offs_d,
+                       HEAD_DIM)
+        if PROBE:
+            _stamp(ts, 2, tl.sum(l_i, 0).to(tl.int32, bitcast=True))
+            _gstamp(ts, 3)
+    else:              # one chunk of the sliding window (independent of the selection): partial NSEL + w
+        w = sp - n_split
+        w_lo = tl.maximum(S - window, 0) + w * BLK
+        m, l_w, acc_w = _attend_keys(q, K, V, b64, hk, w_lo, S, S, sKb, sKs, sKh, sVb, sVs, sVh, qk_scale, offs_d,
+                                     BLK)
+        _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + NSEL + w) * GP + g, m, l_w, acc_w, g_ok, offs_d,
+                       HEAD_DIM)
+        if PROBE:
+            _stamp(ts, 2, tl.sum(l_w, 0).to(tl.int32, bitcast=True))
+            _gstamp(ts, 3)
 
 
 @triton.jit
@@ -130,143 +191,238 @@ def _rank(key):
 
 
 @triton.jit
-def _dec_score_kernel(WS, CAND, o_pm, o_pl, o_mt, o_ia, o_ib,
-                      Hk, G, n_split, n_tiles, NBW, n_b,
-                      NB: tl.constexpr, CH: tl.constexpr, CW: tl.constexpr, NBLK: tl.constexpr,
-                      NSPLITP: tl.constexpr, GP: tl.constexpr, HC: tl.constexpr):
-    ch = tl.program_id(0)
-    bh = tl.program_id(1)
-    bh64 = bh.to(tl.int64)
-    j = ch * CH + tl.arange(0, CH)
-    cur = n_b - 1                                   # the query is the last token: its block is the last one
-    n_w = n_tiles * NB                              # IMP_A written for j < n_w, IMP_B for 1 <= j <= n_w
-    ok_a = (j < n_w) & (j <= cur)
-    ok_b = (j >= 1) & (j <= n_w) & (j <= cur)
-    t_a = j // NB
-    t_b = tl.maximum(j - 1, 0) // NB
-    sp = tl.arange(0, NSPLITP)
-    sp_ok = sp < n_split
-    score = tl.zeros([CH], tl.float32)
-    for hc in tl.static_range(GP // HC):
-        gg = hc * HC + tl.arange(0, HC)
-        gok = gg < G
-        pidx = (bh64 * n_split + sp[:, None]) * GP + gg[None, :]
-        pmask = sp_ok[:, None] & gok[None, :]
-        pm = tl.load(WS + o_pm + pidx, mask=pmask, other=float("-inf"))
-        pl = tl.load(WS + o_pl + pidx, mask=pmask, other=0.0)
-        mx = tl.max(pm, 0)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        tot = tl.sum(pl * tl.math.exp2(pm - mx[None, :]), 0)
-        lse = tl.where(tot > 0.0, mx + tl.math.log2(tl.where(tot > 0.0, tot, 1.0)), float("inf"))   # [HC]
-        ma = gok[:, None] & ok_a[None, :]
-        mb = gok[:, None] & ok_b[None, :]
-        ia = tl.load(WS + o_ia + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=ma, other=0.0)
-        ib = tl.load(WS + o_ib + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=mb, other=0.0)
-        mta = tl.load(WS + o_mt + (bh64 * n_tiles + t_a[None, :]) * GP + gg[:, None], mask=ma, other=0.0)
-        mtb = tl.load(WS + o_mt + (bh64 * n_tiles + t_b[None, :]) * GP + gg[:, None], mask=mb, other=0.0)
-        fa = tl.where(ma, tl.math.exp2(mta - lse[:, None]), 0.0)
-        fb = tl.where(mb, tl.math.exp2(mtb - lse[:, None]), 0.0)
-        score += tl.sum(ia * fa + ib * fb, 0)
-    score = tl.where(j == 0, FORCE_FIRST_C, score)
-    score = tl.where(j == cur, float("inf"), score)
-    score = tl.where(j <= cur, score, float("-inf"))
-    # The chunk's best CW blocks are the only ones that can be in the global top num_selected (CW >= num_selected
-    # or CW == CH): write them to slots by rank; the attention kernel ranks the n_chunks * CW candidates.
-    key = _rank_keys(score, j, NBLK)
-    rank = _rank(key)
-    tl.store(CAND + bh64 * (tl.num_programs(0) * CW) + ch * CW + rank, key, mask=rank < CW)
+def _stamp(TS, slot, dep):
+    """PROBE builds only: the SM clock (%clock64) once `dep` (an int32 scalar the phase produced) is known."""
+    t = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(TS + slot, t)
 
 
 @triton.jit
-def _dec_attn_kernel(Q, K, V, IDX, WS, CAND, o_sm, o_sl, o_sacc,
-                     sqb, sqh, skb, sks, skh, svb, svs, svh,
-                     S, Hk, G, window, n_part, qk_scale,
-                     NSEL: tl.constexpr, BS: tl.constexpr, BLK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     GP: tl.constexpr, MP: tl.constexpr, NBLK: tl.constexpr, NSELP: tl.constexpr,
-                     RET_IDX: tl.constexpr):
-    p_id = tl.program_id(0)
-    b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
-    offs_n = tl.arange(0, BLK)
-    qpos = S - 1
-    is_slc = p_id < NSEL
-    # Top-k, second stage: the rank of each of the MP candidates of this (b, kv head); program p takes rank p.
-    # (Window programs compute it too: a few hundred cycles, cheaper than a branch per program kind.)
-    key = tl.load(CAND + bh64 * MP + tl.arange(0, MP))
-    cj = NBLK - 1 - (key & 0xFFFFFFFF).to(tl.int32)
-    rank = _rank(key)
-    sel = (rank < NSEL) & (key >= 0)                      # key < 0: score -inf (a block after the query's)
-    jb = tl.max(tl.where(sel & (rank == p_id), cj, -1), 0)
-    if RET_IDX:
-        if p_id == 0:          # the selected blocks in ascending order, -1 padded (the reference's layout)
-            pos = tl.sum((sel[None, :] & (cj[None, :] < cj[:, None])).to(tl.int32), 1)
-            tl.store(IDX + bh64 * NSEL + pos, cj, mask=sel)
-            cnt = tl.sum(sel.to(tl.int32), 0)
-            sl = tl.arange(0, NSELP)
-            tl.store(IDX + bh64 * NSEL + sl, tl.full([NSELP], -1, tl.int32), mask=(sl >= cnt) & (sl < NSEL))
-    w_lo = tl.maximum(qpos - window + 1, 0) + (p_id - NSEL) * BLK
-    start = tl.where(is_slc, tl.maximum(jb, 0) * BS, w_lo)
-    hi = tl.where(is_slc, tl.where(jb >= 0, start + BS, 0), S)       # exclusive; padding entry (-1): nothing
-    key = start + offs_n
-    ok = (key < hi) & (key < S)
-    k = tl.load(K + b64 * skb + hk * skh + key[:, None].to(tl.int64) * sks + offs_d[None, :], mask=ok[:, None],
-                other=0.0)
-    v = tl.load(V + b64 * svb + hk * svh + key[:, None].to(tl.int64) * svs + offs_d[None, :], mask=ok[:, None],
-                other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    s = tl.where(ok[None, :], s, float("-inf"))
-    m = tl.max(s, 1)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    p = tl.math.exp2(s - m_use[:, None])
-    l_i = tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v)
-    prow = (bh64 * n_part + p_id) * GP + g
-    tl.store(WS + o_sm + prow, m, mask=g_ok)
-    tl.store(WS + o_sl + prow, l_i, mask=g_ok)
-    tl.store(WS + o_sacc + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None])
+def _gstamp(TS, slot):
+    """PROBE builds only: %globaltimer (ns, device-wide) at this point."""
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(TS + slot, t)
+
+
+@triton.jit
+def _arrive(ptr):
+    """Grid barrier, arrival: every thread's earlier global stores are ordered before the release add (bar.sync,
+    then one thread's atomic at gpu scope)."""
+    tl.debug_barrier()
+    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait_count(ptr, target):
+    """Grid barrier, wait: poll until *ptr >= target (acquire). Bounded (SPIN_LIMIT polls, ~1 s) so that a broken
+    co-residency assumption shows as wrong output in the tests instead of a hung device."""
+    c = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    n = 0
+    while (c < target) & (n < SPIN_LIMIT_C):
+        c = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        n += 1
+    return c
 
 
 @triton.jit
 def _merge(WS, o_m, o_l, o_acc, row0, lo, hi, g, offs_d, NP: tl.constexpr, GP: tl.constexpr,
            HEAD_DIM: tl.constexpr):
-    """LSE merge of partials lo..hi-1 of one head (rows (row0 + i) * GP + g): the normalised output (0 if empty)."""
+    """LSE merge of partials lo..hi-1 of one head (rows (row0 + i) * GP + g): the normalised output (0 if empty).
+    Loads bypass L1 (.cg): the partials may come from other programs of the same launch."""
     i = tl.arange(0, NP)
     ok = (i >= lo) & (i < hi)
     prow = (row0 + i) * GP + g
-    m = tl.load(WS + o_m + prow, mask=ok, other=float("-inf"))
-    l_ = tl.load(WS + o_l + prow, mask=ok, other=0.0)
+    m = tl.load(WS + o_m + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l_ = tl.load(WS + o_l + prow, mask=ok, other=0.0, cache_modifier=".cg")
+    acc = tl.load(WS + o_acc + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0,
+                  cache_modifier=".cg")
     mx = tl.max(m, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.where(ok, tl.math.exp2(m - mx), 0.0)
     tot = tl.sum(l_ * w, 0)
-    acc = tl.load(WS + o_acc + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0)
     return o / tl.where(tot > 0.0, tot, 1.0)
 
 
 @triton.jit
-def _dec_combine_kernel(WS, GATES, OUT, o_pm, o_pl, o_pacc, o_sm, o_sl, o_sacc,
-                        sgb, sgh, sgc, sob, soh,
-                        Hq, G, n_split, n_part,
-                        NSEL: tl.constexpr, NSPLITP: tl.constexpr, NPARTP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        GP: tl.constexpr, HAS_GATES: tl.constexpr):
+def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
+                    o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc, o_pre,
+                    sqb, sqh, skb, sks, skh, svb, svs, svh, sgb, sgh, sgc, sob, soh,
+                    S, Hk, G, n_split, n_tiles, NBW, n_b, n_chunks, n_part, pre0, qk_scale,
+                    NB: tl.constexpr, CH: tl.constexpr, CW: tl.constexpr, NBLK: tl.constexpr,
+                    NSPLITP: tl.constexpr, NSEL: tl.constexpr, BS: tl.constexpr,
+                    BLK: tl.constexpr, HEAD_DIM: tl.constexpr, GP: tl.constexpr, MP: tl.constexpr,
+                    NSELP: tl.constexpr, NPARTP: tl.constexpr, RET_IDX: tl.constexpr, HAS_GATES: tl.constexpr,
+                    DO_SCORE: tl.constexpr, DO_RANK: tl.constexpr, DO_ATTN: tl.constexpr, DO_MERGE: tl.constexpr,
+                    SYNC: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr, SCORE_TILES: tl.constexpr):
     pid = tl.program_id(0)
-    b = pid // Hq
-    h = pid % Hq
-    bh64 = (pid // G).to(tl.int64)                  # = b * Hk + h // G
-    g = h % G
+    bh = tl.program_id(1)
+    bh64 = bh.to(tl.int64)
+    b = bh // Hk
+    hk = bh % Hk
     offs_d = tl.arange(0, HEAD_DIM)
-    o_cmp = _merge(WS, o_pm, o_pl, o_pacc, bh64 * n_split, 0, n_split, g, offs_d, NSPLITP, GP, HEAD_DIM)
-    o_slc = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, 0, NSEL, g, offs_d, NPARTP, GP, HEAD_DIM)
-    o_swa = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, NSEL, n_part, g, offs_d, NPARTP, GP, HEAD_DIM)
-    if HAS_GATES:
-        gb = GATES + b.to(tl.int64) * sgb + h * sgh
-        g0 = tl.load(gb).to(tl.float32)
-        g1 = tl.load(gb + sgc).to(tl.float32)
-        g2 = tl.load(gb + 2 * sgc).to(tl.float32)
-        o = g0 * o_cmp + g1 * o_slc + g2 * o_swa
-    else:
-        o = (o_cmp + o_slc + o_swa) * (1.0 / 3.0)
-    tl.store(OUT + b.to(tl.int64) * sob + h * soh + offs_d, o.to(OUT.dtype.element_ty))
+    CNTW: tl.constexpr = 4 + NSELP
+    cnt = CNT + bh64 * CNTW            # counters: +0 candidates written, +1 slots written, +2 partials written
+    slot = cnt + 4                     # NSELP selected-block slots, slot r = the block of rank r (-1: none)
+    ts = TS + (bh64 * tl.num_programs(0) + pid) * 16
+    if PROBE:
+        _gstamp(ts, 0)
+        _stamp(ts, 1, pid)
+    if DO_ATTN:
+        b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
+    if USE_PDL:        # everything below reads what _dec_cmp_kernel wrote
+        gdc_wait()
+    if PROBE:
+        _stamp(ts, 2, pid)
+    if DO_SCORE:
+        if pid < n_chunks:
+            # ---- top-k, first stage: block scores of chunk pid, its best CW blocks as candidates
+            cur = n_b - 1                                   # the query is the last token: its block is the last one
+            n_w = n_tiles * NB                              # IMP_A written for j < n_w, IMP_B for 1 <= j <= n_w
+            sp = tl.arange(0, NSPLITP)
+            gg = tl.arange(0, GP)
+            gok = gg < G
+            pidx = (bh64 * n_split + sp[:, None]) * GP + gg[None, :]
+            pmask = (sp < n_split)[:, None] & gok[None, :]
+            pm = tl.load(WS + o_pm + pidx, mask=pmask, other=float("-inf"))
+            pl = tl.load(WS + o_pl + pidx, mask=pmask, other=0.0)
+            if SCORE_TILES:
+                # block scores viewed as (CH // NB tiles, NB blocks): a tile's maximum is loaded once, not per block
+                NBV: tl.constexpr = NB if NB < CH else CH       # row length of the view (divides NB: rows never
+                NT: tl.constexpr = CH // NBV                    # straddle a compressed tile)
+                row0 = pid * CH + tl.arange(0, NT) * NBV
+                jj = tl.arange(0, NBV)
+                t_a = row0 // NB                                # compressed tile of the row's blocks (IMP_A part)
+                j = row0[:, None] + jj[None, :]                 # (NT, NBV)
+                ok_a = (j < n_w) & (j <= cur)
+                ok_b = (j >= 1) & (j <= n_w) & (j <= cur)
+                hrow = (bh64 * GP + gg[:, None, None]) * NBW + j[None, :, :]
+                ma = gok[:, None, None] & ok_a[None, :, :]
+                mb = gok[:, None, None] & ok_b[None, :, :]
+                ia = tl.load(WS + o_ia + hrow, mask=ma, other=0.0)                    # (GP, NT, NBV)
+                ib = tl.load(WS + o_ib + hrow, mask=mb, other=0.0)
+                mrow = WS + o_mt + bh64 * n_tiles * GP + gg[:, None]
+                t_ok = gok[:, None] & (t_a < n_tiles)[None, :]
+                mta = tl.load(mrow + t_a[None, :] * GP, mask=t_ok, other=0.0)         # (GP, NT): tile maxima
+                tp_ok = gok[:, None] & (t_a >= 1)[None, :] & (t_a - 1 < n_tiles)[None, :]
+                mtp = tl.load(mrow + (t_a - 1)[None, :] * GP, mask=tp_ok, other=0.0)  # previous tile's
+            else:
+                # block scores as (GP, CH): contiguous importance loads, per-block gathers of the tile maxima
+                j = pid * CH + tl.arange(0, CH)
+                ok_a = (j < n_w) & (j <= cur)
+                ok_b = (j >= 1) & (j <= n_w) & (j <= cur)
+                ma = gok[:, None] & ok_a[None, :]
+                mb = gok[:, None] & ok_b[None, :]
+                ia = tl.load(WS + o_ia + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=ma, other=0.0)
+                ib = tl.load(WS + o_ib + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=mb, other=0.0)
+                mta = tl.load(WS + o_mt + (bh64 * n_tiles + (j // NB)[None, :]) * GP + gg[:, None], mask=ma, other=0.0)
+                mtb = tl.load(WS + o_mt + (bh64 * n_tiles + (tl.maximum(j - 1, 0) // NB)[None, :]) * GP + gg[:, None],
+                              mask=mb, other=0.0)
+            mx = tl.max(pm, 0)
+            mx = tl.where(mx == float("-inf"), 0.0, mx)
+            tot = tl.sum(pl * tl.math.exp2(pm - mx[None, :]), 0)
+            lse = tl.where(tot > 0.0, mx + tl.math.log2(tl.where(tot > 0.0, tot, 1.0)), float("inf"))   # (GP,)
+            if SCORE_TILES:
+                fa = tl.math.exp2(mta - lse[:, None])
+                fp = tl.math.exp2(mtp - lse[:, None])
+                # IMP_B[j] comes from the compressed block before j: same tile unless j starts a tile
+                fb = tl.where((j % NB == 0)[None, :, :], fp[:, :, None], fa[:, :, None])
+                sc = tl.where(ma, ia * fa[:, :, None], 0.0) + tl.where(mb, ib * fb, 0.0)
+                score = tl.reshape(tl.sum(sc, 0), (CH,))
+            else:
+                fa = tl.where(ma, tl.math.exp2(mta - lse[:, None]), 0.0)
+                fb = tl.where(mb, tl.math.exp2(mtb - lse[:, None]), 0.0)
+                score = tl.sum(ia * fa + ib * fb, 0)
+            jv = pid * CH + tl.arange(0, CH)
+            score = tl.where(jv == 0, FORCE_FIRST_C, score)
+            score = tl.where(jv == cur, float("inf"), score)
+            score = tl.where(jv <= cur, score, float("-inf"))
+            # The chunk's best CW blocks are the only ones that can be in the global top NSEL (CW >= NSEL or
+            # CW == CH): written to slots by rank; the attention programs rank the n_chunks * CW candidates.
+            key = _rank_keys(score, jv, NBLK)
+            rank = _rank(key)
+            tl.store(CAND + bh64 * MP + pid * CW + rank, key, mask=rank < CW)
+            if PROBE:
+                _stamp(ts, 3, tl.max(rank, 0))
+            if SYNC:
+                _arrive(cnt)
+            if PROBE:
+                _stamp(ts, 4, pid)
+        hp = pid - pre0
+        if (hp >= 0) & (hp < G):
+            # ---- between the barriers (off the critical path when pre0 puts it on programs of its own): the
+            # compressed and window branches of head hp, merged and gated: pre = g0 * o_cmp + g2 * o_swa
+            o_cmp = _merge(WS, o_pm, o_pl, o_pacc, bh64 * n_split, 0, n_split, hp, offs_d, NSPLITP, GP, HEAD_DIM)
+            o_swa = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, NSEL, n_part, hp, offs_d, NPARTP, GP, HEAD_DIM)
+            if HAS_GATES:
+                gbp = GATES + b.to(tl.int64) * sgb + (hk * G + hp) * sgh
+                pre = tl.load(gbp).to(tl.float32) * o_cmp + tl.load(gbp + 2 * sgc).to(tl.float32) * o_swa
+            else:
+                pre = (o_cmp + o_swa) * (1.0 / 3.0)
+            tl.store(WS + o_pre + (bh64 * GP + hp) * HEAD_DIM + offs_d, pre)
+            if PROBE:
+                _stamp(ts, 5, tl.sum(pre, 0).to(tl.int32, bitcast=True))
+    if DO_RANK:
+        if pid < n_chunks:
+            if SYNC:
+                c1 = _wait_count(cnt, n_chunks)
+                if PROBE:
+                    _stamp(ts, 6, c1)
+            # ---- top-k, second stage: global rank of this chunk's CW candidates among all MP; the selected ones
+            # (rank < NSEL, score > -inf) go to slot[rank]
+            allk = tl.load(CAND + bh64 * MP + tl.arange(0, MP), cache_modifier=".cg")
+            mine = tl.load(CAND + bh64 * MP + pid * CW + tl.arange(0, CW), cache_modifier=".cg")
+            r = tl.sum((allk[None, :] > mine[:, None]).to(tl.int32), 1)
+            cj = NBLK - 1 - (mine & 0xFFFFFFFF).to(tl.int32)
+            tl.store(slot + r, cj, mask=(r < NSEL) & (mine >= 0))
+            if PROBE:
+                _stamp(ts, 7, tl.max(r, 0))
+            if SYNC:
+                _arrive(cnt + 1)
+    if DO_ATTN:
+        if pid < NSEL:
+            if SYNC:
+                c2 = _wait_count(cnt + 1, n_chunks)
+                if PROBE:
+                    _stamp(ts, 9, c2)
+            jb = tl.load(slot + pid, cache_modifier=".cg")
+            if RET_IDX:
+                if pid == 0:          # the selected blocks in ascending order, -1 padded (the reference's layout)
+                    sl = tl.arange(0, NSELP)
+                    sj = tl.load(slot + sl, mask=sl < NSEL, other=-1, cache_modifier=".cg")
+                    ok = sj >= 0
+                    pos = tl.sum((ok[None, :] & (sj[None, :] < sj[:, None])).to(tl.int32), 1)
+                    tl.store(IDX + bh64 * NSEL + pos, sj, mask=ok)
+                    n_sel = tl.sum(ok.to(tl.int32), 0)
+                    tl.store(IDX + bh64 * NSEL + sl, tl.full([NSELP], -1, tl.int32), mask=(sl >= n_sel) & (sl < NSEL))
+            start = tl.maximum(jb, 0) * BS
+            hi = tl.where(jb >= 0, start + BS, 0)                 # exclusive; empty slot (-1): nothing
+            m, l_s, acc_s = _attend_keys(q, K, V, b64, hk, start, hi, S, skb, sks, skh, svb, svs, svh, qk_scale,
+                                         offs_d, BLK)
+            _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + pid) * GP + g, m, l_s, acc_s, g_ok, offs_d,
+                           HEAD_DIM)
+            if PROBE:
+                _stamp(ts, 8, tl.sum(l_s, 0).to(tl.int32, bitcast=True))
+            if SYNC:
+                _arrive(cnt + 2)
+    if DO_MERGE:
+        if pid < G:
+            h = hk * G + pid
+            if SYNC:
+                c3 = _wait_count(cnt + 2, NSEL)
+                if PROBE:
+                    _stamp(ts, 10, c3)
+            o_slc = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, 0, NSEL, pid, offs_d, NPARTP, GP, HEAD_DIM)
+            pre = tl.load(WS + o_pre + (bh64 * GP + pid) * HEAD_DIM + offs_d, cache_modifier=".cg")
+            if HAS_GATES:
+                o = pre + tl.load(GATES + b.to(tl.int64) * sgb + h * sgh + sgc).to(tl.float32) * o_slc
+            else:
+                o = pre + o_slc * (1.0 / 3.0)
+            tl.store(OUT + b.to(tl.int64) * sob + h * soh + offs_d, o.to(OUT.dtype.element_ty))
+            if PROBE:
+                _stamp(ts, 11, tl.sum(o, 0).to(tl.int32, bitcast=True))
+    if PROBE:
+        _gstamp(ts, 12)
 
 
 # ---------------------------------------------------------------------------------------------------------- host
@@ -297,6 +453,12 @@ def _plan(B, Hk, G, S, n_c, config):
     return R, NB, n_tiles, tps, n_split, GP, BLK, n_win
 
 
+def _num_sms(dev) -> int:
+    if dev not in _SMS:
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _SMS[dev]
+
+
 def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool = False):
     """One decode step: q (B, 1, Hq, D) at position S - 1 of k/v (B, S, Hk, D); k_cmp/v_cmp (B, n_c, Hk, D) the
     compressed blocks of k/v (any strides with a unit last one). Returns (out (B, 1, Hq, D) q.dtype,
@@ -316,47 +478,68 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
         k_cmp = v_cmp = q.new_zeros((B, 1, Hk, D))
     if k_cmp.stride(-1) != 1 or v_cmp.stride(-1) != 1:
         k_cmp, v_cmp = k_cmp.contiguous(), v_cmp.contiguous()
-    # fp32 workspace: cmp partials (m, l, acc), tile maxima, per-head importance (A, B), slc/swa partials
     # top-k candidates: NBLK block scores in n_chunks chunks of CH, each chunk keeps its best CW
     NBLK = max(16, triton.next_power_of_2(n_b))
     CH = min(NBLK, SCORE_CHUNK)
     CW = min(CH, triton.next_power_of_2(nsel))
     n_chunks = NBLK // CH
+    NSELP = max(16, triton.next_power_of_2(nsel))
+    # fp32 workspace: cmp partials (m, l, acc), tile maxima, per-head importance (A, B), slc/swa partials,
+    # pre-merged cmp + swa output per head, 2 int32 barrier counters per (b, kv head)
     sizes = [BH * n_split * GP, BH * n_split * GP, BH * n_split * GP * D, BH * max(n_tiles, 1) * GP,
-             BH * GP * NBW, BH * GP * NBW, BH * n_part * GP, BH * n_part * GP, BH * n_part * GP * D]
+             BH * GP * NBW, BH * GP * NBW, BH * n_part * GP, BH * n_part * GP, BH * n_part * GP * D, BH * GP * D,
+             BH * (4 + NSELP)]
     offs, tot = [], 0
     for n in sizes:
         offs.append(tot)
         tot += (n + 31) // 32 * 32
     ws = _workspace(tot, torch.float32, dev)
-    o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc = offs
-    # without return_indices the attention kernel stores no indices (RET_IDX=False): ws stands in for the argument
+    o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc, o_pre, o_cnt = offs
+    cnt = ws[o_cnt:o_cnt + BH * (4 + NSELP)].view(torch.int32)
+    # without return_indices the attention phase stores no indices (RET_IDX=False): ws stands in for the argument
     idx = torch.empty((B, 1, Hk, nsel), dtype=torch.int32, device=dev) if return_indices else ws
     qk_scale = scale * LOG2E
-    _dec_cmp_kernel[(n_split, BH)](
-        q, k_cmp, v_cmp, ws, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
+    # one launch for score / attention / merge with in-kernel barriers when all its programs can be resident at
+    # once (they spin on each other); else (or in the interpreter, which runs programs one after the other) one
+    # launch per phase. SPLIT_PRE: the compressed + window merge runs on G programs of its own.
+    n_prog = max(n_chunks, nsel, G)
+    on_gpu = dev.type == "cuda"
+    pre0 = n_prog if SPLIT_PRE else 0
+    n_prog_b = n_prog + (G if SPLIT_PRE else 0)
+    sync = FUSE and on_gpu and n_prog_b * BH <= _num_sms(dev)
+    pdl = PDL and on_gpu
+    launch = dict(launch_pdl=True) if pdl else {}
+    probe = isinstance(PROBE, dict) and on_gpu
+    if probe:
+        PROBE["a"] = tsa = torch.zeros(BH * (n_split + n_win) * 4, dtype=torch.int64, device=dev)
+        PROBE["b"] = tsb = torch.zeros(BH * n_prog_b * 16, dtype=torch.int64, device=dev)
+        PROBE["plan"] = dict(BH=BH, n_split=n_split, n_win=n_win, n_prog_b=n_prog_b, n_chunks=n_chunks, sync=sync,
+                             pre0=pre0)
+    else:
+        tsa = tsb = ws
+    _dec_cmp_kernel[(n_split + n_win, BH)](
+        q, k_cmp, v_cmp, k, v, ws, cnt, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
         q.stride(0), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
-        n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        n_c, S, Hk, G, n_split, n_tiles, tps, NBW, config.window, n_part, qk_scale,
         CB=config.compress_block, CS=config.compress_stride, BS=bs, R=R, HEAD_DIM=D, GP=GP, BLOCK_N=CMP_BLOCK_N,
-        num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
+        NSEL=nsel, BLK=BLK, NSELP=NSELP, USE_PDL=pdl, TS=tsa, PROBE=probe, num_warps=NUM_WARPS["cmp"],
+        num_stages=NUM_STAGES["cmp"])
     cand = _workspace(BH * n_chunks * CW, torch.int64, dev)
-    _dec_score_kernel[(n_chunks, BH)](
-        ws, cand, o_pm, o_pl, o_mt, o_ia, o_ib, Hk, G, n_split, n_tiles, NBW, n_b,
-        NB=NB, CH=CH, CW=CW, NBLK=NBLK, NSPLITP=max(2, triton.next_power_of_2(n_split)), GP=GP,
-        HC=max(1, min(GP, 4096 // CH)), num_warps=NUM_WARPS["score"])
-    _dec_attn_kernel[(n_part, BH)](
-        q, k, v, idx, ws, cand, o_sm, o_sl, o_sacc,
-        q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        S, Hk, G, config.window, n_part, qk_scale,
-        NSEL=nsel, BS=bs, BLK=BLK, HEAD_DIM=D, GP=GP, MP=n_chunks * CW, NBLK=NBLK,
-        NSELP=max(16, triton.next_power_of_2(nsel)), RET_IDX=return_indices, num_warps=NUM_WARPS["attn"])
     out = torch.empty((B, 1, Hq, D), dtype=q.dtype, device=dev)
     gt = gates if gates is not None else out
-    _dec_combine_kernel[(B * Hq,)](
-        ws, gt, out, o_pm, o_pl, o_pacc, o_sm, o_sl, o_sacc,
-        gt.stride(0), gt.stride(2), gt.stride(3) if gates is not None else 0, out.stride(0), out.stride(2),
-        Hq, G, n_split, n_part,
-        NSEL=nsel, NSPLITP=max(2, triton.next_power_of_2(n_split)), NPARTP=triton.next_power_of_2(n_part),
-        HEAD_DIM=D, GP=GP, HAS_GATES=gates is not None, num_warps=NUM_WARPS["combine"])
+    args = (q, k, v, idx, ws, cand, cnt, gt, out, tsb, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
+            o_pre, q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), gt.stride(0), gt.stride(2), gt.stride(3) if gates is not None else 0, out.stride(0),
+            out.stride(2), S, Hk, G, n_split, n_tiles, NBW, n_b, n_chunks, n_part, pre0, qk_scale)
+    meta = dict(NB=NB, CH=CH, CW=CW, NBLK=NBLK, NSPLITP=max(2, triton.next_power_of_2(n_split)),
+                NSEL=nsel, BS=bs, BLK=BLK, HEAD_DIM=D, GP=GP, MP=n_chunks * CW,
+                NSELP=NSELP, NPARTP=triton.next_power_of_2(n_part),
+                RET_IDX=return_indices, HAS_GATES=gates is not None, USE_PDL=pdl, PROBE=probe, SCORE_TILES=SCORE_TILES,
+                num_warps=NUM_WARPS["sel"], **launch)
+    phases = [(1, 1, 1, 1)] if sync else [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)]
+    for ph in phases:
+        _dec_sel_kernel[(n_prog_b, BH)](*args, DO_SCORE=bool(ph[0]), DO_RANK=bool(ph[1]), DO_ATTN=bool(ph[2]),
+                                        DO_MERGE=bool(ph[3]), SYNC=sync, **meta)
     return out, (idx if return_indices else None)
