@@ -96,11 +96,13 @@ def _decode_kernel(Q, Kt, Vt, S, G, O, scale,
         tl.store(op, o.to(O.dtype.element_ty), mask=mv)
 
 
-# Decode launch settings per regime, from the H100 sweeps (benchmarks/NOTES.md, lightning section, v3 and v4):
-# one program per (K, BV) tile.
-_SMALL_GRID = {"BV": 16, "num_warps": 1}
-_LARGE_GRID = {"BV": 64, "num_warps": 2}
-_NARROW_GRID = {"BV": 32, "num_warps": 1}
+# Decode launch settings per regime, from the H100 sweeps (benchmarks/NOTES.md, lightning section, v3-v5): one
+# program per (K, BV) tile. CS: a contiguous state's row stride as a compile-time constant -- kept for the small
+# (latency-bound) grid only: at B >= 64 it measured 0.3-0.5% slower than runtime strides (run 7: 187.7 vs 186.5 us
+# at B=64, 729.2 vs 725.6 at B=256); at B=1 per graph step the two tie (4.70 / 4.71 us).
+_SMALL_GRID = {"BV": 16, "num_warps": 1, "CS": True}
+_LARGE_GRID = {"BV": 64, "num_warps": 2, "CS": False}
+_NARROW_GRID = {"BV": 32, "num_warps": 1, "CS": False}
 
 
 def _decode_config(BH: int, K: int, V: int, state_dtype=torch.float32) -> dict:
@@ -148,7 +150,7 @@ def _decode_args(B, H, K, V, qs, ks, vs, ss, os_, state_dtype):
     BK = triton.next_power_of_2(K)
     grid = ((V + BV - 1) // BV, H, B)
     # contiguous rows of a contiguous state ((K, V) row-major, or (V, K) for "bhvk"): the row stride as a constant
-    cs = cfg.get("CS", True)
+    cs = cfg.get("CS", False)
     csk = V if cs and ss[3] == 1 and ss[2] == V else 0
     csv = K if cs and ss[2] == 1 and ss[3] == K else 0
     tail = (qs[0], qs[2], qs[3], ks[0], ks[2], ks[3], vs[0], vs[2], vs[3], *ss, os_[0], os_[2], os_[3],
