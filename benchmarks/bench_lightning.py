@@ -532,7 +532,10 @@ def main(argv=None):
                    help="only the decode launch-variant sweep (fp32 and bf16 state) and the bf16 drift run")
     p.add_argument("--ab", action="store_true",
                    help="only the decode A/B: old vs new path, plain kernel, fla, same-bytes copy (B 1..256)")
-    p.add_argument("--old", default=None, help="module with the previous lightning_decode, for --ab")
+    p.add_argument("--old", default=None,
+                   help="importable module with the previous lightning_decode, for --ab (run 6/7: commit 2e7d38c's "
+                        "kernels/lightning.py saved as sparsepatch/kernels/_lightning_v4_old.py with its "
+                        "'sparsepatch::' op names renamed, not committed)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
