@@ -11,7 +11,8 @@ The state is fp32 by default; a bf16 (or fp16) state is stored in that dtype and
 (math fp32, one round-to-nearest per step at the store), halving the decode's bytes (drift: lightning_reference).
 
 Decode: each program streams one (K, BV) state tile once (read + write), tile width and warps per regime
-(`_decode_config`; a persistent tile loop and cache hints were measured slower or neutral and deleted). The
+(`_decode_config`; a persistent tile loop, cache hints, TMA bulk copies and PDL were measured slower or neutral).
+After the first call with given shapes/strides a cached launch plan relaunches the compiled kernel (`_PLANS`). The
 only allocation is the output (none with `out=`), there is no host sync after the first call with a given decay
 tensor, so it is CUDA-graph capturable. Prefill: one program per (sequence, head, V-block) walks the sequence in
 chunks of 64 tokens carrying the fp32 state in registers: o = (q k^T * decay_mask) v + decay_q * (q @ state); the
