@@ -451,7 +451,7 @@ DECODE_TARGETS = [40, 80, 160, 320, 640]   # nsa_decode.TARGET_PROGRAMS tried at
 
 def bench_decode(nsa, cfg, ss, write=None, sweep=True):
     """Decode rows (us): one query token, HQ64/H4, D=128, bf16, B=1, NSACache(store_kv=False) prefilled to S.
-    ours = nsa.nsa_attention(q1, k, v, cache) eager (checks + cache.update + the 4 decode kernels); kernels = the
+    ours = nsa.nsa_attention(q1, k, v, cache) eager (checks + cache.update + the 2 decode launches); kernels = the
     decode kernels alone (nsa_decode.nsa_decode, eager); graph = one captured nsa_attention step replayed;
     update = cache.update alone; old = the prefill kernels at T = 1 (nsa._forward, before this path). SDPA decode
     with enable_gqa: default backend, flash, cuDNN (eager), and the default one captured in a graph."""

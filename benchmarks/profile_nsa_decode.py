@@ -1,10 +1,14 @@
 """Where a CUDA-graph NSA decode step spends its time: per-kernel GPU durations (torch.profiler/CUPTI) against the
 replay time of the whole step, HQ64/H4 D128 bf16 B=1, at a few context lengths.
 
-    python benchmarks/profile_nsa_decode.py [--out DIR]     # CUDA only; JSON <gpu>-nsa-decode-profile.json
+    python benchmarks/profile_nsa_decode.py [--out DIR] [--s 65536] [--sweep]   # CUDA only; JSON
+                                                                   # <gpu>-nsa-decode-profile.json
 
 The difference between the replay time and the sum of kernel durations is launch/dependency latency between the
-graph's kernels (what merging launches can save); each kernel's own duration is what tuning it can save.
+graph's kernels (with PDL the selection kernel's duration includes its wait for the compressed kernel, so the gap
+can be negative). --sweep (at the largest S) also times VARIANTS of the module's launch settings by do_bench (the
+benchmark's method, L2 flushed) and warm replay, prints a per-phase timeline of one step (`probe`: the kernels built
+with nsa_decode.PROBE record %globaltimer / %clock64 per program) and SDPA decode / an empty graph timed the same way.
 """
 from __future__ import annotations
 
@@ -102,11 +106,10 @@ def sweep(S, variants):
     return rows
 
 
-VARIANTS = [{}, {"NUM_WARPS": {"sel": 8}}, {"SCORE_TILES": False}, {"SCORE_CHUNK": 128}, {"SCORE_CHUNK": 32},
-            {"SPLIT_PRE": True}, {"NUM_WARPS": {"sel": 8}, "SPLIT_PRE": True}, {"FUSE": False}, {"PDL": False},
-            {"NUM_WARPS": {"cmp": 8}}, {}]
+VARIANTS = [{}, {"FUSE": False}, {"PDL": False}, {"SCORE_CHUNK": 32}, {"SCORE_CHUNK": 128},
+            {"NUM_WARPS": {"cmp": 8}}, {"TARGET_PROGRAMS": 256}, {}]
 
-PROBE_SLOTS = {2: "gdc_wait done", 3: "chunk score+rank done", 4: "arrive 1 done", 5: "cmp+swa merge done",
+PROBE_SLOTS = {2: "gdc_wait done", 3: "chunk score+rank done", 5: "window progs: cmp+swa merges done",
                6: "wait 1 done (rank)", 7: "final rank, slots stored", 9: "wait 2 done (attn)",
                8: "selected partial stored", 10: "wait 3 done (merge)", 11: "output stored"}
 
@@ -191,7 +194,7 @@ def main(argv=None):
     if args.sweep:
         print(f"sweep at S={max(args.s)}:")
         res["sweep"] = sweep(max(args.s), VARIANTS)
-        res["probe"] = [probe(max(args.s)), probe(max(args.s), {"NUM_WARPS": {"sel": 8}})]
+        res["probe"] = [probe(max(args.s)), probe(max(args.s), {"PDL": False})]
         res["baselines"] = baselines(max(args.s))
         print("baselines", {k_: round(v_, 2) for k_, v_ in res["baselines"].items()}, flush=True)
     for S in args.s:

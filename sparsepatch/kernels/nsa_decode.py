@@ -1,32 +1,37 @@
-"""Native Sparse Attention decode (one query token per sequence) in Triton: flash-decoding split-K.
+"""Native Sparse Attention decode (one query token per sequence) in Triton: flash-decoding split-K, two launches.
 
-Same function as `nsa_reference` (and `nsa._forward`) for T == 1, causal, no gradient. The prefill kernels of
-`nsa.py` launch one program per (token tile, KV head), so a decode token gets B * Hk programs that each stream
-every compressed key (S / 16 of them at the default config). Here the work is split over the keys instead:
+Same function as `nsa_reference` (and `nsa._forward`) for T == 1, causal, no gradient. Rows of every tile = the G
+query heads of one KV head (padded to GP >= 16 for tl.dot). Work per (b, kv head):
 
-1. `_dec_cmp_kernel`  grid (n_splits, B * Hk). A split = `tps` tiles of CMP_BLOCK_N compressed keys; rows = the
-   G query heads of the KV head (padded to GP >= 16 for tl.dot). Per split: the online-softmax partial (m, l, acc)
-   of the compressed branch (log2 units). Per tile: its row max mt and, per head, the tile's share of the block
-   importance sum_c exp2(s - mt) * w(c, j) (overlap weights; a compressed block overlaps its own selection block
-   (IMP_A[j]) and spills into the next (IMP_B[j + 1])). Nothing global is needed, so there is no second pass:
-   exp2(s - lse) = exp2(s - mt) * exp2(mt - lse) is finished by (2).
-2. `_dec_score_kernel` grid (n_chunks, B * Hk), top-k first stage. LSE of the compressed branch per head (merge of
-   the split partials), block importance of a chunk of SCORE_CHUNK blocks = sum over the group's heads of
-   IMP_A[h, j] * exp2(mt(tile(j)) - lse_h) + IMP_B[h, j] * exp2(mt(tile(j - 1)) - lse_h), local block +inf, block 0
-   3e38, future blocks -inf; the chunk's best CW = min(chunk, next_pow2(num_selected)) blocks are written as
-   candidates (int64 keys: score bits, reversed block index). Ranking is by pairwise comparison of keys (rank = number
-   of candidates with a larger key: higher score, ties to the lower index, as the reference), so there are no
-   sequential arg-max rounds: the single-program top-k
-   this replaces took 11.8 of a 27 us step at 64K (benchmarks/profile_nsa_decode.py).
-3. `_dec_attn_kernel` grid (num_selected + n_win, B * Hk): every program ranks the n_chunks * CW candidates (top-k
-   second stage); program p < num_selected attends to the block of rank p (keys <= the query position; nothing
-   when that rank holds no selectable block), the others to one chunk of the sliding window; each writes a
-   partial (m, l, acc). With return_indices, program 0 also writes the selected blocks ascending, -1 padded.
-4. `_dec_combine_kernel` grid (B * Hq): LSE merge of the three branches' partials, gates, output in q's dtype.
+1. `_dec_cmp_kernel`  grid (n_split, B * Hk). A split = `tps` tiles of CMP_BLOCK_N compressed keys: the online-softmax
+   partial (m, l, acc) of the compressed branch (log2 units) and, per tile, its row max mt and per head the tile's
+   share of the block importance sum_c exp2(s - mt) * w(c, j) (overlap weights; a compressed block overlaps its own
+   selection block (IMP_A[j]) and spills into the next (IMP_B[j + 1])). exp2(s - lse) = exp2(s - mt) * exp2(mt - lse)
+   is finished in (2a), so there is no second pass. Program 0 also zeroes (2)'s counters and slots.
+2. `_dec_sel_kernel`  grid (n_prog + n_win, B * Hk), launched with programmatic dependent launch (PDL) so that it
+   starts while (1) runs. Window programs (the last n_win) attend to one chunk of the sliding window before
+   griddepcontrol.wait (they need only q, k, v). Then, phases separated by per-(b, kv head) counters:
+   a. score: program c < n_chunks: LSE of the compressed branch per head (merge of the split partials), block
+      importance of its chunk of SCORE_CHUNK blocks (sum over the group's heads of IMP_A * exp2(mt - lse) + IMP_B * ..;
+      local block +inf, block 0 3e38, future blocks -inf), its best CW = min(chunk, next_pow2(num_selected)) blocks
+      as candidates (int64 keys: score bits, reversed block index; rank = number of larger keys: higher score, ties
+      to the lower index, as the reference; no sequential arg-max rounds).
+   b. final rank: each chunk program ranks its own CW candidates among all n_chunks * CW (exact for the top
+      num_selected: every key above a selected one is a candidate too) and writes slot[rank] = block. The window
+      programs meanwhile merge the compressed and window branches per head (off the critical path).
+   c. selected: program p < num_selected attends to the block in slot p (keys <= the query position; nothing for an
+      empty slot); with return_indices, program 0 writes the selected blocks ascending, -1 padded.
+   d. merge: program h < G: LSE merge of the selected partials + the compressed/window part, gates, output.
+   In one launch the phases wait on each other by spinning on the counters (acquire loads; the arrivals are a
+   bar.sync then a release add), which needs every program resident at once: taken when the grid fits on the SMs
+   (n_prog = max(n_chunks, num_selected, G); 96 programs at B=1, HQ64/H4), else the same kernel runs once per phase
+   (4 launches; always so under TRITON_INTERPRET=1, which runs programs one after another).
 
 Host work: no sync, no .item(); a step allocates its fp32 scratch and its output from PyTorch's caching allocator
 (no process-wide buffer, so concurrent streams and several captured graphs are safe). The step is CUDA-graph
 capturable for a fixed context length. Supported inputs: those of `nsa.supports` (same config constraints).
+Phase timings and the variants measured: benchmarks/NOTES.md, "NSA decode: two launches" (PROBE builds record
+per-program clocks for benchmarks/profile_nsa_decode.py).
 """
 from __future__ import annotations
 
@@ -51,8 +56,6 @@ SCORE_CHUNK = 64          # selection blocks scored per program (the first top-k
 NUM_STAGES = dict(cmp=2)
 FUSE = True               # score + attention + merge in one launch with in-kernel barriers (when co-resident)
 PDL = True                # programmatic dependent launch of the selection kernel (Hopper; no-op semantics else)
-SCORE_TILES = True        # score stage: tile maxima loaded per tile (else gathered per block)
-SPLIT_PRE = False         # the compressed + window merge on G extra programs of the selection kernel
 PROBE = None              # a dict: the next calls record per-program phase clocks into it (benchmarks only)
 SPIN_LIMIT = 1 << 22      # polls before a barrier wait gives up (a safety net against a hung device, never hit)
 SPIN_LIMIT_C = tl.constexpr(SPIN_LIMIT)
@@ -101,12 +104,12 @@ def _store_partial(WS, o_m, o_l, o_acc, prow, m, l_i, acc, g_ok, offs_d, HEAD_DI
 
 
 @triton.jit
-def _dec_cmp_kernel(Q, KC, VC, K, V, WS, CNT, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
-                    sqb, sqh, skb, sks, skh, svb, svs, svh, sKb, sKs, sKh, sVb, sVs, sVh,
-                    n_c, S, Hk, G, n_split, n_tiles, tps, NBW, window, n_part, qk_scale,
+def _dec_cmp_kernel(Q, KC, VC, WS, CNT, TS, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
+                    sqb, sqh, skb, sks, skh, svb, svs, svh,
+                    n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
                     CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NSEL: tl.constexpr,
-                    BLK: tl.constexpr, NSELP: tl.constexpr, USE_PDL: tl.constexpr, TS, PROBE: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, CNTW: tl.constexpr,
+                    NSELP: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr):
     sp = tl.program_id(0)
     ts = TS + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + sp) * 4
     if PROBE:
@@ -116,64 +119,52 @@ def _dec_cmp_kernel(Q, KC, VC, K, V, WS, CNT, o_pm, o_pl, o_pacc, o_mt, o_ia, o_
         gdc_launch_dependents()
     b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
     if sp == 0:        # the selection kernel's barrier counters and selected-block slots (it reads them only after
-        CNTW: tl.constexpr = 4 + NSELP     # this kernel ends): 3 counters, a pad, NSELP slots (-1 = none)
-        c4 = tl.arange(0, 4)
-        tl.store(CNT + bh64 * CNTW + c4, tl.zeros([4], tl.int32))
+        c8 = tl.arange(0, 8)   # its griddepcontrol.wait, i.e. after this kernel): 8 counters, NSELP slots (-1 = none)
+        tl.store(CNT + bh64 * CNTW + c8, tl.zeros([8], tl.int32))
         sl = tl.arange(0, NSELP)
-        tl.store(CNT + bh64 * CNTW + 4 + sl, tl.full([NSELP], -1, tl.int32))
-    if sp < n_split:
-        offs_n = tl.arange(0, BLOCK_N)
-        kbase = KC + b64 * skb + hk * skh
-        vbase = VC + b64 * svb + hk * svh
-        NB: tl.constexpr = BLOCK_N // R
-        cr = offs_n % R
-        w1 = tl.minimum(CB, BS - cr * CS).to(tl.float32)     # overlap with the compressed block's own selection block
-        w2 = CB - w1                                           # spill into the next one
-        jj = tl.arange(0, NB)
-        ia_row = WS + o_ia + (bh64 * GP + g[:, None]) * NBW
-        ib_row = WS + o_ib + (bh64 * GP + g[:, None]) * NBW
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, HEAD_DIM], tl.float32)
-        t_lo = sp * tps
-        t_hi = tl.minimum(t_lo + tps, n_tiles)
-        for t in range(t_lo, t_hi):
-            c = t * BLOCK_N + offs_n
-            ok = c < n_c
-            k = tl.load(kbase + c[:, None].to(tl.int64) * sks + offs_d[None, :], mask=ok[:, None], other=0.0)
-            v = tl.load(vbase + c[:, None].to(tl.int64) * svs + offs_d[None, :], mask=ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(ok[None, :], s, float("-inf"))
-            mt = tl.max(s, 1)                                  # finite: a launched tile holds >= 1 compressed key
-            pt = tl.math.exp2(s - mt[:, None])
-            a = tl.sum(tl.reshape(pt * w1[None, :], (GP, NB, R)), 2)
-            sb = tl.sum(tl.reshape(pt * w2[None, :], (GP, NB, R)), 2)
-            j = t * NB + jj
-            tl.store(ia_row + j[None, :], a, mask=g_ok[:, None])
-            tl.store(ib_row + (j + 1)[None, :], sb, mask=g_ok[:, None])
-            tl.store(WS + o_mt + (bh64 * n_tiles + t) * GP + g, mt, mask=g_ok)
-            m_new = tl.maximum(m_i, mt)
-            alpha = tl.math.exp2(m_i - m_new)
-            p = pt * tl.math.exp2(mt - m_new)[:, None]
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            m_i = m_new
-        _store_partial(WS, o_pm, o_pl, o_pacc, (bh64 * n_split + sp) * GP + g, m_i, l_i, acc, g_ok, offs_d,
-                       HEAD_DIM)
-        if PROBE:
-            _stamp(ts, 2, tl.sum(l_i, 0).to(tl.int32, bitcast=True))
-            _gstamp(ts, 3)
-    else:              # one chunk of the sliding window (independent of the selection): partial NSEL + w
-        w = sp - n_split
-        w_lo = tl.maximum(S - window, 0) + w * BLK
-        m, l_w, acc_w = _attend_keys(q, K, V, b64, hk, w_lo, S, S, sKb, sKs, sKh, sVb, sVs, sVh, qk_scale, offs_d,
-                                     BLK)
-        _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + NSEL + w) * GP + g, m, l_w, acc_w, g_ok, offs_d,
-                       HEAD_DIM)
-        if PROBE:
-            _stamp(ts, 2, tl.sum(l_w, 0).to(tl.int32, bitcast=True))
-            _gstamp(ts, 3)
+        tl.store(CNT + bh64 * CNTW + 8 + sl, tl.full([NSELP], -1, tl.int32))
+    offs_n = tl.arange(0, BLOCK_N)
+    kbase = KC + b64 * skb + hk * skh
+    vbase = VC + b64 * svb + hk * svh
+    NB: tl.constexpr = BLOCK_N // R
+    cr = offs_n % R
+    w1 = tl.minimum(CB, BS - cr * CS).to(tl.float32)     # overlap with the compressed block's own selection block
+    w2 = CB - w1                                           # spill into the next one
+    jj = tl.arange(0, NB)
+    ia_row = WS + o_ia + (bh64 * GP + g[:, None]) * NBW
+    ib_row = WS + o_ib + (bh64 * GP + g[:, None]) * NBW
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, HEAD_DIM], tl.float32)
+    t_lo = sp * tps
+    t_hi = tl.minimum(t_lo + tps, n_tiles)
+    for t in range(t_lo, t_hi):
+        c = t * BLOCK_N + offs_n
+        ok = c < n_c
+        k = tl.load(kbase + c[:, None].to(tl.int64) * sks + offs_d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(vbase + c[:, None].to(tl.int64) * svs + offs_d[None, :], mask=ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        mt = tl.max(s, 1)                                  # finite: a launched tile holds >= 1 compressed key
+        pt = tl.math.exp2(s - mt[:, None])
+        a = tl.sum(tl.reshape(pt * w1[None, :], (GP, NB, R)), 2)
+        sb = tl.sum(tl.reshape(pt * w2[None, :], (GP, NB, R)), 2)
+        j = t * NB + jj
+        tl.store(ia_row + j[None, :], a, mask=g_ok[:, None])
+        tl.store(ib_row + (j + 1)[None, :], sb, mask=g_ok[:, None])
+        tl.store(WS + o_mt + (bh64 * n_tiles + t) * GP + g, mt, mask=g_ok)
+        m_new = tl.maximum(m_i, mt)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = pt * tl.math.exp2(mt - m_new)[:, None]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    _store_partial(WS, o_pm, o_pl, o_pacc, (bh64 * n_split + sp) * GP + g, m_i, l_i, acc, g_ok, offs_d,
+                   HEAD_DIM)
+    if PROBE:
+        _stamp(ts, 2, tl.sum(l_i, 0).to(tl.int32, bitcast=True))
+        _gstamp(ts, 3)
 
 
 @triton.jit
@@ -248,37 +239,50 @@ def _merge(WS, o_m, o_l, o_acc, row0, lo, hi, g, offs_d, NP: tl.constexpr, GP: t
 def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc, o_pre,
                     sqb, sqh, skb, sks, skh, svb, svs, svh, sgb, sgh, sgc, sob, soh,
-                    S, Hk, G, n_split, n_tiles, NBW, n_b, n_chunks, n_part, pre0, qk_scale,
+                    S, Hk, G, n_split, n_tiles, NBW, n_b, n_chunks, n_part, n_prog, n_win, window, qk_scale,
                     NB: tl.constexpr, CH: tl.constexpr, CW: tl.constexpr, NBLK: tl.constexpr,
                     NSPLITP: tl.constexpr, NSEL: tl.constexpr, BS: tl.constexpr,
                     BLK: tl.constexpr, HEAD_DIM: tl.constexpr, GP: tl.constexpr, MP: tl.constexpr,
-                    NSELP: tl.constexpr, NPARTP: tl.constexpr, RET_IDX: tl.constexpr, HAS_GATES: tl.constexpr,
-                    DO_SCORE: tl.constexpr, DO_RANK: tl.constexpr, DO_ATTN: tl.constexpr, DO_MERGE: tl.constexpr,
-                    SYNC: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr, SCORE_TILES: tl.constexpr):
+                    NSELP: tl.constexpr, NPARTP: tl.constexpr, CNTW: tl.constexpr, RET_IDX: tl.constexpr,
+                    HAS_GATES: tl.constexpr, DO_SCORE: tl.constexpr, DO_RANK: tl.constexpr, DO_ATTN: tl.constexpr,
+                    DO_MERGE: tl.constexpr, SYNC: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
-    bh64 = bh.to(tl.int64)
+    b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
     b = bh // Hk
-    hk = bh % Hk
-    offs_d = tl.arange(0, HEAD_DIM)
-    CNTW: tl.constexpr = 4 + NSELP
-    cnt = CNT + bh64 * CNTW            # counters: +0 candidates written, +1 slots written, +2 partials written
-    slot = cnt + 4                     # NSELP selected-block slots, slot r = the block of rank r (-1: none)
+    # counters (zeroed by _dec_cmp_kernel): +0 candidates written, +1 slots written, +2 selected partials written,
+    # +3 window partials written, +4 compressed + window merges written; then NSELP slots (slot r = block of rank r)
+    cnt = CNT + bh64 * CNTW
+    slot = cnt + 8
     ts = TS + (bh64 * tl.num_programs(0) + pid) * 16
+    w = pid - n_prog                   # window programs: pid >= n_prog
     if PROBE:
         _gstamp(ts, 0)
         _stamp(ts, 1, pid)
-    if DO_ATTN:
-        b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
-    if USE_PDL:        # everything below reads what _dec_cmp_kernel wrote
+    if DO_SCORE:
+        if (w >= 0) & (w < n_win):
+            # ---- one chunk of the sliding window: needs only q, k, v, so it runs before griddepcontrol.wait,
+            # while the compressed kernel still runs
+            w_lo = tl.maximum(S - window, 0) + w * BLK
+            m, l_w, acc_w = _attend_keys(q, K, V, b64, hk, w_lo, S, S, skb, sks, skh, svb, svs, svh, qk_scale,
+                                         offs_d, BLK)
+            _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + NSEL + w) * GP + g, m, l_w, acc_w, g_ok,
+                           offs_d, HEAD_DIM)
+    if USE_PDL:        # everything below reads what _dec_cmp_kernel wrote (or the counters it zeroed)
         gdc_wait()
     if PROBE:
         _stamp(ts, 2, pid)
     if DO_SCORE:
+        if SYNC:
+            if (w >= 0) & (w < n_win):
+                _arrive(cnt + 3)
         if pid < n_chunks:
             # ---- top-k, first stage: block scores of chunk pid, its best CW blocks as candidates
+            j = pid * CH + tl.arange(0, CH)
             cur = n_b - 1                                   # the query is the last token: its block is the last one
             n_w = n_tiles * NB                              # IMP_A written for j < n_w, IMP_B for 1 <= j <= n_w
+            ok_a = (j < n_w) & (j <= cur)
+            ok_b = (j >= 1) & (j <= n_w) & (j <= cur)
             sp = tl.arange(0, NSPLITP)
             gg = tl.arange(0, GP)
             gok = gg < G
@@ -286,90 +290,41 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
             pmask = (sp < n_split)[:, None] & gok[None, :]
             pm = tl.load(WS + o_pm + pidx, mask=pmask, other=float("-inf"))
             pl = tl.load(WS + o_pl + pidx, mask=pmask, other=0.0)
-            if SCORE_TILES:
-                # block scores viewed as (CH // NB tiles, NB blocks): a tile's maximum is loaded once, not per block
-                NBV: tl.constexpr = NB if NB < CH else CH       # row length of the view (divides NB: rows never
-                NT: tl.constexpr = CH // NBV                    # straddle a compressed tile)
-                row0 = pid * CH + tl.arange(0, NT) * NBV
-                jj = tl.arange(0, NBV)
-                t_a = row0 // NB                                # compressed tile of the row's blocks (IMP_A part)
-                j = row0[:, None] + jj[None, :]                 # (NT, NBV)
-                ok_a = (j < n_w) & (j <= cur)
-                ok_b = (j >= 1) & (j <= n_w) & (j <= cur)
-                hrow = (bh64 * GP + gg[:, None, None]) * NBW + j[None, :, :]
-                ma = gok[:, None, None] & ok_a[None, :, :]
-                mb = gok[:, None, None] & ok_b[None, :, :]
-                ia = tl.load(WS + o_ia + hrow, mask=ma, other=0.0)                    # (GP, NT, NBV)
-                ib = tl.load(WS + o_ib + hrow, mask=mb, other=0.0)
-                mrow = WS + o_mt + bh64 * n_tiles * GP + gg[:, None]
-                t_ok = gok[:, None] & (t_a < n_tiles)[None, :]
-                mta = tl.load(mrow + t_a[None, :] * GP, mask=t_ok, other=0.0)         # (GP, NT): tile maxima
-                tp_ok = gok[:, None] & (t_a >= 1)[None, :] & (t_a - 1 < n_tiles)[None, :]
-                mtp = tl.load(mrow + (t_a - 1)[None, :] * GP, mask=tp_ok, other=0.0)  # previous tile's
-            else:
-                # block scores as (GP, CH): contiguous importance loads, per-block gathers of the tile maxima
-                j = pid * CH + tl.arange(0, CH)
-                ok_a = (j < n_w) & (j <= cur)
-                ok_b = (j >= 1) & (j <= n_w) & (j <= cur)
-                ma = gok[:, None] & ok_a[None, :]
-                mb = gok[:, None] & ok_b[None, :]
-                ia = tl.load(WS + o_ia + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=ma, other=0.0)
-                ib = tl.load(WS + o_ib + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=mb, other=0.0)
-                mta = tl.load(WS + o_mt + (bh64 * n_tiles + (j // NB)[None, :]) * GP + gg[:, None], mask=ma, other=0.0)
-                mtb = tl.load(WS + o_mt + (bh64 * n_tiles + (tl.maximum(j - 1, 0) // NB)[None, :]) * GP + gg[:, None],
-                              mask=mb, other=0.0)
+            ma = gok[:, None] & ok_a[None, :]
+            mb = gok[:, None] & ok_b[None, :]
+            ia = tl.load(WS + o_ia + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=ma, other=0.0)
+            ib = tl.load(WS + o_ib + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=mb, other=0.0)
+            mrow = WS + o_mt + bh64 * n_tiles * GP + gg[:, None]
+            mta = tl.load(mrow + (j // NB)[None, :] * GP, mask=ma, other=0.0)
+            mtb = tl.load(mrow + (tl.maximum(j - 1, 0) // NB)[None, :] * GP, mask=mb, other=0.0)
             mx = tl.max(pm, 0)
             mx = tl.where(mx == float("-inf"), 0.0, mx)
             tot = tl.sum(pl * tl.math.exp2(pm - mx[None, :]), 0)
             lse = tl.where(tot > 0.0, mx + tl.math.log2(tl.where(tot > 0.0, tot, 1.0)), float("inf"))   # (GP,)
-            if SCORE_TILES:
-                fa = tl.math.exp2(mta - lse[:, None])
-                fp = tl.math.exp2(mtp - lse[:, None])
-                # IMP_B[j] comes from the compressed block before j: same tile unless j starts a tile
-                fb = tl.where((j % NB == 0)[None, :, :], fp[:, :, None], fa[:, :, None])
-                sc = tl.where(ma, ia * fa[:, :, None], 0.0) + tl.where(mb, ib * fb, 0.0)
-                score = tl.reshape(tl.sum(sc, 0), (CH,))
-            else:
-                fa = tl.where(ma, tl.math.exp2(mta - lse[:, None]), 0.0)
-                fb = tl.where(mb, tl.math.exp2(mtb - lse[:, None]), 0.0)
-                score = tl.sum(ia * fa + ib * fb, 0)
-            jv = pid * CH + tl.arange(0, CH)
-            score = tl.where(jv == 0, FORCE_FIRST_C, score)
-            score = tl.where(jv == cur, float("inf"), score)
-            score = tl.where(jv <= cur, score, float("-inf"))
+            fa = tl.where(ma, tl.math.exp2(mta - lse[:, None]), 0.0)
+            fb = tl.where(mb, tl.math.exp2(mtb - lse[:, None]), 0.0)
+            score = tl.sum(ia * fa + ib * fb, 0)
+            score = tl.where(j == 0, FORCE_FIRST_C, score)
+            score = tl.where(j == cur, float("inf"), score)
+            score = tl.where(j <= cur, score, float("-inf"))
             # The chunk's best CW blocks are the only ones that can be in the global top NSEL (CW >= NSEL or
-            # CW == CH): written to slots by rank; the attention programs rank the n_chunks * CW candidates.
-            key = _rank_keys(score, jv, NBLK)
+            # CW == CH): written to candidate slots by rank
+            key = _rank_keys(score, j, NBLK)
             rank = _rank(key)
             tl.store(CAND + bh64 * MP + pid * CW + rank, key, mask=rank < CW)
             if PROBE:
                 _stamp(ts, 3, tl.max(rank, 0))
             if SYNC:
                 _arrive(cnt)
-            if PROBE:
-                _stamp(ts, 4, pid)
-        hp = pid - pre0
-        if (hp >= 0) & (hp < G):
-            # ---- between the barriers (off the critical path when pre0 puts it on programs of its own): the
-            # compressed and window branches of head hp, merged and gated: pre = g0 * o_cmp + g2 * o_swa
-            o_cmp = _merge(WS, o_pm, o_pl, o_pacc, bh64 * n_split, 0, n_split, hp, offs_d, NSPLITP, GP, HEAD_DIM)
-            o_swa = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, NSEL, n_part, hp, offs_d, NPARTP, GP, HEAD_DIM)
-            if HAS_GATES:
-                gbp = GATES + b.to(tl.int64) * sgb + (hk * G + hp) * sgh
-                pre = tl.load(gbp).to(tl.float32) * o_cmp + tl.load(gbp + 2 * sgc).to(tl.float32) * o_swa
-            else:
-                pre = (o_cmp + o_swa) * (1.0 / 3.0)
-            tl.store(WS + o_pre + (bh64 * GP + hp) * HEAD_DIM + offs_d, pre)
-            if PROBE:
-                _stamp(ts, 5, tl.sum(pre, 0).to(tl.int32, bitcast=True))
     if DO_RANK:
         if pid < n_chunks:
             if SYNC:
                 c1 = _wait_count(cnt, n_chunks)
                 if PROBE:
                     _stamp(ts, 6, c1)
-            # ---- top-k, second stage: global rank of this chunk's CW candidates among all MP; the selected ones
-            # (rank < NSEL, score > -inf) go to slot[rank]
+            # ---- top-k, second stage: global rank of this chunk's CW candidates among all MP (exact for the top
+            # NSEL: every key above a top-NSEL key is a candidate too); selected ones (rank < NSEL, score > -inf)
+            # go to slot[rank]
             allk = tl.load(CAND + bh64 * MP + tl.arange(0, MP), cache_modifier=".cg")
             mine = tl.load(CAND + bh64 * MP + pid * CW + tl.arange(0, CW), cache_modifier=".cg")
             r = tl.sum((allk[None, :] > mine[:, None]).to(tl.int32), 1)
@@ -379,6 +334,26 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                 _stamp(ts, 7, tl.max(r, 0))
             if SYNC:
                 _arrive(cnt + 1)
+        if w >= 0:
+            # ---- window programs, off the critical path: compressed and window branches merged and gated per
+            # head, pre = g0 * o_cmp + g2 * o_swa, for heads w, w + n_wp, ...
+            if SYNC:
+                _wait_count(cnt + 3, n_win)
+            for hp in range(w, G, tl.num_programs(0) - n_prog):
+                o_cmp = _merge(WS, o_pm, o_pl, o_pacc, bh64 * n_split, 0, n_split, hp, offs_d, NSPLITP, GP,
+                               HEAD_DIM)
+                o_swa = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, NSEL, n_part, hp, offs_d, NPARTP, GP,
+                               HEAD_DIM)
+                if HAS_GATES:
+                    gbp = GATES + b.to(tl.int64) * sgb + (hk * G + hp) * sgh
+                    pre = tl.load(gbp).to(tl.float32) * o_cmp + tl.load(gbp + 2 * sgc).to(tl.float32) * o_swa
+                else:
+                    pre = (o_cmp + o_swa) * (1.0 / 3.0)
+                tl.store(WS + o_pre + (bh64 * GP + hp) * HEAD_DIM + offs_d, pre)
+            if PROBE:
+                _stamp(ts, 5, w)
+            if SYNC:
+                _arrive(cnt + 4)
     if DO_ATTN:
         if pid < NSEL:
             if SYNC:
@@ -410,8 +385,9 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
             h = hk * G + pid
             if SYNC:
                 c3 = _wait_count(cnt + 2, NSEL)
+                c4 = _wait_count(cnt + 4, tl.num_programs(0) - n_prog)
                 if PROBE:
-                    _stamp(ts, 10, c3)
+                    _stamp(ts, 10, c3 + c4)
             o_slc = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, 0, NSEL, pid, offs_d, NPARTP, GP, HEAD_DIM)
             pre = tl.load(WS + o_pre + (bh64 * GP + pid) * HEAD_DIM + offs_d, cache_modifier=".cg")
             if HAS_GATES:
@@ -484,60 +460,57 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     CW = min(CH, triton.next_power_of_2(nsel))
     n_chunks = NBLK // CH
     NSELP = max(16, triton.next_power_of_2(nsel))
+    CNTW = 8 + NSELP
     # fp32 workspace: cmp partials (m, l, acc), tile maxima, per-head importance (A, B), slc/swa partials,
-    # pre-merged cmp + swa output per head, 2 int32 barrier counters per (b, kv head)
+    # pre-merged cmp + swa output per head; int32: 8 barrier counters + NSELP selected-block slots per (b, kv head)
     sizes = [BH * n_split * GP, BH * n_split * GP, BH * n_split * GP * D, BH * max(n_tiles, 1) * GP,
              BH * GP * NBW, BH * GP * NBW, BH * n_part * GP, BH * n_part * GP, BH * n_part * GP * D, BH * GP * D,
-             BH * (4 + NSELP)]
+             BH * CNTW]
     offs, tot = [], 0
     for n in sizes:
         offs.append(tot)
         tot += (n + 31) // 32 * 32
     ws = _workspace(tot, torch.float32, dev)
     o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc, o_pre, o_cnt = offs
-    cnt = ws[o_cnt:o_cnt + BH * (4 + NSELP)].view(torch.int32)
+    cnt = ws[o_cnt:o_cnt + BH * CNTW].view(torch.int32)
     # without return_indices the attention phase stores no indices (RET_IDX=False): ws stands in for the argument
     idx = torch.empty((B, 1, Hk, nsel), dtype=torch.int32, device=dev) if return_indices else ws
     qk_scale = scale * LOG2E
-    # one launch for score / attention / merge with in-kernel barriers when all its programs can be resident at
-    # once (they spin on each other); else (or in the interpreter, which runs programs one after the other) one
-    # launch per phase. SPLIT_PRE: the compressed + window merge runs on G programs of its own.
+    # Selection kernel: n_prog programs per (b, kv head) for chunk scores / final rank / selected blocks / merge,
+    # then n_win window programs. One launch with in-kernel barriers when all its programs can be resident at once
+    # (they spin on each other); else (and in the interpreter, which runs programs one after another) one launch per
+    # phase, same code.
     n_prog = max(n_chunks, nsel, G)
+    n_prog_b = n_prog + n_win
     on_gpu = dev.type == "cuda"
-    pre0 = n_prog if SPLIT_PRE else 0
-    n_prog_b = n_prog + (G if SPLIT_PRE else 0)
     sync = FUSE and on_gpu and n_prog_b * BH <= _num_sms(dev)
     pdl = PDL and on_gpu
-    launch = dict(launch_pdl=True) if pdl else {}
     probe = isinstance(PROBE, dict) and on_gpu
     if probe:
-        PROBE["a"] = tsa = torch.zeros(BH * (n_split + n_win) * 4, dtype=torch.int64, device=dev)
+        PROBE["a"] = tsa = torch.zeros(BH * n_split * 4, dtype=torch.int64, device=dev)
         PROBE["b"] = tsb = torch.zeros(BH * n_prog_b * 16, dtype=torch.int64, device=dev)
-        PROBE["plan"] = dict(BH=BH, n_split=n_split, n_win=n_win, n_prog_b=n_prog_b, n_chunks=n_chunks, sync=sync,
-                             pre0=pre0)
+        PROBE["plan"] = dict(BH=BH, n_split=n_split, n_win=n_win, n_prog=n_prog, n_chunks=n_chunks, sync=sync)
     else:
         tsa = tsb = ws
-    _dec_cmp_kernel[(n_split + n_win, BH)](
-        q, k_cmp, v_cmp, k, v, ws, cnt, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
+    _dec_cmp_kernel[(n_split, BH)](
+        q, k_cmp, v_cmp, ws, cnt, tsa, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
         q.stride(0), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        n_c, S, Hk, G, n_split, n_tiles, tps, NBW, config.window, n_part, qk_scale,
+        n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
         CB=config.compress_block, CS=config.compress_stride, BS=bs, R=R, HEAD_DIM=D, GP=GP, BLOCK_N=CMP_BLOCK_N,
-        NSEL=nsel, BLK=BLK, NSELP=NSELP, USE_PDL=pdl, TS=tsa, PROBE=probe, num_warps=NUM_WARPS["cmp"],
-        num_stages=NUM_STAGES["cmp"])
+        CNTW=CNTW, NSELP=NSELP, USE_PDL=pdl, PROBE=probe, num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
     cand = _workspace(BH * n_chunks * CW, torch.int64, dev)
     out = torch.empty((B, 1, Hq, D), dtype=q.dtype, device=dev)
     gt = gates if gates is not None else out
     args = (q, k, v, idx, ws, cand, cnt, gt, out, tsb, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
             o_pre, q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), gt.stride(0), gt.stride(2), gt.stride(3) if gates is not None else 0, out.stride(0),
-            out.stride(2), S, Hk, G, n_split, n_tiles, NBW, n_b, n_chunks, n_part, pre0, qk_scale)
-    meta = dict(NB=NB, CH=CH, CW=CW, NBLK=NBLK, NSPLITP=max(2, triton.next_power_of_2(n_split)),
-                NSEL=nsel, BS=bs, BLK=BLK, HEAD_DIM=D, GP=GP, MP=n_chunks * CW,
-                NSELP=NSELP, NPARTP=triton.next_power_of_2(n_part),
-                RET_IDX=return_indices, HAS_GATES=gates is not None, USE_PDL=pdl, PROBE=probe, SCORE_TILES=SCORE_TILES,
-                num_warps=NUM_WARPS["sel"], **launch)
+            out.stride(2), S, Hk, G, n_split, n_tiles, NBW, n_b, n_chunks, n_part, n_prog, n_win, config.window,
+            qk_scale)
+    meta = dict(NB=NB, CH=CH, CW=CW, NBLK=NBLK, NSPLITP=max(2, triton.next_power_of_2(n_split)), NSEL=nsel, BS=bs,
+                BLK=BLK, HEAD_DIM=D, GP=GP, MP=n_chunks * CW, NSELP=NSELP, NPARTP=triton.next_power_of_2(n_part),
+                CNTW=CNTW, RET_IDX=return_indices, HAS_GATES=gates is not None, USE_PDL=pdl, PROBE=probe,
+                num_warps=NUM_WARPS["sel"], **(dict(launch_pdl=True) if pdl else {}))
     phases = [(1, 1, 1, 1)] if sync else [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)]
     for ph in phases:
         _dec_sel_kernel[(n_prog_b, BH)](*args, DO_SCORE=bool(ph[0]), DO_RANK=bool(ph[1]), DO_ATTN=bool(ph[2]),
