@@ -136,6 +136,16 @@ def _key_range(start_m, Sk, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
+def _rows_desc(base, S, D, stride_s, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, USE_TMA: tl.constexpr):
+    """The (S, D) row-major view at `base` (unit column stride): a TMA descriptor with (BLOCK_R, BLOCK_C) boxes, or
+    `base` itself for the pointer-load path (`_ld`)."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(base, shape=[S, D], strides=[stride_s, 1], block_shape=[BLOCK_R, BLOCK_C])
+    else:
+        return base
+
+
+@triton.jit
 def _ld(desc, base, row0, rows, stride, d0, offs_d, D, MASK_D: tl.constexpr, USE_TMA: tl.constexpr):
     """(len(rows), len(offs_d)) tile at rows row0.., columns d0 + offs_d. TMA: the descriptor's block, zero-filled
     out of bounds; else pointers with `rows` already clamped in range (no materialised pointer tensors with TMA,
@@ -281,16 +291,10 @@ def _fwd_kernel(Q, K, V, O, LSE,
     q_base = Q + b * stride_qb + h * stride_qh
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
-    if USE_TMA:  # Q/K boxes are BLOCK_D wide (the QK^T contraction chunk), V boxes DC wide (output chunk)
-        q_desc = tl.make_tensor_descriptor(q_base, shape=[Sq, D], strides=[stride_qs, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, D], strides=[stride_ks, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[Sk, D], strides=[stride_vs, 1], block_shape=[BLOCK_N, DC])
-    else:
-        q_desc = q_base
-        k_desc = k_base
-        v_desc = v_base
+    # Q/K boxes are BLOCK_D wide (the QK^T contraction chunk), V boxes DC wide (output chunk)
+    q_desc = _rows_desc(q_base, Sq, D, stride_qs, BLOCK_M, BLOCK_D, USE_TMA)
+    k_desc = _rows_desc(k_base, Sk, D, stride_ks, BLOCK_N, BLOCK_D, USE_TMA)
+    v_desc = _rows_desc(v_base, Sk, D, stride_vs, BLOCK_N, DC, USE_TMA)
 
     q0 = tl.zeros([BLOCK_M, BLOCK_D], Q.dtype.element_ty)
     q1 = q0
@@ -449,20 +453,10 @@ def _pds_kernel(Q, K, V, DO, LSE2, DELTA, P, DS,
     do_base = DO + b * stride_db + h * stride_dh
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
-    if USE_TMA:
-        q_desc = tl.make_tensor_descriptor(q_base, shape=[Sq, D], strides=[stride_qs, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-        do_desc = tl.make_tensor_descriptor(do_base, shape=[Sq, D], strides=[stride_ds, 1],
-                                            block_shape=[BLOCK_M, BLOCK_D])
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, D], strides=[stride_ks, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[Sk, D], strides=[stride_vs, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        q_desc = q_base
-        do_desc = do_base
-        k_desc = k_base
-        v_desc = v_base
+    q_desc = _rows_desc(q_base, Sq, D, stride_qs, BLOCK_M, BLOCK_D, USE_TMA)
+    do_desc = _rows_desc(do_base, Sq, D, stride_ds, BLOCK_M, BLOCK_D, USE_TMA)
+    k_desc = _rows_desc(k_base, Sk, D, stride_ks, BLOCK_N, BLOCK_D, USE_TMA)
+    v_desc = _rows_desc(v_base, Sk, D, stride_vs, BLOCK_N, BLOCK_D, USE_TMA)
     n_iter = NKD
     if CAUSAL:  # key start_n is visible to row i iff start_n <= i + causal_off
         n_iter = tl.where(start_n > start_m + BLOCK_M - 1 + causal_off, 0, NKD)
@@ -526,14 +520,8 @@ def _lse_kernel(Q, K, LSE2, stride_qb, stride_qs, stride_qh, stride_kb, stride_k
     rows_ld = tl.minimum(rows, Sq - 1)
     q_base = Q + b * stride_qb + h * stride_qh
     k_base = K + b * stride_kb + hk * stride_kh
-    if USE_TMA:
-        q_desc = tl.make_tensor_descriptor(q_base, shape=[Sq, D], strides=[stride_qs, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, D], strides=[stride_ks, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        q_desc = q_base
-        k_desc = k_base
+    q_desc = _rows_desc(q_base, Sq, D, stride_qs, BLOCK_M, BLOCK_D, USE_TMA)
+    k_desc = _rows_desc(k_base, Sk, D, stride_ks, BLOCK_N, BLOCK_D, USE_TMA)
     hi, hi_full = _key_range(start_m, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
