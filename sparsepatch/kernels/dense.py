@@ -690,6 +690,22 @@ def _stage_fallbacks(cfg):
     return [dict(cfg, num_stages=st) for st in range(cfg["num_stages"], 0, -1)]
 
 
+def _launch_pds(c, q, k, v, dout, lse2, delta, ps, dss, p0, n0, np_, nc, scale, causal, tma, *, with_dp):
+    """`_pds_kernel` with launch config c over (b, kv head) pairs [p0, p0 + np_) and keys [n0, n0 + nc): P into ps
+    and, with_dp, dS into dss (scratch (pairs, n_rep * Sq, keys)); q/dout (B, Sq, Hq, D), k/v (B, Sk, Hk, D)."""
+    Sq, Hq, D = q.shape[1], q.shape[2], q.shape[3]
+    Sk, Hk = k.shape[1], k.shape[2]
+    n_rep, bd = Hq // Hk, c["BLOCK_D"]
+    n_mt = triton.cdiv(Sq, c["BLOCK_M"])
+    _pds_kernel[(n_rep * n_mt, triton.cdiv(nc, c["BLOCK_N"]), np_)](
+        q, k, v, dout, lse2, delta, ps, dss,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        ps.stride(0), ps.stride(1), Sq, Sk, Hq, Hk, n_rep, D, scale * LOG2E, Sk - Sq, p0, n0, nc, n_mt,
+        BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, CAUSAL=bool(causal),
+        USE_TMA=tma, STAGES=c["num_stages"], WITH_DP=with_dp, num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
 def _fwd_mat(q, k, v, causal, scale, return_lse, cfg, tma, out, lse):
     """Materialised forward (cfg q "mat"): `_lse_kernel` (row LSE, one QK^T pass), then per scratch chunk
     `_pds_kernel` (WITH_DP False: QK^T again, P = exp2(S * c - lse2) normalised, written in the input dtype) and
@@ -720,16 +736,8 @@ def _fwd_mat(q, k, v, causal, scale, return_lse, cfg, tma, out, lse):
     og = out[0].transpose(0, 1) if direct else torch.empty((n_pairs, R, D), dtype=dt if nkc == Sk else torch.float32,
                                                             device=dev)
 
-    def launch_p(c, p0, n0, np_, nc):
-        n_mt = triton.cdiv(Sq, c["BLOCK_M"])
-        _pds_kernel[(n_rep * n_mt, triton.cdiv(nc, c["BLOCK_N"]), np_)](
-            q, k, k, q, lse2, lse2, ps, ps,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            k.stride(0), k.stride(1), k.stride(2), q.stride(0), q.stride(1), q.stride(2),
-            ps.stride(0), ps.stride(1), Sq, Sk, Hq, Hk, n_rep, D, scale * LOG2E, Sk - Sq, p0, n0, nc, n_mt,
-            BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, CAUSAL=bool(causal),
-            USE_TMA=tma, STAGES=c["num_stages"], WITH_DP=False, num_warps=c["num_warps"],
-            num_stages=c["num_stages"])
+    def launch_p(c, p0, n0, np_, nc):   # P only: k / q / lse2 / ps stand in for the unused v / dO / delta / dS
+        _launch_pds(c, q, k, k, q, lse2, lse2, ps, ps, p0, n0, np_, nc, scale, causal, tma, with_dp=False)
 
     for p0 in range(0, n_pairs, npc):
         np_ = min(npc, n_pairs - p0)
@@ -821,7 +829,7 @@ def _bwd_impl(q, k, v, out, lse, dout, dlse, causal, scale, cfg=None):
     # Row-stacked (pair, n_rep * Sq, D) operands for the GEMMs: row r * Sq + m is query head hk * n_rep + r.
     qg = q.view(B, Sq, Hk, n_rep, D).permute(0, 2, 3, 1, 4).reshape(n_pairs, R, D)
     dog = dout.view(B, Sq, Hk, n_rep, D).permute(0, 2, 3, 1, 4).reshape(n_pairs, R, D)
-    kg, vg = _pairs_view(k, Hk), _pairs_view(v, Hk)
+    kg = _pairs_view(k, Hk)
     # Outputs in (B, S, H, D); with B == 1 the GEMMs write them through (H, S, D) views (row stride H * D), else
     # into head-major buffers copied once at the end.
     dk = torch.empty((B, Sk, Hk, D), dtype=dt, device=dev)
@@ -833,18 +841,9 @@ def _bwd_impl(q, k, v, out, lse, dout, dlse, causal, scale, cfg=None):
     direct_q = direct and n_rep == 1 and nkc == Sk
     dqg = dq[0].transpose(0, 1) if direct_q else torch.empty((n_pairs, R, D), dtype=dt if nkc == Sk else torch.float32,
                                                              device=dev)
-    bd = cfg["BLOCK_D"]
 
-    def launch(cfg, p0, n0, np_, nc):
-        n_mt = triton.cdiv(Sq, cfg["BLOCK_M"])
-        _pds_kernel[(n_rep * n_mt, triton.cdiv(nc, cfg["BLOCK_N"]), np_)](
-            q, k, v, dout, lse2, delta, ps, dss,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            ps.stride(0), ps.stride(1), Sq, Sk, Hq, Hk, n_rep, D, scale * LOG2E, Sk - Sq, p0, n0, nc, n_mt,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, NKD=D // bd, CAUSAL=bool(causal),
-            USE_TMA=tma, STAGES=cfg["num_stages"], WITH_DP=True, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+    def launch(c, p0, n0, np_, nc):
+        _launch_pds(c, q, k, v, dout, lse2, delta, ps, dss, p0, n0, np_, nc, scale, causal, tma, with_dp=True)
 
     key = (D, dt, bool(causal), tma, str(sorted(cfg.items())))
     for p0 in range(0, n_pairs, npc):
