@@ -144,10 +144,87 @@ VARIANTS = {
     # were deleted (measured neutral or slower; benchmarks/NOTES.md, skip forward v4 / v5).
     "prev_default": dict(q_desc=False, o_desc=False, head_chunk=False),   # the default before round 2
     "ablate_keep": dict(ablate_keep=True),                # no keep test at all (not exact: next lists differ)
+    # round 3 (v6): popcount compaction (no scan / cross-thread sums); pf_next: L2 prefetch of the program one wave
+    # ahead (q tile, list head, count). Both in the default since; a variant that also prefetched K/V of that
+    # program's first listed tile measured no better and was deleted (NOTES v6).
+    "r2_default": dict(popc=False, pf_next=False),       # the default of round 2
+    "popc": dict(popc=True, pf_next=False),
+    "pf1": dict(popc=True, pf_next=True),                # = default
+    "pf1_optr": dict(popc=True, pf_next=True, o_desc=False),
 }
 
+# probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),
+# c3 keep words reduced, c4 compaction done, c5 count stored, c6 out stored; g0 / g1 globaltimer entry / exit; smid
+PHASES = [("head", 0, 1), ("loop", 1, 2), ("words", 2, 3), ("compact", 3, 4), ("cnt", 4, 5), ("out", 5, 6),
+          ("total", 0, 6)]
 
-def variants(log, shape=(1, 12, 32760, 128), names=None, rounds=2):
+
+def probe(log, shape=(1, 12, 32760, 128), names=("default",), lists=("seq1", "seq13", "rand0.05")):
+    """Per-phase clocks of the skip forward (PROBE builds): median us per phase, per-SM gaps between programs."""
+    from sparsepatch.kernels import skip
+    B, H, S, D = shape
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    all_lists = {"seq1": seq_list(B, H, S, 1), "seq13": seq_list(B, H, S, 13), "rand0.05": random_list(B, H, S, 0.05)}
+    base_cfg = dict(skip.SKIP_CONFIGS[(128, 128)])
+    tq = (S + 127) // 128
+    buf = torch.zeros(B * H * tq * 16, dtype=torch.int64, device="cuda")
+    rows = []
+    for name in names:
+        for ln in lists:
+            lst = all_lists[ln]
+            cfg = dict(base_cfg, **VARIANTS[name])
+            skip.SKIP_CONFIGS[(128, 128)] = dict(cfg, probe=buf)
+            try:
+                for _ in range(3):  # warm: the last launch is recorded
+                    skip.skip_attention(q, k, v, lst, -5.0)
+                torch.cuda.synchronize()
+                t_probe = bench_ms(lambda lst=lst: skip.skip_attention(q, k, v, lst, -5.0), rep=50)
+                skip.skip_attention(q, k, v, lst, -5.0)
+                torch.cuda.synchronize()
+                skip.SKIP_CONFIGS[(128, 128)] = cfg
+                t_plain = bench_ms(lambda lst=lst: skip.skip_attention(q, k, v, lst, -5.0), rep=50)
+            except Exception as exc:  # noqa: BLE001
+                log(f"probe {name} {ln}: {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            finally:
+                skip.SKIP_CONFIGS[(128, 128)] = base_cfg
+            p = buf.view(-1, 16).double().cpu()
+            c, g0, g1, sm = p[:, :7], p[:, 7], p[:, 8], p[:, 9].long()
+            ghz = ((c[:, 6] - c[:, 0]) / (g1 - g0).clamp(min=1)).median().item()
+            row = dict(variant=name, list=ln, ms_probe=t_probe, ms_plain=t_plain, ghz=ghz)
+            for ph, a, b_ in PHASES:
+                d = (c[:, b_] - c[:, a]) / ghz / 1e3
+                row[ph + "_us"] = d.median().item()
+                row[ph + "_p90_us"] = d.quantile(0.9).item()
+            # gaps on each SM between one program's exit and the next one's entry (globaltimer, ns)
+            gaps, per_sm = [], []
+            for s_id in sm.unique().tolist():
+                sel = (sm == s_id).nonzero().flatten()
+                order = g0[sel].argsort()
+                a0, a1 = g0[sel][order], g1[sel][order]
+                per_sm.append(len(sel))
+                if len(sel) > 1:
+                    gaps.append(a0[1:] - a1[:-1])
+            gaps = torch.cat(gaps) / 1e3
+            span = (g1.max() - g0.min()).item() / 1e3
+            busy = ((g1 - g0).sum() / 1e3).item() / (len(per_sm) * span)
+            row.update(gap_us=gaps.median().item(), gap_p90_us=gaps.quantile(0.9).item(), span_us=span,
+                       busy_frac=busy, sms=len(per_sm), progs_per_sm=(min(per_sm), max(per_sm)),
+                       first_entry_spread_us=(g0.kthvalue(len(per_sm)).values - g0.min()).item() / 1e3)
+            rows.append(row)
+            log(f"probe {row}")
+    print("\n| variant | list | ms (plain / probe) | " + " | ".join(p[0] for p in PHASES)
+          + " | SM gap us | busy | span us |")
+    print("|---|---|---|" + "---|" * len(PHASES) + "---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['list']} | {r['ms_plain']:.3f} / {r['ms_probe']:.3f} | "
+              + " | ".join(f"{r[p[0] + '_us']:.2f}" for p in PHASES)
+              + f" | {r['gap_us']:.2f} | {r['busy_frac']:.3f} | {r['span_us']:.0f} |")
+    return rows
+
+
+def variants(log, shape=(1, 12, 32760, 128), names=None, rounds=2, only=None):
     """Time skip-config variants (exact: outputs and next lists must equal the base config's) on random lists at
     DENSITIES and on sequential lists of n tiles (fixed cost vs per-tile cost). Returns result rows."""
     from sparsepatch.kernels import skip
@@ -157,6 +234,8 @@ def variants(log, shape=(1, 12, 32760, 128), names=None, rounds=2):
     lists = {f"rand{rho}": random_list(B, H, S, rho) for rho in DENSITIES}
     for n in (1, 4, 13):
         lists[f"seq{n}"] = seq_list(B, H, S, n)
+    if only:
+        lists = {kk: vv for kk, vv in lists.items() if kk in only}
     base_cfg = dict(skip.SKIP_CONFIGS[(128, 128)])
     rows = []
     t_dense = [bench_ms(lambda: skip.attention(q, k, v))]
@@ -211,6 +290,10 @@ def main(argv=None):
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--variants", nargs="*", default=None,
                     help="only time skip-config variants (names from VARIANTS; none = all) at H12 S32760")
+    ap.add_argument("--rounds", type=int, default=2, help="--variants: interleaved rounds (fastest kept)")
+    ap.add_argument("--lists", nargs="*", default=None, help="--variants: only these lists (rand0.05, seq1, ...)")
+    ap.add_argument("--probe", nargs="*", default=None,
+                    help="per-phase clocks (PROBE builds) for these variants (none = default), then exit")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -227,8 +310,17 @@ def main(argv=None):
         print(msg, flush=True)
         lines.append(msg)
 
+    if args.probe is not None:
+        res = dict(probe=probe(log, names=args.probe or ("default",)), gpu=torch.cuda.get_device_name())
+        for d in filter(None, [args.out, os.environ.get("OUT")]):
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"{gpu_name()}-skip-probe.json"), "w") as f:
+                json.dump(res, f, indent=1)
+        if args.variants is None:
+            return 0
+
     if args.variants is not None:
-        res = variants(log, names=args.variants or None)
+        res = variants(log, names=args.variants or None, rounds=args.rounds, only=args.lists)
         res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
         for d in filter(None, [args.out, os.environ.get("OUT")]):
             os.makedirs(d, exist_ok=True)

@@ -99,7 +99,8 @@ def test_skip_two_calls_interp(dtype, tile, D):
 
 
 @cpu_only
-@pytest.mark.parametrize("extra", [{}, dict(head_chunk=True, host_desc=True)])
+@pytest.mark.parametrize("extra", [{}, dict(head_chunk=True, host_desc=True),
+                                   dict(head_chunk=True, host_desc=True, popc=True, pf_next=1)])
 def test_skip_many_tiles_interp(monkeypatch, extra):
     """More than 32 k-tiles per row (several keep-bit words), Sq != Sk, partial last k-tile."""
     for key in list(skip.SKIP_CONFIGS):
@@ -115,7 +116,9 @@ def test_skip_many_tiles_interp(monkeypatch, extra):
 
 @cpu_only
 @pytest.mark.parametrize("extra", [dict(host_desc=True),
-                                   dict(host_desc=True, head_chunk=True, q_desc=True, o_desc=True)])
+                                   dict(host_desc=True, head_chunk=True, q_desc=True, o_desc=True),
+                                   dict(host_desc=True, head_chunk=True, q_desc=True, o_desc=True, popc=True,
+                                        pf_next=1)])
 def test_skip_launch_variants_interp(monkeypatch, extra):
     """Host TMA descriptors over the (B, H, S, D) view (K/V; with q_desc / o_desc also q and out), list head
     loaded with its count: same outputs and next lists as the reference, GQA, strided inputs, must_do, 2 calls."""

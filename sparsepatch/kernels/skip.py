@@ -15,7 +15,8 @@ K/V loads (USE_TMA): 0 pointer loads; 1 TMA descriptors built on the device per 
 2 host TMA descriptors over the (B, Hk, Sk, D) view of K/V, block (1, 1, BLOCK_N, D), no per-program descriptor
 build (the skip default at tile 128x128: it removed ~3 us of the ~8 us fixed cost per q-tile program, which
 dominates at low density; benchmarks/NOTES.md). With it, the skip default also loads q and stores out through host
-descriptors and loads the list's first 32 indices together with its count (Q_DESC / O_DESC / HEAD_CHUNK).
+descriptors and loads the list's first 32 indices together with its count (Q_DESC / O_DESC / HEAD_CHUNK), writes
+the next list by popcounts (POPC) and prefetches the prologue data of the program one wave ahead into L2 (PF_NEXT).
 (A persistent grid, keep bits merged once per word and 2-D loop descriptors were measured neutral or slower and
 deleted; benchmarks/NOTES.md, skip forward v4 / v5.)
 
@@ -55,10 +56,12 @@ CONFIGS = {
 # The skip loop (indirect k-tile index per iteration) has its own best settings. host_desc: K/V TMA descriptors built
 # on the host (USE_TMA=2, falls back to device descriptors when strides are not 16-byte multiples). q_desc / o_desc
 # / head_chunk (tile 128x128, with host_desc): q load and out store through host descriptors, list head loaded with
-# its count (H100: rho=1 11.86 -> 11.30 ms, rho 0.05 0.698 -> 0.671 ms; benchmarks/NOTES.md v5).
+# its count (H100: rho=1 11.86 -> 11.30 ms, rho 0.05 0.698 -> 0.671 ms; benchmarks/NOTES.md v5). popc: next-list
+# compaction by popcounts; pf_next: each program prefetches the prologue data of the program one wave ahead into L2
+# (phase clocks, one-tile lists: 7.5 -> 5.8 us per q-tile program; neutral at 13-tile random lists; NOTES v6).
 SKIP_CONFIGS = {
     (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True, host_desc=True, q_desc=True,
-                     o_desc=True, head_chunk=True),
+                     o_desc=True, head_chunk=True, popc=True, pf_next=True),
     (128, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False, prefetch_j=True),
     (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False, prefetch_j=True),
     (64, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False, prefetch_j=True),
@@ -72,6 +75,41 @@ SKIP_CONFIGS = {
 @triton.jit
 def _or(a, b):
     return a | b
+
+
+@triton.jit
+def _clk(dep):
+    """PROBE builds only: %clock64 once `dep` (an int32 scalar the phase produced) is known."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _gclk():
+    """PROBE builds only: %globaltimer (ns, device-wide)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _smid():
+    """PROBE builds only: the SM this program runs on."""
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """PF_NEXT builds only (CUDA): prefetch.global.L2 of the line at each address (no result, no wait)."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _popc(x):
+    """Set bits of each int32 in x (SWAR; integer ops only, so it also runs under the interpreter)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = u - ((u >> 1) & 0x55555555)
+    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+    u = (u + (u >> 4)) & 0x0F0F0F0F
+    return ((u * 0x01010101) >> 24).to(tl.int32)
 
 
 @triton.jit
@@ -129,6 +167,23 @@ def _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, j, offs_
 
 
 @triton.jit
+def _store_out(acc, l_i, m_i, O, LSE, OD, b, b64, h, pid_m, rows, row_ok, offs_d, stride_ob, stride_os, stride_oh,
+               Sq, Hq, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr,
+               O_DESC: tl.constexpr):
+    """Epilogue: out = acc / l (O dtype) and, with WRITE_LSE, the row LSE (natural log)."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if O_DESC:  # rows past Sq are clipped by the descriptor's bounds
+        OD.store([b, h, pid_m * TILE_M, 0], out.to(O.dtype.element_ty).reshape(1, 1, BLOCK_M, HEAD_DIM))
+    else:
+        o_ptrs = O + b64 * stride_ob + h * stride_oh + rows[:, None] * stride_os + offs_d[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2_C)
+        tl.store(LSE + (b64 * Hq + h) * Sq + rows, lse, mask=row_ok)
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, STEP, QD, OD,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 stride_ob, stride_os, stride_oh,
@@ -139,14 +194,22 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
                 LAST_PARTIAL: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
                 WARP_SPEC: tl.constexpr, NWORDS: tl.constexpr, PREFETCH_J: tl.constexpr = False,
                 DIRECT_J: tl.constexpr = False, NO_KEEP: tl.constexpr = False, HEAD_CHUNK: tl.constexpr = False,
-                Q_DESC: tl.constexpr = False, O_DESC: tl.constexpr = False):
+                Q_DESC: tl.constexpr = False, O_DESC: tl.constexpr = False, POPC: tl.constexpr = False,
+                PF_NEXT: tl.constexpr = False, n_pf=0, PRB=None, PROBE: tl.constexpr = False):
     """One q-tile (program_id 0) of one (batch, query head) (program_id 1).
 
     HEAD_CHUNK: the list's first CHUNK indices are loaded together with its count (no count -> last-index load
     chain before the loop; the compaction reuses them). Q_DESC / O_DESC: q load / out store through host TMA
-    descriptors over the (B, H, S, D) views (tm == BLOCK_M only)."""
+    descriptors over the (B, H, S, D) views (tm == BLOCK_M only). POPC: the next-list compaction places each kept
+    index by a popcount of the keep word below its lane (no scan, no cross-thread sum; not with forced tiles).
+    PF_NEXT (CUDA only): L2 prefetch of q tile, list head and count of program pid + n_pf (n_pf = SM count).
+    PROBE (debug builds, benchmarks only): per program, %clock64 at the phase ends, %globaltimer at entry / exit
+    and %smid go to PRB[program, 0:16] (int64; layout in benchmarks/bench_skip.py `probe`)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
+    if PROBE:
+        pr_g0 = _gclk()
+        pr_c0 = _clk(pid_m)
     b = bh // Hq
     h = bh % Hq
     hk = h // n_rep
@@ -203,6 +266,22 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
             head = tl.load(idx_in + offs_c, mask=offs_c < Tk, other=0)
         j_next = tl.load(idx_in)
         cnt = tl.load(cnt_in)
+        if PF_NEXT:
+            # Program pid + n_pf (n_pf = SM count) starts about when this one ends, on some SM: pull its q tile,
+            # list head and count into L2 now, so its prologue (list head -> first K/V load; q) waits on L2, not
+            # DRAM (one-tile lists: 0.184 -> 0.153 ms at H12 S32760; benchmarks/NOTES.md v6).
+            lin = bh * Tq + pid_m
+            nxt = tl.minimum(lin + n_pf, Tq * tl.num_programs(1) - 1)
+            bn_ = nxt // Tq
+            pm_ = nxt % Tq
+            d_row = (bn_ - bh).to(tl.int64) * Tq + (pm_ - pid_m)
+            offs_l = tl.arange(0, 2 * BLOCK_M)
+            r_ = tl.minimum(pm_ * TILE_M + offs_l // 2, Sq - 1)
+            qn = (Q + (bn_ // Hq).to(tl.int64) * stride_qb + (bn_ % Hq) * stride_qh + r_.to(tl.int64) * stride_qs
+                  + (offs_l % 2) * (HEAD_DIM // 2))
+            _prefetch_l2(qn)
+            offs_2 = tl.arange(0, 2)
+            _prefetch_l2(tl.where(offs_2 == 0, idx_in + d_row * Tk, cnt_in + d_row))
         if STATEFUL:
             cnt = tl.where(warm, Tk, cnt)           # a warm-up call reads every tile
         # n_plain: listed tiles before a partial last k-tile (index Tk - 1), which the loop masks separately
@@ -219,6 +298,8 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
             n_plain = tl.where((cnt > 0) & (last == Tk - 1), cnt - 1, cnt)
         if HAS_FORCED:
             frow = (tl.load(FROW + pid_m) != 0).to(tl.int32)
+        if PROBE:
+            pr_c1 = _clk(n_plain)
         widx = tl.arange(0, NWORDS)
         out_cnt = tl.full([], 0, tl.int32)
         # One flat, software-pipelined loop over the listed tiles; per-row keep bits go into word it // 32.
@@ -239,8 +320,22 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
             if not NO_KEEP:  # NO_KEEP: ablation only (benchmarks)
                 hit = (((tmax - m_before) > threshold) & row_ok).to(tl.int32) << (it & 31)
                 bits = bits | tl.where((widx == (it >> 5))[None, :], hit[:, None], 0)
+        # The partial last k-tile (masked columns), if listed (at most one iteration).
+        keep1 = tl.full([], 0, tl.int32)
+        for it in range(n_plain, cnt):
+            m_before = m_i
+            acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, b, hk, Tk - 1, offs_n, rows,
+                                        Sk, qk_scale, stride_ks, stride_vs, TILE_N, BLOCK_N, True, USE_TMA)
+            hit = ((tmax - m_before) > threshold) & row_ok
+            keep1 = tl.max(hit.to(tl.int32), 0)
+            if HAS_FORCED:
+                keep1 = keep1 | frow | (tl.load(FCOL + Tk - 1) != 0).to(tl.int32)
+        if PROBE:
+            pr_c2 = _clk(tl.sum(l_i, 0).to(tl.int32, bitcast=True))
         # One cross-row OR reduction for all tiles, then compact the kept indices into the next list.
         words = tl.reduce(bits, 0, _or)
+        if PROBE:
+            pr_c3 = _clk(tl.sum(words, 0))
         for c0 in range(0, n_plain, CHUNK):
             c1 = tl.minimum(c0 + CHUNK, n_plain)
             word = tl.sum(tl.where(widx == (c0 >> 5), words, 0), 0)
@@ -255,33 +350,37 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
             if HAS_FORCED:
                 fc = (tl.load(FCOL + jv, mask=inb, other=0) != 0).to(tl.int32)
                 keep = ((keep.to(tl.int32) | fc | frow) != 0) & inb
-            ki = keep.to(tl.int32)
-            pos = out_cnt + tl.cumsum(ki, 0) - ki
+            if POPC and not HAS_FORCED:
+                # kept bits of this chunk; lane i goes to out_cnt + (kept bits below i)
+                wv = word & tl.where(c1 - c0 >= 32, -1, (1 << (c1 - c0)) - 1)
+                pos = out_cnt + _popc(wv & ((1 << offs_c) - 1))
+                nk = _popc(wv)
+            else:
+                ki = keep.to(tl.int32)
+                pos = out_cnt + tl.cumsum(ki, 0) - ki
+                nk = tl.sum(ki, 0)
             if STATEFUL:
                 keep_w = (keep.to(tl.int32) & write_ok) != 0
             else:
                 keep_w = keep
             tl.store(idx_out + pos, jv, mask=keep_w)
-            out_cnt += tl.sum(ki, 0)
-        # The partial last k-tile (masked columns), if listed: it is the largest index, so it appends in order.
-        for it in range(n_plain, cnt):
-            m_before = m_i
-            acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, b, hk, Tk - 1, offs_n, rows,
-                                        Sk, qk_scale, stride_ks, stride_vs, TILE_N, BLOCK_N, True, USE_TMA)
-            hit = ((tmax - m_before) > threshold) & row_ok
-            keep1 = tl.max(hit.to(tl.int32), 0)
-            if HAS_FORCED:
-                keep1 = keep1 | frow | (tl.load(FCOL + Tk - 1) != 0).to(tl.int32)
-            if STATEFUL:
-                keep1_w = (keep1 & write_ok) != 0
-            else:
-                keep1_w = keep1 != 0
-            tl.store(idx_out + out_cnt, Tk - 1, mask=keep1_w)
-            out_cnt += keep1
+            out_cnt += nk
+        if PROBE:
+            pr_c4 = _clk(out_cnt)
+        # The partial last k-tile (index Tk - 1) was visited before the compaction; it is the largest index, so it
+        # appends in order.
+        if STATEFUL:
+            keep1_w = (keep1 & write_ok) != 0
+        else:
+            keep1_w = keep1 != 0
+        tl.store(idx_out + out_cnt, Tk - 1, mask=keep1_w)
+        out_cnt += keep1
         if STATEFUL:
             tl.store(cnt_out, out_cnt, mask=write_ok != 0)
         else:
             tl.store(cnt_out, out_cnt)
+        if PROBE:
+            pr_c5 = _clk(out_cnt)
     else:
         if CAUSAL:
             hi = tl.minimum(Sk, pid_m * TILE_M + BLOCK_M + causal_off)
@@ -297,16 +396,23 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
             acc, l_i, m_i, _r = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, b, hk, start_n, offs_n, rows,
                                        Sk, causal_off, qk_scale, stride_ks, stride_vs, BLOCK_N, True, CAUSAL, USE_TMA)
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    if O_DESC:  # rows past Sq are clipped by the descriptor's bounds
-        OD.store([b, h, pid_m * TILE_M, 0], out.to(O.dtype.element_ty).reshape(1, 1, BLOCK_M, HEAD_DIM))
-    else:
-        o_ptrs = O + b64 * stride_ob + h * stride_oh + rows[:, None] * stride_os + offs_d[None, :]
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
-    if WRITE_LSE:
-        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2_C)
-        tl.store(LSE + (b64 * Hq + h) * Sq + rows, lse, mask=row_ok)
+    _store_out(acc, l_i, m_i, O, LSE, OD, b, b64, h, pid_m, rows, row_ok, offs_d, stride_ob, stride_os, stride_oh,
+               Sq, Hq, TILE_M, BLOCK_M, HEAD_DIM, WRITE_LSE, O_DESC)
+    if PROBE:  # SKIP builds only
+        pr_c6 = _clk(pid_m)
+        pr_g1 = _gclk()
+        offs_p = tl.arange(0, 16)
+        vals = tl.where(offs_p == 0, pr_c0, 0)
+        vals = tl.where(offs_p == 1, pr_c1, vals)
+        vals = tl.where(offs_p == 2, pr_c2, vals)
+        vals = tl.where(offs_p == 3, pr_c3, vals)
+        vals = tl.where(offs_p == 4, pr_c4, vals)
+        vals = tl.where(offs_p == 5, pr_c5, vals)
+        vals = tl.where(offs_p == 6, pr_c6, vals)
+        vals = tl.where(offs_p == 7, pr_g0, vals)
+        vals = tl.where(offs_p == 8, pr_g1, vals)
+        vals = tl.where(offs_p == 9, _smid().to(tl.int64), vals)
+        tl.store(PRB + ((bh.to(tl.int64) * Tq + pid_m) * 16 + offs_p), vals)
 
 
 LN2_C = tl.constexpr(LN2)
@@ -369,6 +475,16 @@ def _tma_ok(cfg, *ts):
             and all(t.data_ptr() % 16 == 0 and (t.stride(1) * t.element_size()) % 16 == 0 for t in ts))
 
 
+_SMS = {}
+
+
+def _num_sms(device) -> int:
+    idx = torch.device(device).index or 0
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
 def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step, Tq, Tk, slot_cnt, slot_idx,
             warmup, scale, threshold, tm, tn, skip, stateful, causal, cfg):
     B, Sq, Hq, D = q.shape
@@ -392,6 +508,12 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
         if cfg.get("o_desc"):
             od = head_major_desc(out, block_m)
     nwords = max(1, triton.next_power_of_2(num_tiles(Tk, CHUNK_N))) if skip else 1
+    # pf_next: inline PTX prefetch, so CUDA only (the interpreter runs the same kernel without it)
+    pf_next = bool(cfg.get("pf_next")) and skip and not _interpret()
+    n_pf = _num_sms(q.device) if pf_next else 0
+    probe = cfg.get("probe") if skip else None  # benchmarks only: int64 (B * Hq * Tq, 16) phase clocks
+    if probe is not None and (probe.numel() < B * Hq * Tq * 16 or probe.dtype != torch.int64):
+        raise ValueError(f"cfg['probe'] must be an int64 tensor of >= {B * Hq * Tq * 16} elements")
     _fwd_kernel[(Tq, B * Hq)](
         q, k, v, out, lse if lse is not None else dummy,
         cnt_in if cnt_in is not None else dummy, idx_in if idx_in is not None else dummy,
@@ -409,6 +531,8 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
         PREFETCH_J=bool(cfg.get("prefetch_j", False)), DIRECT_J=bool(cfg.get("ablate_direct_j", False)),
         NO_KEEP=bool(cfg.get("ablate_keep", False)),
         HEAD_CHUNK=bool(skip and cfg.get("head_chunk", False)), Q_DESC=qd is not None, O_DESC=od is not None,
+        POPC=bool(skip and cfg.get("popc", False)), PF_NEXT=pf_next, n_pf=n_pf,
+        PRB=probe if probe is not None else dummy, PROBE=probe is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
