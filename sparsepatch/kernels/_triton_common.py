@@ -1,10 +1,11 @@
-"""Small host-side helpers shared by the Triton kernel modules."""
+"""Small helpers shared by the Triton kernel modules (host side, and one jit function)."""
 from __future__ import annotations
 
 import os
 
 import torch
 import triton
+import triton.language as tl
 
 
 def interpret() -> bool:
@@ -35,3 +36,16 @@ def head_major_desc(t: torch.Tensor, block: int):
         return None
     B, S, H, D = t.shape
     return TensorDescriptor(t, [B, H, S, D], [t.stride(0), t.stride(2), t.stride(1), 1], [1, 1, block, D])
+
+
+@triton.jit
+def key_range(start_m, Sk, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys a q-tile starting at row start_m visits: (hi, hi_full) = end of the visited keys (exclusive) and end of
+    the key blocks needing no mask (a multiple of BLOCK_N). Causal: query i sees keys <= i + causal_off."""
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(Sk, start_m + BLOCK_M + causal_off), 0)
+        hi_full = tl.minimum(tl.maximum(start_m + causal_off + 1, 0), hi) // BLOCK_N * BLOCK_N
+    else:
+        hi = Sk
+        hi_full = Sk // BLOCK_N * BLOCK_N
+    return hi, hi_full

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_common import key_range
 from ._triton_common import interpret as _interpret
 from ._triton_common import set_tma_allocator
 from .reference import LOG2E, check_qkv
@@ -121,19 +122,6 @@ def bwd_config(D: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------------------
-
-@triton.jit
-def _key_range(start_m, Sk, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Keys a q-tile starting at row start_m visits: (hi, hi_full) = end of the visited keys (exclusive) and end of
-    the key blocks needing no mask (a multiple of BLOCK_N). Causal: query i sees keys <= i + causal_off."""
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(Sk, start_m + BLOCK_M + causal_off), 0)
-        hi_full = tl.minimum(tl.maximum(start_m + causal_off + 1, 0), hi) // BLOCK_N * BLOCK_N
-    else:
-        hi = Sk
-        hi_full = Sk // BLOCK_N * BLOCK_N
-    return hi, hi_full
-
 
 @triton.jit
 def _rows_desc(base, S, D, stride_s, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, USE_TMA: tl.constexpr):
@@ -332,7 +320,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
     acc6 = tl.zeros([BLOCK_M, DC], tl.float32)
     acc7 = tl.zeros([BLOCK_M, DC], tl.float32)
 
-    hi, hi_full = _key_range(start_m, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
+    hi, hi_full = key_range(start_m, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
     if QMODE == 3:
         # One flat loop over (k-block, D-chunk) pairs: every iteration loads one Q chunk and one K chunk (pipelined
         # QK_STAGES deep across k-block boundaries, so no per-k-block pipeline refill); the softmax and P @ V run
@@ -522,7 +510,7 @@ def _lse_kernel(Q, K, LSE2, stride_qb, stride_qs, stride_qh, stride_kb, stride_k
     k_base = K + b * stride_kb + hk * stride_kh
     q_desc = _rows_desc(q_base, Sq, D, stride_qs, BLOCK_M, BLOCK_D, USE_TMA)
     k_desc = _rows_desc(k_base, Sk, D, stride_ks, BLOCK_N, BLOCK_D, USE_TMA)
-    hi, hi_full = _key_range(start_m, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
+    hi, hi_full = key_range(start_m, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -1068,7 +1056,7 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    hi, hi_full = _key_range(start_m, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
+    hi, hi_full = key_range(start_m, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in tl.range(0, hi_full, BLOCK_N):
         k = k_desc.load([start_n, 0])
         vt = v_desc.load([0, start_n])

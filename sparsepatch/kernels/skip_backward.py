@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import head_major_desc
+from ._triton_common import head_major_desc, key_range
 from ._triton_common import interpret as _interpret
 from . import reference
 from .reference import LOG2E, check_qkv
@@ -402,12 +402,7 @@ def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, CNT, IDX,
                                    offs_d, rows, Sk, stride_ks, stride_vs, qk_scale, 0, True, False, KD, VD, tb, thk,
                                    False)
     else:
-        if CAUSAL:
-            hi = tl.maximum(tl.minimum(Sk, start_m + BLOCK_M + causal_off), 0)
-            full = tl.minimum(tl.maximum(start_m + causal_off + 1, 0), hi) // BLOCK_N * BLOCK_N
-        else:
-            hi = Sk
-            full = Sk // BLOCK_N * BLOCK_N
+        hi, full = key_range(start_m, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
         for start_n in range(0, full, BLOCK_N):
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start_n, offs_n, offs_d, rows, Sk, stride_ks,
                            stride_vs, qk_scale, causal_off, False, False, KD, VD, tb, thk, USE_TMA)
