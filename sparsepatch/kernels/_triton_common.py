@@ -1,6 +1,7 @@
 """Small helpers shared by the Triton kernel modules (host side, and one jit function)."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -11,6 +12,17 @@ import triton.language as tl
 def interpret() -> bool:
     """True when Triton runs kernels through its interpreter (TRITON_INTERPRET=1: CPU tensors, CI)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of a CUDA device (queried once per device)."""
+    d = torch.device(device)
+    return _sm_count(d.index if d.index is not None else torch.cuda.current_device())
 
 
 def _tma_scratch(size, alignment, stream):

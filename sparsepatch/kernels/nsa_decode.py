@@ -41,6 +41,7 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ._triton_common import num_sms
 from .nsa_reference import FORCE_FIRST
 
 __all__ = ["nsa_decode", "applies"]
@@ -59,7 +60,6 @@ PDL = True                # programmatic dependent launch of the selection kerne
 PROBE = None              # a dict: the next calls record per-program phase clocks into it (benchmarks only)
 SPIN_LIMIT = 1 << 22      # polls before a barrier wait gives up (a safety net against a hung device, never hit)
 SPIN_LIMIT_C = tl.constexpr(SPIN_LIMIT)
-_SMS: dict = {}
 
 
 # ---------------------------------------------------------------------------------------------------------- kernels
@@ -429,12 +429,6 @@ def _plan(B, Hk, G, S, n_c, config):
     return R, NB, n_tiles, tps, n_split, GP, BLK, n_win
 
 
-def _num_sms(dev) -> int:
-    if dev not in _SMS:
-        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return _SMS[dev]
-
-
 def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool = False):
     """One decode step: q (B, 1, Hq, D) at position S - 1 of k/v (B, S, Hk, D); k_cmp/v_cmp (B, n_c, Hk, D) the
     compressed blocks of k/v (any strides with a unit last one). Returns (out (B, 1, Hq, D) q.dtype,
@@ -483,7 +477,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     n_prog = max(n_chunks, nsel, G)
     n_prog_b = n_prog + n_win
     on_gpu = dev.type == "cuda"
-    sync = FUSE and on_gpu and n_prog_b * BH <= _num_sms(dev)
+    sync = FUSE and on_gpu and n_prog_b * BH <= num_sms(dev)
     pdl = PDL and on_gpu
     probe = isinstance(PROBE, dict) and on_gpu
     if probe:

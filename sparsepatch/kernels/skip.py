@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import head_major_desc
+from ._triton_common import head_major_desc, num_sms
 from ._triton_common import interpret as _interpret
 from ._triton_common import set_tma_allocator
 from . import reference
@@ -475,16 +475,6 @@ def _tma_ok(cfg, *ts):
             and all(t.data_ptr() % 16 == 0 and (t.stride(1) * t.element_size()) % 16 == 0 for t in ts))
 
 
-_SMS = {}
-
-
-def _num_sms(device) -> int:
-    idx = torch.device(device).index or 0
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
 def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step, Tq, Tk, slot_cnt, slot_idx,
             warmup, scale, threshold, tm, tn, skip, stateful, causal, cfg):
     B, Sq, Hq, D = q.shape
@@ -510,7 +500,7 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
     nwords = max(1, triton.next_power_of_2(num_tiles(Tk, CHUNK_N))) if skip else 1
     # pf_next: inline PTX prefetch, so CUDA only (the interpreter runs the same kernel without it)
     pf_next = bool(cfg.get("pf_next")) and skip and not _interpret()
-    n_pf = _num_sms(q.device) if pf_next else 0
+    n_pf = num_sms(q.device) if pf_next else 0
     probe = cfg.get("probe") if skip else None  # benchmarks only: int64 (B * Hq * Tq, 16) phase clocks
     if probe is not None and (probe.numel() < B * Hq * Tq * 16 or probe.dtype != torch.int64):
         raise ValueError(f"cfg['probe'] must be an int64 tensor of >= {B * Hq * Tq * 16} elements")
