@@ -224,6 +224,87 @@ def probe(log, shape=(1, 12, 32760, 128), names=("default",), lists=("seq1", "se
     return rows
 
 
+def _gpu_ms_host_hidden(fn, reps=60):
+    """Median GPU ms of fn with a cold L2, host time hidden: each rep flushes L2 (do_bench's 256 MB zero) and
+    queues a ~0.3 ms GPU sleep before the start event, so the host's launch work overlaps GPU work as it does in
+    a model (do_bench exposes host time beyond its ~0.09 ms flush)."""
+    import triton
+    cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
+    fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        cache.zero_()
+        torch.cuda._sleep(500_000)
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[reps // 2]
+
+
+def _host_us(fn, calls=100):
+    """Host microseconds per call of fn while the GPU is busy (a long GPU sleep queued first)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)   # ~0.1 s at H100 clocks: the queue never drains during the timed calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def host_check(log, shapes=((1, 12, 32760, 128), (1, 16, 4096, 128))):
+    """Per density and launch path (cached launch plans vs Triton's JIT launcher): host us per call, do_bench ms
+    and GPU ms with host time hidden; then a cProfile of the host path at the lowest density. Says how much of a
+    do_bench time is host launch work."""
+    import cProfile
+    import io
+    import pstats
+    from sparsepatch.kernels import skip
+    rows = []
+    direct = skip._DIRECT[0]
+    for (B, H, S, D) in shapes:
+        g = torch.Generator(device="cuda").manual_seed(1)
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        lists = {f"rand{rho}": random_list(B, H, S, rho) for rho in DENSITIES}
+        lists["seq1"] = seq_list(B, H, S, 1)
+        fns = {"dense": lambda: skip.attention(q, k, v)}
+        for lname, lst in lists.items():
+            fns[lname] = lambda lst=lst: skip.skip_attention(q, k, v, lst, -5.0)
+        for mode in ("plan", "jit"):
+            skip._DIRECT[0] = direct and mode == "plan"
+            for lname, fn in fns.items():
+                long = S > 10000 and lname in ("dense", "rand1.0")
+                r = dict(shape=[B, H, S, D], list=lname, launch=mode, host_us=_host_us(fn),
+                         do_bench=bench_ms(fn, rep=100), hidden=_gpu_ms_host_hidden(fn, reps=20 if long else 60))
+                rows.append(r)
+                log(f"host {r}")
+        skip._DIRECT[0] = direct
+        fn = fns["rand0.05"]
+        torch.cuda._sleep(200_000_000)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(100):
+            fn()
+        pr.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
+        log(buf.getvalue())
+        del q, k, v, lists, fns
+        torch.cuda.empty_cache()
+    print("\n| shape | list | launch | host us/call | do_bench ms | GPU ms, host hidden | do_bench / hidden |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['list']} | {r['launch']} | {r['host_us']:.1f} | {r['do_bench']:.4f} | "
+              f"{r['hidden']:.4f} | {r['do_bench'] / r['hidden']:.3f} |")
+    return rows
+
+
 def variants(log, shape=(1, 12, 32760, 128), names=None, rounds=2, only=None):
     """Time skip-config variants (exact: outputs and next lists must equal the base config's) on random lists at
     DENSITIES and on sequential lists of n tiles (fixed cost vs per-tile cost). Returns result rows."""
@@ -294,6 +375,8 @@ def main(argv=None):
     ap.add_argument("--lists", nargs="*", default=None, help="--variants: only these lists (rand0.05, seq1, ...)")
     ap.add_argument("--probe", nargs="*", default=None,
                     help="per-phase clocks (PROBE builds) for these variants (none = default), then exit")
+    ap.add_argument("--host", action="store_true",
+                    help="host us per call vs GPU time (do_bench and host-hidden), cProfile of the host path; exit")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -309,6 +392,15 @@ def main(argv=None):
     def log(msg):
         print(msg, flush=True)
         lines.append(msg)
+
+    if args.host:
+        res = dict(host=host_check(log), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=triton.__version__)
+        for d in filter(None, [args.out, os.environ.get("OUT")]):
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"{gpu_name()}-skip-host.json"), "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
 
     if args.probe is not None:
         res = dict(probe=probe(log, names=args.probe or ("default",)), gpu=torch.cuda.get_device_name())

@@ -20,6 +20,7 @@ triton = pytest.importorskip("triton")
 from kernel_checks import CUDA, INTERP, cpu_only, gpu  # noqa: E402
 
 from sparsepatch.kernels import reference, stateful  # noqa: E402
+from sparsepatch.kernels._triton_common import C_LAUNCH_VERSIONS  # noqa: E402
 from sparsepatch.kernels.reference import LOG2E  # noqa: E402
 from sparsepatch.kernels.skiplist import SkipList  # noqa: E402
 
@@ -236,6 +237,41 @@ def test_dense_gpu(dtype, Sq, Sk, D, causal):
     rout, rlse = reference.attention(q, k, v, causal=causal, return_lse=True)
     assert_close(out, rout, dtype)
     torch.testing.assert_close(lse, rlse, atol=2e-3, rtol=1e-4)
+
+
+@gpu
+@needs_cuda
+def test_launch_plans_gpu():
+    """Later calls relaunch the compiled kernel through a cached plan (fresh tensors each call, so every pointer
+    and descriptor is re-filled): bitwise equal to Triton's own launcher, and to the reference's lists."""
+    S, D, tile, dtype = 4096, 128, (128, 128), torch.bfloat16
+    thr = lattice_threshold(D)
+    skip._PLANS.clear()
+    q, k, v, assign = structured_qkv(1, S, S, 4, 2, D, dtype, tile, seed=60, device="cuda", clusters=8)
+    nxt = check_skip(q, k, v, None, thr, tile=tile, dtype=dtype)            # first calls: Triton's launcher
+    dense0 = skip.attention(q, k, v, return_lse=True)
+    n_plans = len(skip._PLANS)
+    assert n_plans >= 1 and skip._DIRECT[0]
+    if triton.__version__ in C_LAUNCH_VERSIONS:   # the compiled launcher is called directly, not Triton's runner
+        assert all(getattr(plan[0], "direct", False) for plan in skip._PLANS.values())
+    for seed in (61, 62):
+        q, k, v, _ = structured_qkv(1, S, S, 4, 2, D, dtype, tile, seed=seed, device="cuda", assign=assign)
+        q, k, v = q.clone(), k.clone(), v.clone()                            # new pointers
+        via_plan = skip.skip_attention(q, k, v, nxt, thr, return_lse=True)
+        dense_plan = skip.attention(q, k, v, return_lse=True)
+        check_skip(q, k, v, nxt, thr, tile=tile, dtype=dtype)
+        assert len(skip._PLANS) == n_plans and skip._DIRECT[0]              # reused, none added, no fallback
+        skip._DIRECT[0] = False                                              # Triton's launcher, same inputs
+        try:
+            via_jit = skip.skip_attention(q, k, v, nxt, thr, return_lse=True)
+            dense_jit = skip.attention(q, k, v, return_lse=True)
+        finally:
+            skip._DIRECT[0] = True
+        assert torch.equal(via_plan[0], via_jit[0]) and via_plan[1].equal(via_jit[1])
+        assert torch.equal(via_plan[2], via_jit[2])
+        assert torch.equal(dense_plan[0], dense_jit[0]) and torch.equal(dense_plan[1], dense_jit[1])
+        nxt = via_plan[1]
+    assert not torch.equal(dense0[0], dense_plan[0])                          # the inputs really changed
 
 
 def _step_inputs(S, D, dtype, seed, assign, tile):

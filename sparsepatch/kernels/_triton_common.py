@@ -61,3 +61,69 @@ def key_range(start_m, Sk, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
         hi = Sk
         hi_full = Sk // BLOCK_N * BLOCK_N
     return hi, hi_full
+
+
+# Triton versions whose compiled-kernel launcher (CompiledKernel.run.launch: the C launch function behind the
+# tensor-descriptor wrapper) is called directly with the argument layout of CudaLauncher.__call__ (checked against
+# its source: 3.6.0). Other versions relaunch through CompiledKernel[grid] (the public runner), which adds the
+# launch-metadata and scratch-allocation steps but still skips JITFunction.run.
+C_LAUNCH_VERSIONS = ("3.6.0",)
+
+
+def direct_launcher(kern, grid):
+    """relaunch(stream, *params) for the compiled kernel `kern` (what `jit_fn[grid](...)` returned) on `grid`, or
+    None (interpreter). params: every kernel parameter in declaration order, constexprs included (Triton's launcher
+    takes them all); host TensorDescriptors (or any object with base / shape / strides / padding) where the kernel
+    has descriptors.
+
+    This skips JITFunction.run (argument binding, specialisation, cache lookup: tens of microseconds per launch),
+    so it is only valid for arguments that specialise as at the first launch: callers key their plans on every
+    int / float argument and use them for 16-byte-aligned pointers only. Profiler launch hooks go through the
+    public runner."""
+    if not hasattr(kern, "__getitem__"):
+        return None
+    grid = (tuple(grid) + (1, 1))[:3]   # the launcher and the runner index three grid dimensions
+    runner = kern[grid]
+    run = getattr(kern, "run", None)
+    if (triton.__version__ in C_LAUNCH_VERSIONS and hasattr(run, "launch")
+            and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0):
+        from triton import knobs
+        launch, fn, meta = run.launch, kern.function, kern.packed_metadata
+        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+        hooks = knobs.runtime
+        g0, g1, g2 = grid
+
+        def relaunch(stream, *args):
+            if _no_hook(hooks.launch_enter_hook) and _no_hook(hooks.launch_exit_hook):
+                launch(g0, g1, g2, stream, fn, coop, pdl, None, None, meta, None, None, None, *args)
+            else:
+                runner(*args, stream=stream)
+        relaunch.direct = True
+        return relaunch
+    return lambda stream, *args: runner(*args, stream=stream)
+
+
+def _no_hook(hook) -> bool:
+    # Triton 3.6 keeps launch hooks in HookChain objects (never None; empty `calls` = no hook), older ones use None
+    return hook is None or (hasattr(hook, "calls") and not hook.calls)
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_getter():
+    return triton.runtime.driver.active.get_current_stream
+
+
+def current_stream(device_index: int):
+    """The raw current CUDA stream of a device, as Triton's launcher takes it."""
+    return _stream_getter()(device_index)
+
+
+class DescriptorArgs:
+    """What Triton's launcher reads from a host TensorDescriptor (base, shape, strides, padding), for a descriptor
+    geometry recorded in a launch plan and re-pointed at each call's tensor, without TensorDescriptor's
+    per-construction validation (the plan key fixes shapes, strides and dtype)."""
+    __slots__ = ("base", "shape", "strides", "block_shape", "padding")
+
+    def __init__(self, base, shape, strides, block_shape, padding):
+        self.base, self.shape, self.strides, self.block_shape, self.padding = base, shape, strides, block_shape, \
+            padding

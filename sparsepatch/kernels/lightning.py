@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_common import current_stream, direct_launcher
 from .lightning_reference import CHUNK, check_decode_args, check_prefill_args, resolve_state_dtype
 
 logger = logging.getLogger(__name__)
@@ -129,11 +130,6 @@ _DECODE_OVERRIDE: dict = {}  # BV / num_warps / CS (False: runtime row strides):
 # next_power_of_2 / cdiv cost microseconds each), grid or argument building (host time: NOTES, lightning v5).
 _PLANS: dict = {}
 _DIRECT = [os.environ.get("TRITON_INTERPRET") != "1"]   # False after a failed relaunch: Triton's launcher from then on
-_STREAM: list = []   # [driver.get_current_stream], looked up once
-# Triton versions whose compiled-kernel launcher (CompiledKernel.run.launch, a C function) is called directly with
-# the argument layout of CudaLauncher.__call__ (checked against its source: 3.6.0). Others go through
-# CompiledKernel[grid] (the public runner), which adds the launch-metadata and scratch-allocation steps.
-_C_LAUNCH_VERSIONS = ("3.6.0",)
 
 
 def _state_strides(t: torch.Tensor, vk: bool):
@@ -161,25 +157,13 @@ def _decode_args(B, H, K, V, qs, ks, vs, ss, os_, state_dtype):
 
 def _make_plan(kern, grid, tail):
     """A relaunch closure (stream, *pointer/scale args) over the compiled kernel `kern` for this grid, or None."""
-    if not hasattr(kern, "__getitem__"):
+    relaunch = direct_launcher(kern, grid)
+    if relaunch is None:
         return None
-    runner = kern[grid]
-    run = getattr(kern, "run", None)
-    if (triton.__version__ in _C_LAUNCH_VERSIONS and hasattr(run, "launch")
-            and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0):
-        from triton import knobs
-        launch, fn, meta = run.launch, kern.function, kern.packed_metadata
-        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
-        hooks = knobs.runtime
-        g0, g1, g2 = grid
-
-        def relaunch(stream, *args):
-            if hooks.launch_enter_hook is None and hooks.launch_exit_hook is None:
-                launch(g0, g1, g2, stream, fn, coop, pdl, None, None, meta, None, None, None, *args, *tail)
-            else:   # a profiler's launch hooks: Triton's runner calls them
-                runner(*args, *tail, stream=stream)
-        return relaunch
-    return lambda stream, *args: runner(*args, *tail, stream=stream)
+    def plan(stream, *args):
+        relaunch(stream, *args, *tail)
+    plan.direct = getattr(relaunch, "direct", False)
+    return plan
 
 
 def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool, B: int, H: int, K: int, V: int) -> None:
@@ -191,7 +175,7 @@ def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool, B: int, H
     plan = _PLANS.get(key) if use_plan else None
     if plan is not None:
         try:
-            plan(_STREAM[0](key[0]), q, k, v, state, decay, out, scale)
+            plan(current_stream(key[0]), q, k, v, state, decay, out, scale)
             return
         except Exception as exc:  # noqa: BLE001  (a Triton whose launcher differs, or launch hooks: stop trying)
             logger.warning("sparsepatch lightning: direct relaunch failed (%s); using triton's launcher", exc)
@@ -205,8 +189,6 @@ def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool, B: int, H
     if use_plan and key[0] == torch.cuda.current_device():
         plan = _make_plan(kern, grid, tail)
         if plan is not None:
-            if not _STREAM:
-                _STREAM.append(triton.runtime.driver.active.get_current_stream)
             if len(_PLANS) > 64:
                 _PLANS.clear()
             _PLANS[key] = plan

@@ -27,12 +27,13 @@ so it never syncs with the host and can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import head_major_desc, num_sms
+from ._triton_common import DescriptorArgs, current_stream, direct_launcher, head_major_desc, num_sms
 from ._triton_common import interpret as _interpret
 from ._triton_common import set_tma_allocator
 from . import reference
@@ -475,8 +476,44 @@ def _tma_ok(cfg, *ts):
             and all(t.data_ptr() % 16 == 0 and (t.stride(1) * t.element_size()) % 16 == 0 for t in ts))
 
 
+# Launch plans (host time: benchmarks/NOTES.md, skip forward v7). Key: every int / float / dtype / shape / stride
+# argument and the config, so a plan is reused only where Triton would pick the same binary (ints are specialised
+# on == 1 and % 16, pointers on 16-byte alignment: plans are made and used for aligned pointers only). A hit costs
+# the key, one dict lookup and the direct launch; a miss runs the full path below and records the plan.
+_PLANS: dict = {}
+_DIRECT = [not _interpret()]   # False after a failed direct relaunch: Triton's launcher from then on
+# per-call kernel parameters: name -> index into _launch's tensor tuple (None inputs are replaced by `out`)
+_TENSOR_PARAMS = dict(Q=0, K=1, V=2, O=3, LSE=4, CNT_IN=5, IDX_IN=6, CNT_OUT=7, IDX_OUT=8, FROW=9, FCOL=10, STEP=11)
+_DESC_PARAMS = dict(QD=0, KD=1, VD=2, OD=3)   # host descriptors over these tensors (or `out` as a dummy pointer)
+
+
 def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step, Tq, Tk, slot_cnt, slot_idx,
             warmup, scale, threshold, tm, tn, skip, stateful, causal, cfg):
+    tensors = (q, k, v, out, lse, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step)
+    key = None
+    if _DIRECT[0] and "probe" not in cfg:
+        aligned = all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+        key = (q.get_device(), q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), out.stride(),
+               tuple(t is None for t in tensors[4:]), Tq, Tk, slot_cnt, slot_idx, warmup, scale, threshold, tm, tn,
+               skip, stateful, causal, tuple(cfg.items())) if aligned else None
+        plan = _PLANS.get(key) if key is not None else None
+        if plan is not None:
+            relaunch, template, tslots, dslots = plan
+            args = list(template)
+            for pos, i in tslots:
+                t = tensors[i]
+                args[pos] = out if t is None else t
+            for pos, i, geometry in dslots:
+                args[pos] = DescriptorArgs(tensors[i], *geometry)
+            try:
+                relaunch(current_stream(key[0]), *args)
+                return
+            except Exception as exc:  # noqa: BLE001  (a Triton whose launcher differs: stop trying)
+                warnings.warn(f"sparsepatch skip: direct relaunch failed ({exc}); using Triton's launcher")
+                _DIRECT[0] = False
+                _PLANS.clear()
+                key = None
+
     B, Sq, Hq, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     block_m = triton.next_power_of_2(tm)
@@ -504,16 +541,17 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
     probe = cfg.get("probe") if skip else None  # benchmarks only: int64 (B * Hq * Tq, 16) phase clocks
     if probe is not None and (probe.numel() < B * Hq * Tq * 16 or probe.dtype != torch.int64):
         raise ValueError(f"cfg['probe'] must be an int64 tensor of >= {B * Hq * Tq * 16} elements")
-    _fwd_kernel[(Tq, B * Hq)](
-        q, k, v, out, lse if lse is not None else dummy,
-        cnt_in if cnt_in is not None else dummy, idx_in if idx_in is not None else dummy,
-        cnt_out if cnt_out is not None else dummy, idx_out if idx_out is not None else dummy,
-        frow if frow is not None else dummy, fcol if fcol is not None else dummy,
-        step if step is not None else dummy, dummy if qd is None else qd, dummy if od is None else od,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        Sq, Sk, Hq, Hq // Hk, Tq, Tk, slot_cnt, slot_idx, warmup,
-        scale * LOG2E, threshold, Sk - Sq, kd, vd,
+    params = dict(
+        Q=q, K=k, V=v, O=out, LSE=lse if lse is not None else dummy,
+        CNT_IN=cnt_in if cnt_in is not None else dummy, IDX_IN=idx_in if idx_in is not None else dummy,
+        CNT_OUT=cnt_out if cnt_out is not None else dummy, IDX_OUT=idx_out if idx_out is not None else dummy,
+        FROW=frow if frow is not None else dummy, FCOL=fcol if fcol is not None else dummy,
+        STEP=step if step is not None else dummy, QD=dummy if qd is None else qd, OD=dummy if od is None else od,
+        stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2), stride_kb=k.stride(0),
+        stride_ks=k.stride(1), stride_kh=k.stride(2), stride_vb=v.stride(0), stride_vs=v.stride(1),
+        stride_vh=v.stride(2), stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
+        Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq, Tk=Tk, slot_stride_cnt=slot_cnt, slot_stride_idx=slot_idx,
+        warmup=warmup, qk_scale=scale * LOG2E, threshold=threshold, causal_off=Sk - Sq, KD=kd, VD=vd,
         HEAD_DIM=D, BLOCK_M=block_m, TILE_M=tm, BLOCK_N=cfg["BLOCK_N"], TILE_N=tn, SKIP=skip, STATEFUL=stateful,
         HAS_FORCED=frow is not None, LAST_PARTIAL=bool(skip and Sk % tn), CAUSAL=causal, WRITE_LSE=lse is not None,
         USE_TMA=use_tma, WARP_SPEC=bool(cfg.get("ws", False)),
@@ -523,8 +561,30 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
         HEAD_CHUNK=bool(skip and cfg.get("head_chunk", False)), Q_DESC=qd is not None, O_DESC=od is not None,
         POPC=bool(skip and cfg.get("popc", False)), PF_NEXT=pf_next, n_pf=n_pf,
         PRB=probe if probe is not None else dummy, PROBE=probe is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    grid = (Tq, B * Hq)
+    names = _fwd_kernel.arg_names
+    # positional: the kernel's `warmup` parameter would clash with JITFunction.run's keyword of that name
+    kern = _fwd_kernel[grid](*[params[n] for n in names], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if key is not None and use_tma != 1 and key[0] == torch.cuda.current_device():
+        relaunch = direct_launcher(kern, grid)
+        if relaunch is not None:
+            tslots = [(pos, _TENSOR_PARAMS[n]) for pos, n in enumerate(names) if n in _TENSOR_PARAMS]
+            tslots += [(names.index("PRB"), 3)]
+            dslots = []
+            for n, i in _DESC_PARAMS.items():
+                pos = names.index(n)
+                if params[n] is dummy:
+                    tslots.append((pos, 3))
+                else:
+                    d = params[n]
+                    dslots.append((pos, i, (d.shape, d.strides, d.block_shape, d.padding)))
+            # the plan holds no tensor: per-call slots are filled at each launch
+            per_call = {pos for pos, _ in tslots} | {pos for pos, _, _ in dslots}
+            template = [None if pos in per_call else params[n] for pos, n in enumerate(names)]
+            if len(_PLANS) > 64:
+                _PLANS.clear()
+            _PLANS[key] = (relaunch, template, tslots, dslots)
 
 
 def _ranges_to_tiles(must_do, S, t):
