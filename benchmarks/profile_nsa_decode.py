@@ -114,7 +114,7 @@ PROBE_SLOTS = {2: "gdc_wait done", 3: "chunk score+rank done", 5: "window progs:
                8: "selected partial stored", 10: "wait 3 done (merge)", 11: "output stored"}
 
 
-def probe(S, var=None, reps=20):
+def probe(S, var=None, reps=20, cold=False):
     """Timeline of one captured step (nsa_decode.PROBE builds: %globaltimer at each program's entry and exit,
     %clock64 at the phase ends, converted with the clock rate measured on the compressed programs): us after the
     first compressed program started, median and max over the programs that pass each point."""
@@ -134,7 +134,10 @@ def probe(S, var=None, reps=20):
         nsa_decode.PROBE = None
         for n, val in saved.items():
             setattr(nsa_decode, n, val)
-    for _ in range(reps):
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda") if cold else None
+    for _ in range(reps):            # cold: L2 flushed before each replay (as do_bench); the last replay is kept
+        if cold:
+            flush.zero_()
         g()
     torch.cuda.synchronize()
     pl = buf["plan"]
@@ -156,11 +159,114 @@ def probe(S, var=None, reps=20):
         m = b[:, :, sl] != 0
         put(f"B {name}", torch.where(m, entry + (b[:, :, sl] - b[:, :, 1]) / ghz / 1e3, torch.tensor(-1e9)).flatten())
     put("B exit", ((b[:, :, 12] - t0) / 1e3).flatten())
-    print(f"probe {var or {}} (clock {ghz:.3f} GHz; us: median, max, programs):", flush=True)
+    print(f"probe {var or {}} cold={cold} (clock {ghz:.3f} GHz; us: median, max, programs):", flush=True)
     for n_, v_ in line.items():
         print(f"   {n_:28s} {v_[0]:7.2f} {v_[1]:7.2f} {v_[2]:5d}")
-    return dict(variant=repr(var or {}), ghz=ghz, plan=pl, timeline=line, raw_a=buf["a"].tolist(),
+    return dict(variant=repr(var or {}), cold=cold, ghz=ghz, plan=pl, timeline=line, raw_a=buf["a"].tolist(),
                 raw_b=buf["b"].tolist())
+
+
+OLD = {"KEY_POLL": False, "SLOT_POLL": False, "PART_POLL": False, "PREFETCH_SEL": False, "EARLY_LOADS": False,
+       "WINDOW_LATE": False}                                                    # session-4 structure
+AB_VARIANTS = {"old": OLD, "new": {}, "nopart": {"PART_POLL": False}, "pf": {"PREFETCH_SEL": True},
+               "wlate": {"WINDOW_LATE": True},
+               "pf_wlate": {"PREFETCH_SEL": True, "WINDOW_LATE": True}, "noearly": {"EARLY_LOADS": False},
+               "nopoll": {"KEY_POLL": False, "SLOT_POLL": False}}
+
+
+def _set(var):
+    saved = {n: getattr(nsa_decode, n) for n in var}
+    for n, val in var.items():
+        setattr(nsa_decode, n, val)
+    return saved
+
+
+def ab(ss, names, rounds=2, full=2, save=None):
+    """Old vs new decode structure in one process, timed as bench_nsa.py --decode-only times its graph row: one
+    captured nsa_attention step (NSACache(store_kv=False) prefilled to S) replayed under triton do_bench (median,
+    L2 flushed before each replay); variants alternate `rounds` times. Also SDPA decode (graph) and, at the largest S,
+    'code warm' (a flush, then a replay of the same step on other inputs, then the timed replay: data cold, kernel
+    code and launch state warm) and 'warm' (no flush). Variants after the first `full` run only at the largest S."""
+    import torch.nn.functional as F
+    import triton
+    from sparsepatch.kernels import nsa
+    rows = []
+    for S in ss:
+        q, k, v, kc, vc, scale, cfg = inputs(S)
+        cache = ref.NSACache(store_kv=False)
+        with torch.no_grad():
+            cache.update(k, v, cfg)
+        row = {"S": S}
+        graphs = {}
+        with torch.no_grad():
+            for name in (names if S == max(ss) else names[:full]):
+                saved = _set(AB_VARIANTS[name])
+                try:
+                    o, idx = nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg, True)
+                    o_p, i_p = nsa._forward(q, k, v, kc, vc, None, scale, cfg)[:2]
+                    row[f"{name}_same_idx_as_prefill"] = bool(torch.equal(idx, i_p))
+                    row[f"{name}_max_diff_vs_prefill"] = (o.float() - o_p.float()).abs().max().item()
+                    graphs[name] = common.graph_replay(lambda: nsa.nsa_attention(q, k, v, cfg, cache=cache))
+                finally:
+                    _set(saved)
+            qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            g_sdpa = common.graph_replay(lambda: F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True))
+            for _ in range(rounds):
+                for name, g in graphs.items():
+                    row.setdefault(f"{name}_us", []).append(dobench_us(g))
+                row.setdefault("sdpa_graph_us", []).append(dobench_us(g_sdpa))
+            if S == max(ss):
+                q2, k2, v2, *_ = inputs(S)
+                cache2 = ref.NSACache(store_kv=False)
+                cache2.update(k2, v2, cfg)
+                flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+                for name in names[:2]:
+                    saved = _set(AB_VARIANTS[name])
+                    try:
+                        other = common.graph_replay(lambda: nsa.nsa_attention(q2, k2, v2, cfg, cache=cache2))
+                    finally:
+                        _set(saved)
+                    row[f"{name}_codewarm_us"] = events_us(graphs[name], flush, other)
+                    row[f"{name}_warm_us"] = events_us(graphs[name], None, graphs[name])
+                row["sdpa_codewarm_us"] = events_us(g_sdpa, flush, g_sdpa_other(S, F))
+        for kk in list(row):
+            if isinstance(row[kk], list):
+                row[kk] = min(row[kk])          # best of the alternating rounds (each a do_bench median)
+        for name in names:
+            if f"{name}_us" in row:
+                row[f"{name}_x_sdpa"] = row["sdpa_graph_us"] / row[f"{name}_us"]
+        rows.append(row)
+        if save is not None:
+            save(rows)
+        print("ab", {kk: (round(vv, 2) if isinstance(vv, float) else vv) for kk, vv in row.items()}, flush=True)
+        del graphs, g_sdpa
+        torch.cuda.empty_cache()
+    return rows
+
+
+def g_sdpa_other(S, F):
+    q, k, v, *_ = inputs(S)
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return common.graph_replay(lambda: F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True))
+
+
+def events_us(g, flush, pre, reps=60):
+    """Median us of one replay of g between two events, each preceded by (flush.zero_() if flush is given) and a
+    replay of `pre` (outside the events)."""
+    ts = []
+    for i in range(reps + 5):
+        if flush is not None:
+            flush.zero_()
+        pre()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g()
+        b.record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            ts.append(a.elapsed_time(b) * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2]
 
 
 def profile_step(S, reps=50):
@@ -188,9 +294,38 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--s", type=int, nargs="+", default=[8192, 65536])
     ap.add_argument("--sweep", action="store_true", help="also replay launch-setting variants at the largest S")
+    ap.add_argument("--ab-full", type=int, default=2, help="--ab: variants timed at every S (the rest: largest S)")
+    ap.add_argument("--ab", nargs="*", metavar="VARIANT",
+                    help=f"only the old/new A/B at --s (variants of AB_VARIANTS: {', '.join(AB_VARIANTS)}; default "
+                         "old new), then timelines (warm and L2-flushed) at the largest S; JSON "
+                         "<gpu>-nsa-decode-ab.json")
     args = ap.parse_args(argv)
     rows = []
     res = {"device": torch.cuda.get_device_name(), "rows": rows}
+    if args.ab is not None:
+        names = args.ab or ["old", "new"]
+        fname = f"{common.gpu_name()}-nsa-decode-ab.json"
+
+        def save(rows_):
+            res["ab"] = rows_
+            common.save_results(res, fname, args.out)
+        res["ab"] = ab(args.s, names, full=args.ab_full, save=save)
+        res["probe"] = []
+        for cold in (True, False):       # timelines of the first variant
+            res["probe"].append(probe(max(args.s), AB_VARIANTS[names[0]], cold=cold))
+            common.save_results(res, fname, args.out)
+        print(f"{'S':>6} " + " ".join(f"{n + ' us':>12}" for n in names) + f" {'sdpa us':>9} "
+              + " ".join(f"{n + ' x':>9}" for n in names) + "  (graph replay, do_bench median, L2 flushed)")
+        for r in res["ab"]:
+            print(f"{r['S']:>6} " + " ".join(f"{r.get(n + '_us', float('nan')):12.2f}" for n in names)
+                  + f" {r['sdpa_graph_us']:9.2f} " + " ".join(f"{r.get(n + '_x_sdpa', float('nan')):9.2f}"
+                                                            for n in names)
+                  + " idx " + " ".join(str(r.get(n + "_same_idx_as_prefill")) for n in names)
+                  + " diff " + " ".join(f"{r.get(n + '_max_diff_vs_prefill', float('nan')):.1e}" for n in names))
+        big = res["ab"][-1]
+        print("largest S, code warm / warm us:", {kk: round(vv, 2) for kk, vv in big.items()
+                                                  if kk.endswith("warm_us")})
+        return res
     if args.sweep:
         print(f"sweep at S={max(args.s)}:")
         res["sweep"] = sweep(max(args.s), VARIANTS)

@@ -251,3 +251,32 @@ def test_gpu_decode_cache_steps_and_graph():
         again = nsa.nsa_attention(q, kk, vv, cfg, cache=cache)
         torch.cuda.synchronize()
         assert torch.equal(static_out, again)
+
+
+@gpu
+@pytest.mark.parametrize("stall, old", [(1, False), (2, False), (3, False), (4, False), (1, True), (2, True)],
+                         ids=["rank", "slot", "merge", "window", "rank-counters", "attn-counters"])
+def test_gpu_decode_barrier_timeout_poisons(monkeypatch, stall, old):
+    """An in-kernel wait that gives up (made unsatisfiable here through the test hook, with a short SPIN_LIMIT) makes
+    the step's output NaN instead of silently wrong; the next step is unaffected (flags are reset per step). `old`:
+    the counter-barrier structure (KEY_POLL / SLOT_POLL off)."""
+    _, dec = _mods()
+    if old:
+        for n in ("KEY_POLL", "SLOT_POLL", "PREFETCH_SEL"):
+            monkeypatch.setattr(dec, n, False)
+    cfg = NSAConfig()
+    q, k, v, g = _gpu_case(1, 8192, 9)
+    kc, vc = ref.compress_kv(k, v, cfg)
+    scale = 1.0 / math.sqrt(128)
+    want, widx = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
+    assert torch.isfinite(want).all()
+    spin = dec.SPIN_LIMIT
+    monkeypatch.setattr(dec, "SPIN_LIMIT", 1 << 10)
+    monkeypatch.setattr(dec, "_STALL", stall)
+    bad, _ = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
+    torch.cuda.synchronize()
+    assert torch.isnan(bad).all(), torch.isnan(bad).float().mean().item()
+    monkeypatch.setattr(dec, "_STALL", 0)
+    monkeypatch.setattr(dec, "SPIN_LIMIT", spin)
+    again, idx = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
+    assert torch.equal(again, want) and torch.equal(idx, widx)

@@ -22,10 +22,14 @@ query heads of one KV head (padded to GP >= 16 for tl.dot). Work per (b, kv head
    c. selected: program p < num_selected attends to the block in slot p (keys <= the query position; nothing for an
       empty slot); with return_indices, program 0 writes the selected blocks ascending, -1 padded.
    d. merge: program h < G: LSE merge of the selected partials + the compressed/window part, gates, output.
-   In one launch the phases wait on each other by spinning on the counters (acquire loads; the arrivals are a
-   bar.sync then a release add), which needs every program resident at once: taken when the grid fits on the SMs
-   (n_prog = max(n_chunks, num_selected, G); 96 programs at B=1, HQ64/H4), else the same kernel runs once per phase
-   (4 launches; always so under TRITON_INTERPRET=1, which runs programs one after another).
+   In one launch the phases wait on each other by spinning, which needs every program resident at once: taken when
+   the grid fits on the SMs (n_prog = max(n_chunks, num_selected, G); 96 programs at B=1, HQ64/H4), else the same
+   kernel runs once per phase (4 launches; always so under TRITON_INTERPRET=1, which runs programs one after
+   another). Waits: (b) polls the candidate keys themselves (KEY_POLL: reset to a sentinel by (1)), (c) polls its
+   own slot (SLOT_POLL: reset to -2 by (1)), the window merges and (d) spin on per-(b, kv head) counters (acquire
+   loads; arrivals are a bar.sync then a release add). Every wait is bounded (SPIN_LIMIT polls); one that gives up
+   sets a per-(b, kv head) flag that reaches the merge through the later arrivals, and the merge then writes NaN
+   for that (b, kv head): a broken co-residency assumption shows as NaN output, never as a hang or a wrong number.
 
 Host work: no sync, no .item(); a step allocates its fp32 scratch and its output from PyTorch's caching allocator
 (no process-wide buffer, so concurrent streams and several captured graphs are safe). The step is CUDA-graph
@@ -57,9 +61,27 @@ SCORE_CHUNK = 64          # selection blocks scored per program (the first top-k
 NUM_STAGES = dict(cmp=2)
 FUSE = True               # score + attention + merge in one launch with in-kernel barriers (when co-resident)
 PDL = True                # programmatic dependent launch of the selection kernel (Hopper; no-op semantics else)
+KEY_POLL = True           # final rank polls the candidate keys themselves (sentinel-initialised) instead of a counter
+SLOT_POLL = True          # each selected-block program polls its own slot instead of waiting for every chunk program
+PREFETCH_SEL = False      # the chunk program that ranks a selected block prefetches its K/V rows into L2 (predicated
+                          # per line; session 5 run 1: unpredicated, every lane prefetching, cost +3.6 us at 64K)
+WINDOW_LATE = False       # window chunks after griddepcontrol.wait (HBM left to the compressed kernel) instead of before
+PART_POLL = True          # the merge polls the selected-block partials themselves (reset to a sentinel by the compressed
+                          # kernel) instead of a counter: no arrival after the selected block (needs KEY_/SLOT_POLL)
+EARLY_LOADS = True        # tile maxima stored per selection block (the score phase's four [G, chunk] loads share one
+                          # layout, so they leave together instead of in three dependent rounds through shared
+                          # memory) and the merge loads the compressed + window part before its last wait
 PROBE = None              # a dict: the next calls record per-program phase clocks into it (benchmarks only)
-SPIN_LIMIT = 1 << 22      # polls before a barrier wait gives up (a safety net against a hung device, never hit)
-SPIN_LIMIT_C = tl.constexpr(SPIN_LIMIT)
+SPIN_LIMIT = 1 << 22      # polls before a barrier wait gives up (a safety net against a hung device, never hit);
+                          # a wait that gives up makes the step's output NaN for that (b, kv head) (see _dec_sel_kernel)
+_STALL = 0                # tests only: 1..4 makes one in-kernel wait unsatisfiable (rank, selected, merge, window)
+KEY_UNSET = -(1 << 63)    # candidate key not written yet (the key of score -0.0, which no block has)
+SLOT_UNSET = -2           # selected-block slot not written yet (-1 = written, no block)
+PART_UNSET = 0x7FA5A5A5    # fp32 bits of a signalling NaN: selected-block partial not written yet (arithmetic only
+                           # produces the canonical quiet NaN, so no computed value has these bits)
+PART_UNSET_C = tl.constexpr(PART_UNSET)
+KEY_UNSET_C = tl.constexpr(KEY_UNSET)
+SLOT_UNSET_C = tl.constexpr(SLOT_UNSET)
 
 
 # ---------------------------------------------------------------------------------------------------------- kernels
@@ -104,12 +126,13 @@ def _store_partial(WS, o_m, o_l, o_acc, prow, m, l_i, acc, g_ok, offs_d, HEAD_DI
 
 
 @triton.jit
-def _dec_cmp_kernel(Q, KC, VC, WS, CNT, TS, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
+def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
                     sqb, sqh, skb, sks, skh, svb, svs, svh,
-                    n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
+                    n_c, Hk, G, n_split, n_tiles, tps, NBW, n_part, nsel, init_per, qk_scale,
                     CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
                     HEAD_DIM: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, CNTW: tl.constexpr,
-                    NSELP: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr):
+                    NSELP: tl.constexpr, MP: tl.constexpr, KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr,
+                    MTB: tl.constexpr, PART_POLL: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr):
     sp = tl.program_id(0)
     ts = TS + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + sp) * 4
     if PROBE:
@@ -118,11 +141,26 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, TS, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib
     if USE_PDL:        # the selection kernel may start now: it only loads q before its griddepcontrol.wait
         gdc_launch_dependents()
     b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
-    if sp == 0:        # the selection kernel's barrier counters and selected-block slots (it reads them only after
-        c8 = tl.arange(0, 8)   # its griddepcontrol.wait, i.e. after this kernel): 8 counters, NSELP slots (-1 = none)
-        tl.store(CNT + bh64 * CNTW + c8, tl.zeros([8], tl.int32))
+    if sp == 0:        # the selection kernel's barrier counters, selected-block slots and candidate keys (it reads
+        c8 = tl.arange(0, 8)   # them only after its griddepcontrol.wait, i.e. after this kernel): 8 counters (+5: the
+        tl.store(CNT + bh64 * CNTW + c8, tl.zeros([8], tl.int32))       # timeout flag), NSELP slots
         sl = tl.arange(0, NSELP)
-        tl.store(CNT + bh64 * CNTW + 8 + sl, tl.full([NSELP], -1, tl.int32))
+        if SLOT_POLL:  # ranks < MP are written by the final rank (SLOT_UNSET until then), the others stay empty (-1)
+            tl.store(CNT + bh64 * CNTW + 8 + sl, tl.where(sl < MP, SLOT_UNSET_C, -1))
+        else:
+            tl.store(CNT + bh64 * CNTW + 8 + sl, tl.full([NSELP], -1, tl.int32))
+        if KEY_POLL:
+            tl.store(CAND + bh64 * MP + tl.arange(0, MP), tl.full([MP], KEY_UNSET_C, tl.int64))
+    if PART_POLL:      # selected-block partials (parts < nsel, contiguous per (b, kv head)) to PART_UNSET: m and l by
+        unset = tl.full([1024], PART_UNSET_C, tl.int32).to(tl.float32, bitcast=True)   # split 0, acc spread over
+        e = tl.arange(0, 1024)                                                          # all splits
+        if sp == 0:
+            for i in range(0, nsel * GP, 1024):
+                tl.store(WS + o_sm + bh64 * n_part * GP + i + e, unset, mask=i + e < nsel * GP)
+                tl.store(WS + o_sl + bh64 * n_part * GP + i + e, unset, mask=i + e < nsel * GP)
+        n_acc = nsel * GP * HEAD_DIM
+        for i in range(sp * init_per, tl.minimum(sp * init_per + init_per, n_acc), 1024):
+            tl.store(WS + o_sacc + bh64 * n_part * GP * HEAD_DIM + i + e, unset, mask=i + e < n_acc)
     offs_n = tl.arange(0, BLOCK_N)
     kbase = KC + b64 * skb + hk * skh
     vbase = VC + b64 * svb + hk * svh
@@ -152,7 +190,11 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, TS, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib
         j = t * NB + jj
         tl.store(ia_row + j[None, :], a, mask=g_ok[:, None])
         tl.store(ib_row + (j + 1)[None, :], sb, mask=g_ok[:, None])
-        tl.store(WS + o_mt + (bh64 * n_tiles + t) * GP + g, mt, mask=g_ok)
+        if MTB:            # per selection block (same [G, blocks] layout as IMP_A / IMP_B)
+            tl.store(WS + o_mt + (bh64 * GP + g[:, None]) * NBW + j[None, :], mt[:, None] + tl.zeros([GP, NB],
+                     tl.float32), mask=g_ok[:, None])
+        else:
+            tl.store(WS + o_mt + (bh64 * n_tiles + t) * GP + g, mt, mask=g_ok)
         m_new = tl.maximum(m_i, mt)
         alpha = tl.math.exp2(m_i - m_new)
         p = pt * tl.math.exp2(mt - m_new)[:, None]
@@ -204,15 +246,47 @@ def _arrive(ptr):
 
 
 @triton.jit
-def _wait_count(ptr, target):
-    """Grid barrier, wait: poll until *ptr >= target (acquire). Bounded (SPIN_LIMIT polls, ~1 s) so that a broken
-    co-residency assumption shows as wrong output in the tests instead of a hung device."""
+def _wait_count(ptr, target, flag, SPIN: tl.constexpr):
+    """Grid barrier, wait: poll until *ptr >= target (acquire). Bounded (SPIN polls, ~1 s at the default) so that a
+    broken co-residency assumption cannot hang the device; a wait that gives up sets *flag (the (b, kv head)'s
+    timeout flag, which makes its output NaN). Returns the last count read."""
     c = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
     n = 0
-    while (c < target) & (n < SPIN_LIMIT_C):
+    while (c < target) & (n < SPIN):
         c = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
         n += 1
+    if c < target:
+        tl.atomic_xchg(flag, 1, sem="relaxed", scope="gpu")
     return c
+
+
+@triton.jit
+def _wait_slot(ptr, flag, STALL: tl.constexpr, SPIN: tl.constexpr):
+    """Selected-block slot of this program: poll until it is written (!= SLOT_UNSET; the value is all it needs, so
+    relaxed). Gives up like _wait_count (sets *flag) and then returns SLOT_UNSET (the caller poisons its partial).
+    STALL (tests): never written."""
+    v = tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
+    n = 0
+    if STALL:
+        while n < SPIN:
+            v = tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
+            n += 1
+        v = v * 0 + SLOT_UNSET_C
+    else:
+        while (v == SLOT_UNSET_C) & (n < SPIN):
+            v = tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
+            n += 1
+    if v == SLOT_UNSET_C:
+        tl.atomic_xchg(flag, 1, sem="relaxed", scope="gpu")
+    return v
+
+
+@triton.jit
+def _prefetch_l2(ptrs, on):
+    """CUDA only: prefetch.global.L2 of the line at each address where `on` (int32) is nonzero (no result, no wait)."""
+    return tl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;\n\t}",
+        "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -236,6 +310,17 @@ def _merge(WS, o_m, o_l, o_acc, row0, lo, hi, g, offs_d, NP: tl.constexpr, GP: t
 
 
 @triton.jit
+def _window_chunk(q, K, V, WS, o_sm, o_sl, o_sacc, b64, hk, bh64, g, g_ok, offs_d, w, S, window, n_part,
+                  skb, sks, skh, svb, svs, svh, qk_scale, NSEL: tl.constexpr, BLK: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, GP: tl.constexpr):
+    """Window program w: partial of keys [max(S - window, 0) + w * BLK, + BLK) stored as part NSEL + w."""
+    w_lo = tl.maximum(S - window, 0) + w * BLK
+    m, l_w, acc_w = _attend_keys(q, K, V, b64, hk, w_lo, S, S, skb, sks, skh, svb, svs, svh, qk_scale, offs_d, BLK)
+    _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + NSEL + w) * GP + g, m, l_w, acc_w, g_ok, offs_d,
+                   HEAD_DIM)
+
+
+@triton.jit
 def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc, o_pre,
                     sqb, sqh, skb, sks, skh, svb, svs, svh, sgb, sgh, sgc, sob, soh,
@@ -245,34 +330,42 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     BLK: tl.constexpr, HEAD_DIM: tl.constexpr, GP: tl.constexpr, MP: tl.constexpr,
                     NSELP: tl.constexpr, NPARTP: tl.constexpr, CNTW: tl.constexpr, RET_IDX: tl.constexpr,
                     HAS_GATES: tl.constexpr, DO_SCORE: tl.constexpr, DO_RANK: tl.constexpr, DO_ATTN: tl.constexpr,
-                    DO_MERGE: tl.constexpr, SYNC: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr):
+                    DO_MERGE: tl.constexpr, SYNC: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr,
+                    KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr, PREFETCH: tl.constexpr, MTB: tl.constexpr,
+                    WLATE: tl.constexpr, PART_POLL: tl.constexpr,
+                    LINE: tl.constexpr,
+                    NLINE: tl.constexpr, SPIN: tl.constexpr, STALL_R: tl.constexpr, STALL_A: tl.constexpr,
+                    STALL_M: tl.constexpr, STALL_W: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
     b = bh // Hk
-    # counters (zeroed by _dec_cmp_kernel): +0 candidates written, +1 slots written, +2 selected partials written,
-    # +3 window partials written, +4 compressed + window merges written; then NSELP slots (slot r = block of rank r)
+    # counters (zeroed by _dec_cmp_kernel): +0 candidates written, +1 slots written (SLOT_POLL: chunk programs done),
+    # +2 selected partials written, +3 window partials written, +4 compressed + window merges written, +5 timeout flag
+    # (a wait gave up: the output of this (b, kv head) is NaN); then NSELP slots (slot r = block of rank r)
     cnt = CNT + bh64 * CNTW
+    flag = cnt + 5
     slot = cnt + 8
     ts = TS + (bh64 * tl.num_programs(0) + pid) * 16
     w = pid - n_prog                   # window programs: pid >= n_prog
     if PROBE:
         _gstamp(ts, 0)
         _stamp(ts, 1, pid)
-    if DO_SCORE:
+    if DO_SCORE and not WLATE:
         if (w >= 0) & (w < n_win):
             # ---- one chunk of the sliding window: needs only q, k, v, so it runs before griddepcontrol.wait,
             # while the compressed kernel still runs
-            w_lo = tl.maximum(S - window, 0) + w * BLK
-            m, l_w, acc_w = _attend_keys(q, K, V, b64, hk, w_lo, S, S, skb, sks, skh, svb, svs, svh, qk_scale,
-                                         offs_d, BLK)
-            _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + NSEL + w) * GP + g, m, l_w, acc_w, g_ok,
-                           offs_d, HEAD_DIM)
+            _window_chunk(q, K, V, WS, o_sm, o_sl, o_sacc, b64, hk, bh64, g, g_ok, offs_d, w, S, window, n_part,
+                          skb, sks, skh, svb, svs, svh, qk_scale, NSEL, BLK, HEAD_DIM, GP)
     if USE_PDL:        # everything below reads what _dec_cmp_kernel wrote (or the counters it zeroed)
         gdc_wait()
     if PROBE:
         _stamp(ts, 2, pid)
     if DO_SCORE:
+        if WLATE:      # after the wait: the compressed kernel has HBM to itself
+            if (w >= 0) & (w < n_win):
+                _window_chunk(q, K, V, WS, o_sm, o_sl, o_sacc, b64, hk, bh64, g, g_ok, offs_d, w, S, window, n_part,
+                              skb, sks, skh, svb, svs, svh, qk_scale, NSEL, BLK, HEAD_DIM, GP)
         if SYNC:
             if (w >= 0) & (w < n_win):
                 _arrive(cnt + 3)
@@ -294,9 +387,14 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
             mb = gok[:, None] & ok_b[None, :]
             ia = tl.load(WS + o_ia + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=ma, other=0.0)
             ib = tl.load(WS + o_ib + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=mb, other=0.0)
-            mrow = WS + o_mt + bh64 * n_tiles * GP + gg[:, None]
-            mta = tl.load(mrow + (j // NB)[None, :] * GP, mask=ma, other=0.0)
-            mtb = tl.load(mrow + (tl.maximum(j - 1, 0) // NB)[None, :] * GP, mask=mb, other=0.0)
+            if MTB:
+                mrow = WS + o_mt + (bh64 * GP + gg[:, None]) * NBW + j[None, :]
+                mta = tl.load(mrow, mask=ma, other=0.0)
+                mtb = tl.load(mrow - 1, mask=mb, other=0.0)
+            else:
+                mrow = WS + o_mt + bh64 * n_tiles * GP + gg[:, None]
+                mta = tl.load(mrow + (j // NB)[None, :] * GP, mask=ma, other=0.0)
+                mtb = tl.load(mrow + (tl.maximum(j - 1, 0) // NB)[None, :] * GP, mask=mb, other=0.0)
             mx = tl.max(pm, 0)
             mx = tl.where(mx == float("-inf"), 0.0, mx)
             tot = tl.sum(pl * tl.math.exp2(pm - mx[None, :]), 0)
@@ -315,30 +413,73 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
             if PROBE:
                 _stamp(ts, 3, tl.max(rank, 0))
             if SYNC:
-                _arrive(cnt)
+                if KEY_POLL:      # the keys are their own flags (KEY_UNSET until stored); the bar.sync makes this
+                    tl.debug_barrier()   # program's own keys visible to all its threads before it reads them back
+                else:
+                    _arrive(cnt)
     if DO_RANK:
         if pid < n_chunks:
-            if SYNC:
-                c1 = _wait_count(cnt, n_chunks)
-                if PROBE:
-                    _stamp(ts, 6, c1)
             # ---- top-k, second stage: global rank of this chunk's CW candidates among all MP (exact for the top
             # NSEL: every key above a top-NSEL key is a candidate too); selected ones (rank < NSEL, score > -inf)
             # go to slot[rank]
-            allk = tl.load(CAND + bh64 * MP + tl.arange(0, MP), cache_modifier=".cg")
-            mine = tl.load(CAND + bh64 * MP + pid * CW + tl.arange(0, CW), cache_modifier=".cg")
+            cbase = CAND + bh64 * MP
+            if SYNC and KEY_POLL:
+                # wait by polling the keys: no arrival (bar.sync + release fence + atomic) on the writers' side
+                allk = tl.load(cbase + tl.arange(0, MP), volatile=True)
+                mine = tl.load(cbase + pid * CW + tl.arange(0, CW), volatile=True)
+                left = tl.sum((allk == KEY_UNSET_C).to(tl.int32), 0) + tl.sum((mine == KEY_UNSET_C).to(tl.int32), 0)
+                left += STALL_R
+                n = 0
+                while (left > 0) & (n < SPIN):
+                    allk = tl.load(cbase + tl.arange(0, MP), volatile=True)
+                    mine = tl.load(cbase + pid * CW + tl.arange(0, CW), volatile=True)
+                    left = (tl.sum((allk == KEY_UNSET_C).to(tl.int32), 0)
+                            + tl.sum((mine == KEY_UNSET_C).to(tl.int32), 0) + STALL_R)
+                    n += 1
+                if left > 0:
+                    tl.atomic_xchg(flag, 1, sem="relaxed", scope="gpu")
+                c1 = n
+            else:
+                c1 = 0
+                if SYNC:
+                    c1 = _wait_count(cnt, n_chunks + STALL_R, flag, SPIN)
+                allk = tl.load(cbase + tl.arange(0, MP), cache_modifier=".cg")
+                mine = tl.load(cbase + pid * CW + tl.arange(0, CW), cache_modifier=".cg")
+            if PROBE:
+                _stamp(ts, 6, c1)
             r = tl.sum((allk[None, :] > mine[:, None]).to(tl.int32), 1)
             cj = NBLK - 1 - (mine & 0xFFFFFFFF).to(tl.int32)
-            tl.store(slot + r, cj, mask=(r < NSEL) & (mine >= 0))
+            if SLOT_POLL:     # every rank < min(NSEL, MP) is written (-1: score -inf), so a reader can poll its slot;
+                val = tl.where(mine >= 0, cj, -1)          # -3 after a timed-out key wait: the reader poisons its part
+                if SYNC and KEY_POLL:
+                    val = tl.where(left > 0, -3, val)
+                tl.atomic_xchg(slot + r, val, mask=r < NSEL, sem="relaxed", scope="gpu")
+            else:
+                tl.store(slot + r, cj, mask=(r < NSEL) & (mine >= 0))
+            if PREFETCH:      # L2 prefetch of the selected blocks' K/V rows (cold after a cache flush): the
+                selp = (r < NSEL) & (mine >= 0)   # attention program loads them after its slot wait
+                rows = tl.arange(0, BLK)
+                ln = tl.arange(0, NLINE)
+                kk = tl.where(selp, cj, 0)[:, None] * BS + rows[None, :]
+                on = (selp[:, None] & (rows[None, :] < BS) & (kk < S))[:, :, None] & (ln >= 0)[None, None, :]
+                off = tl.minimum(kk, S - 1)[:, :, None].to(tl.int64)
+                lo = (ln * LINE)[None, None, :]
+                _prefetch_l2(K + b64 * skb + hk * skh + off * sks + lo, on.to(tl.int32))
+                _prefetch_l2(V + b64 * svb + hk * svh + off * svs + lo, on.to(tl.int32))
             if PROBE:
                 _stamp(ts, 7, tl.max(r, 0))
             if SYNC:
-                _arrive(cnt + 1)
+                if SLOT_POLL:
+                    if not PART_POLL:
+                        if pid >= NSEL:   # the others arrive after their selected block (off their critical path)
+                            _arrive(cnt + 1)
+                else:
+                    _arrive(cnt + 1)
         if w >= 0:
             # ---- window programs, off the critical path: compressed and window branches merged and gated per
             # head, pre = g0 * o_cmp + g2 * o_swa, for heads w, w + n_wp, ...
             if SYNC:
-                _wait_count(cnt + 3, n_win)
+                _wait_count(cnt + 3, n_win + STALL_W, flag, SPIN)
             for hp in range(w, G, tl.num_programs(0) - n_prog):
                 o_cmp = _merge(WS, o_pm, o_pl, o_pacc, bh64 * n_split, 0, n_split, hp, offs_d, NSPLITP, GP,
                                HEAD_DIM)
@@ -356,15 +497,29 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                 _arrive(cnt + 4)
     if DO_ATTN:
         if pid < NSEL:
-            if SYNC:
-                c2 = _wait_count(cnt + 1, n_chunks)
+            if SYNC and SLOT_POLL:
+                jb = _wait_slot(slot + pid, flag, STALL_A, SPIN)
                 if PROBE:
-                    _stamp(ts, 9, c2)
-            jb = tl.load(slot + pid, cache_modifier=".cg")
+                    _stamp(ts, 9, jb)
+            else:
+                if SYNC:
+                    c2 = _wait_count(cnt + 1, n_chunks + STALL_A, flag, SPIN)
+                    if PROBE:
+                        _stamp(ts, 9, c2)
+                jb = tl.load(slot + pid, cache_modifier=".cg")
             if RET_IDX:
                 if pid == 0:          # the selected blocks in ascending order, -1 padded (the reference's layout)
                     sl = tl.arange(0, NSELP)
                     sj = tl.load(slot + sl, mask=sl < NSEL, other=-1, cache_modifier=".cg")
+                    if SYNC and SLOT_POLL:    # every slot, not only this program's: poll until all are written
+                        left = tl.sum((sj == SLOT_UNSET_C).to(tl.int32), 0)
+                        n = 0
+                        while (left > 0) & (n < SPIN):
+                            sj = tl.load(slot + sl, mask=sl < NSEL, other=-1, volatile=True)
+                            left = tl.sum((sj == SLOT_UNSET_C).to(tl.int32), 0)
+                            n += 1
+                        if left > 0:
+                            tl.atomic_xchg(flag, 1, sem="relaxed", scope="gpu")
                     ok = sj >= 0
                     pos = tl.sum((ok[None, :] & (sj[None, :] < sj[:, None])).to(tl.int32), 1)
                     tl.store(IDX + bh64 * NSEL + pos, sj, mask=ok)
@@ -374,26 +529,86 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
             hi = tl.where(jb >= 0, start + BS, 0)                 # exclusive; empty slot (-1): nothing
             m, l_s, acc_s = _attend_keys(q, K, V, b64, hk, start, hi, S, skb, sks, skh, svb, svs, svh, qk_scale,
                                          offs_d, BLK)
+            m = tl.where(jb < -1, float("nan"), m)      # slot wait gave up (-2) or a poisoned slot (-3): NaN part
             _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + pid) * GP + g, m, l_s, acc_s, g_ok, offs_d,
                            HEAD_DIM)
             if PROBE:
                 _stamp(ts, 8, tl.sum(l_s, 0).to(tl.int32, bitcast=True))
             if SYNC:
-                _arrive(cnt + 2)
+                if not PART_POLL:
+                    _arrive(cnt + 2)
+                    if SLOT_POLL:
+                        if pid < n_chunks:    # its chunk's final rank (and any timeout flag it set) is done too
+                            tl.atomic_add(cnt + 1, 1, sem="release", scope="gpu")
     if DO_MERGE:
         if pid < G:
             h = hk * G + pid
-            if SYNC:
-                c3 = _wait_count(cnt + 2, NSEL)
-                c4 = _wait_count(cnt + 4, tl.num_programs(0) - n_prog)
+            bad = pid < 0
+            prow = WS + o_pre + (bh64 * GP + pid) * HEAD_DIM + offs_d
+            if HAS_GATES:     # an input: loaded before the waits (cold after a cache flush)
+                g_slc = tl.load(GATES + b.to(tl.int64) * sgb + h * sgh + sgc).to(tl.float32)
+            else:
+                g_slc = 1.0 / 3.0
+            if SYNC and PART_POLL:
+                c4 = _wait_count(cnt + 4, tl.num_programs(0) - n_prog, flag, SPIN)
+                pre = tl.load(prow, cache_modifier=".cg")
+                # the selected parts of head pid are their own flags (PART_UNSET until stored): m first (16 values
+                # a poll), then l and acc (stored by the same programs at about the same time)
+                i = tl.arange(0, NSELP)
+                iok = i < NSEL
+                srow = (bh64 * n_part + i) * GP + pid
+                m_p = tl.load(WS + o_sm + srow, mask=iok, other=0.0, volatile=True)
+                left = tl.sum((m_p.to(tl.int32, bitcast=True) == PART_UNSET_C).to(tl.int32), 0) + STALL_M
+                n = 0
+                while (left > 0) & (n < SPIN):
+                    m_p = tl.load(WS + o_sm + srow, mask=iok, other=0.0, volatile=True)
+                    left = tl.sum((m_p.to(tl.int32, bitcast=True) == PART_UNSET_C).to(tl.int32), 0) + STALL_M
+                    n += 1
+                l_p = tl.load(WS + o_sl + srow, mask=iok, other=0.0, volatile=True)
+                a_p = tl.load(WS + o_sacc + srow[:, None] * HEAD_DIM + offs_d[None, :], mask=iok[:, None], other=0.0,
+                              volatile=True)
+                left2 = (tl.sum((l_p.to(tl.int32, bitcast=True) == PART_UNSET_C).to(tl.int32), 0)
+                         + tl.sum(tl.sum((a_p.to(tl.int32, bitcast=True) == PART_UNSET_C).to(tl.int32), 1), 0))
+                while (left2 > 0) & (n < SPIN):
+                    l_p = tl.load(WS + o_sl + srow, mask=iok, other=0.0, volatile=True)
+                    a_p = tl.load(WS + o_sacc + srow[:, None] * HEAD_DIM + offs_d[None, :], mask=iok[:, None],
+                                  other=0.0, volatile=True)
+                    left2 = (tl.sum((l_p.to(tl.int32, bitcast=True) == PART_UNSET_C).to(tl.int32), 0)
+                             + tl.sum(tl.sum((a_p.to(tl.int32, bitcast=True) == PART_UNSET_C).to(tl.int32), 1), 0))
+                    n += 1
+                bad = (c4 < tl.num_programs(0) - n_prog) | (left > 0) | (left2 > 0)
+                bad = bad | (tl.load(flag, volatile=True) != 0)
+                if PROBE:
+                    _stamp(ts, 10, n)
+                mx = tl.max(tl.where(iok, m_p, float("-inf")), 0)
+                mx = tl.where(mx == float("-inf"), 0.0, mx)
+                w_p = tl.where(iok, tl.math.exp2(m_p - mx), 0.0)
+                tot = tl.sum(l_p * w_p, 0)
+                o_slc = tl.sum(a_p * w_p[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
+            elif SYNC:
+                if MTB:   # the window programs' merges are long done: their part is loaded before the last wait
+                    c4 = _wait_count(cnt + 4, tl.num_programs(0) - n_prog, flag, SPIN)
+                    pre = tl.load(prow, cache_modifier=".cg")
+                    c3 = _wait_count(cnt + 2, NSEL + STALL_M, flag, SPIN)
+                else:
+                    c3 = _wait_count(cnt + 2, NSEL + STALL_M, flag, SPIN)
+                    c4 = _wait_count(cnt + 4, tl.num_programs(0) - n_prog, flag, SPIN)
+                    pre = tl.load(prow, cache_modifier=".cg")
+                bad = (c3 < NSEL + STALL_M) | (c4 < tl.num_programs(0) - n_prog)
+                if SLOT_POLL:
+                    c5 = _wait_count(cnt + 1, n_chunks, flag, SPIN)
+                    bad = bad | (c5 < n_chunks)
+                # any wait of this (b, kv head) that gave up set the flag before its program's next arrival, which
+                # the waits above acquired: NaN output instead of a silently wrong one
+                bad = bad | (tl.load(flag, volatile=True) != 0)
                 if PROBE:
                     _stamp(ts, 10, c3 + c4)
-            o_slc = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, 0, NSEL, pid, offs_d, NPARTP, GP, HEAD_DIM)
-            pre = tl.load(WS + o_pre + (bh64 * GP + pid) * HEAD_DIM + offs_d, cache_modifier=".cg")
-            if HAS_GATES:
-                o = pre + tl.load(GATES + b.to(tl.int64) * sgb + h * sgh + sgc).to(tl.float32) * o_slc
+                o_slc = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, 0, NSEL, pid, offs_d, NPARTP, GP, HEAD_DIM)
             else:
-                o = pre + o_slc * (1.0 / 3.0)
+                pre = tl.load(prow, cache_modifier=".cg")
+                o_slc = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, 0, NSEL, pid, offs_d, NPARTP, GP, HEAD_DIM)
+            o = pre + g_slc * o_slc
+            o = tl.where(bad, float("nan"), o)
             tl.store(OUT + b.to(tl.int64) * sob + h * soh + offs_d, o.to(OUT.dtype.element_ty))
             if PROBE:
                 _stamp(ts, 11, tl.sum(o, 0).to(tl.int32, bitcast=True))
@@ -457,7 +672,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     CNTW = 8 + NSELP
     # fp32 workspace: cmp partials (m, l, acc), tile maxima, per-head importance (A, B), slc/swa partials,
     # pre-merged cmp + swa output per head; int32: 8 barrier counters + NSELP selected-block slots per (b, kv head)
-    sizes = [BH * n_split * GP, BH * n_split * GP, BH * n_split * GP * D, BH * max(n_tiles, 1) * GP,
+    sizes = [BH * n_split * GP, BH * n_split * GP, BH * n_split * GP * D, BH * max(n_tiles * GP, GP * NBW),
              BH * GP * NBW, BH * GP * NBW, BH * n_part * GP, BH * n_part * GP, BH * n_part * GP * D, BH * GP * D,
              BH * CNTW]
     offs, tot = [], 0
@@ -486,14 +701,19 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
         PROBE["plan"] = dict(BH=BH, n_split=n_split, n_win=n_win, n_prog=n_prog, n_chunks=n_chunks, sync=sync)
     else:
         tsa = tsb = ws
+    MP = n_chunks * CW
+    cand = _workspace(BH * MP, torch.int64, dev)
+    part_poll = PART_POLL and KEY_POLL and SLOT_POLL
+    init_per = triton.cdiv(triton.cdiv(nsel * GP * D, n_split), 1024) * 1024   # partial elements reset per split
     _dec_cmp_kernel[(n_split, BH)](
-        q, k_cmp, v_cmp, ws, cnt, tsa, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
+        q, k_cmp, v_cmp, ws, cnt, cand, tsa, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
         q.stride(0), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
-        n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
+        n_c, Hk, G, n_split, n_tiles, tps, NBW, n_part, nsel, init_per, qk_scale,
         CB=config.compress_block, CS=config.compress_stride, BS=bs, R=R, HEAD_DIM=D, GP=GP, BLOCK_N=CMP_BLOCK_N,
-        CNTW=CNTW, NSELP=NSELP, USE_PDL=pdl, PROBE=probe, num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
-    cand = _workspace(BH * n_chunks * CW, torch.int64, dev)
+        CNTW=CNTW, NSELP=NSELP, MP=MP, KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, PART_POLL=part_poll,
+        USE_PDL=pdl, PROBE=probe,
+        num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
     out = torch.empty((B, 1, Hq, D), dtype=q.dtype, device=dev)
     gt = gates if gates is not None else out
     args = (q, k, v, idx, ws, cand, cnt, gt, out, tsb, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
@@ -501,9 +721,14 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
             v.stride(2), gt.stride(0), gt.stride(2), gt.stride(3) if gates is not None else 0, out.stride(0),
             out.stride(2), S, Hk, G, n_split, n_tiles, NBW, n_b, n_chunks, n_part, n_prog, n_win, config.window,
             qk_scale)
+    line = max(1, 128 // k.element_size())     # elements per 128-byte line (L2 prefetch granularity)
     meta = dict(NB=NB, CH=CH, CW=CW, NBLK=NBLK, NSPLITP=max(2, triton.next_power_of_2(n_split)), NSEL=nsel, BS=bs,
-                BLK=BLK, HEAD_DIM=D, GP=GP, MP=n_chunks * CW, NSELP=NSELP, NPARTP=triton.next_power_of_2(n_part),
+                BLK=BLK, HEAD_DIM=D, GP=GP, MP=MP, NSELP=NSELP, NPARTP=triton.next_power_of_2(n_part),
                 CNTW=CNTW, RET_IDX=return_indices, HAS_GATES=gates is not None, USE_PDL=pdl, PROBE=probe,
+                KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, PREFETCH=PREFETCH_SEL and sync, MTB=EARLY_LOADS, LINE=line,
+                WLATE=WINDOW_LATE, PART_POLL=part_poll,
+                NLINE=max(1, D // line), SPIN=SPIN_LIMIT, STALL_R=int(_STALL == 1), STALL_A=int(_STALL == 2),
+                STALL_M=int(_STALL == 3), STALL_W=int(_STALL == 4),
                 num_warps=NUM_WARPS["sel"], **(dict(launch_pdl=True) if pdl else {}))
     phases = [(1, 1, 1, 1)] if sync else [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)]
     for ph in phases:
