@@ -3,6 +3,9 @@ replay time of the whole step, HQ64/H4 D128 bf16 B=1, at a few context lengths.
 
     python benchmarks/profile_nsa_decode.py [--out DIR] [--s 65536] [--sweep]   # CUDA only; JSON
                                                                    # <gpu>-nsa-decode-profile.json
+    python benchmarks/profile_nsa_decode.py --s 65536 8192 16384 32768 --ab new old [--ab-full 1]
+        # old/new A/B (AB_VARIANTS) timed as bench_nsa.py's graph row, timelines warm and L2-flushed;
+        # JSON <gpu>-nsa-decode-ab.json
 
 The difference between the replay time and the sum of kernel durations is launch/dependency latency between the
 graph's kernels (with PDL the selection kernel's duration includes its wait for the compressed kernel, so the gap
@@ -107,7 +110,7 @@ def sweep(S, variants):
 
 
 VARIANTS = [{}, {"FUSE": False}, {"PDL": False}, {"SCORE_CHUNK": 32}, {"SCORE_CHUNK": 128},
-            {"NUM_WARPS": {"cmp": 8}}, {"TARGET_PROGRAMS": 256}, {}]
+            {"NUM_WARPS": {"cmp": 8}}, {"NUM_STAGES": {"cmp": 3}}, {"TARGET_PROGRAMS": 256}, {}]
 
 PROBE_SLOTS = {2: "gdc_wait done", 3: "chunk score+rank done", 5: "window progs: cmp+swa merges done",
                6: "wait 1 done (rank)", 7: "final rank, slots stored", 9: "wait 2 done (attn)",
@@ -166,12 +169,11 @@ def probe(S, var=None, reps=20, cold=False):
                 raw_b=buf["b"].tolist())
 
 
-OLD = {"KEY_POLL": False, "SLOT_POLL": False, "PART_POLL": False, "PREFETCH_SEL": False, "EARLY_LOADS": False,
-       "WINDOW_LATE": False}                                                    # session-4 structure
-AB_VARIANTS = {"old": OLD, "new": {}, "nopart": {"PART_POLL": False}, "pf": {"PREFETCH_SEL": True},
-               "wlate": {"WINDOW_LATE": True},
-               "pf_wlate": {"PREFETCH_SEL": True, "WINDOW_LATE": True}, "noearly": {"EARLY_LOADS": False},
-               "nopoll": {"KEY_POLL": False, "SLOT_POLL": False}}
+OLD = {"KEY_POLL": False, "SLOT_POLL": False, "EARLY_LOADS": False}   # session-4 structure (counter barriers)
+# stages3: the compressed kernel with 3 pipeline stages, so that both of its 2 tiles are loaded before the first
+# wait (2 stages: the second tile's loads leave only after the first tile's wait; offline sm_90 SASS, session 5)
+AB_VARIANTS = {"old": OLD, "new": {}, "noearly": {"EARLY_LOADS": False},
+               "nopoll": {"KEY_POLL": False, "SLOT_POLL": False}, "stages3": {"NUM_STAGES": {"cmp": 3}}}
 
 
 def _set(var):

@@ -7,7 +7,7 @@ query heads of one KV head (padded to GP >= 16 for tl.dot). Work per (b, kv head
    partial (m, l, acc) of the compressed branch (log2 units) and, per tile, its row max mt and per head the tile's
    share of the block importance sum_c exp2(s - mt) * w(c, j) (overlap weights; a compressed block overlaps its own
    selection block (IMP_A[j]) and spills into the next (IMP_B[j + 1])). exp2(s - lse) = exp2(s - mt) * exp2(mt - lse)
-   is finished in (2a), so there is no second pass. Program 0 also zeroes (2)'s counters and slots.
+   is finished in (2a), so there is no second pass. Program 0 also resets (2)'s counters, slots and candidate keys.
 2. `_dec_sel_kernel`  grid (n_prog + n_win, B * Hk), launched with programmatic dependent launch (PDL) so that it
    starts while (1) runs. Window programs (the last n_win) attend to one chunk of the sliding window before
    griddepcontrol.wait (they need only q, k, v). Then, phases separated by per-(b, kv head) counters:
@@ -58,16 +58,12 @@ CMP_BLOCK_N = 64          # compressed keys per tile (a multiple of block_size /
 TARGET_PROGRAMS = 160     # compressed-branch programs aimed at (tiles per split = cdiv(tiles * B * Hk, this))
 NUM_WARPS = dict(cmp=4, sel=4)
 SCORE_CHUNK = 64          # selection blocks scored per program (the first top-k stage ranks within a chunk)
-NUM_STAGES = dict(cmp=2)
+NUM_STAGES = dict(cmp=2)  # 2: a split's second tile is loaded only after the first tile's wait (sm_90 SASS); 3 issues
+                          # both before it (one cold HBM round trip instead of two; not yet timed: NOTES session 5)
 FUSE = True               # score + attention + merge in one launch with in-kernel barriers (when co-resident)
 PDL = True                # programmatic dependent launch of the selection kernel (Hopper; no-op semantics else)
 KEY_POLL = True           # final rank polls the candidate keys themselves (sentinel-initialised) instead of a counter
 SLOT_POLL = True          # each selected-block program polls its own slot instead of waiting for every chunk program
-PREFETCH_SEL = False      # the chunk program that ranks a selected block prefetches its K/V rows into L2 (predicated
-                          # per line; session 5 run 1: unpredicated, every lane prefetching, cost +3.6 us at 64K)
-WINDOW_LATE = False       # window chunks after griddepcontrol.wait (HBM left to the compressed kernel) instead of before
-PART_POLL = True          # the merge polls the selected-block partials themselves (reset to a sentinel by the compressed
-                          # kernel) instead of a counter: no arrival after the selected block (needs KEY_/SLOT_POLL)
 EARLY_LOADS = True        # tile maxima stored per selection block (the score phase's four [G, chunk] loads share one
                           # layout, so they leave together instead of in three dependent rounds through shared
                           # memory) and the merge loads the compressed + window part before its last wait
@@ -77,9 +73,6 @@ SPIN_LIMIT = 1 << 22      # polls before a barrier wait gives up (a safety net a
 _STALL = 0                # tests only: 1..4 makes one in-kernel wait unsatisfiable (rank, selected, merge, window)
 KEY_UNSET = -(1 << 63)    # candidate key not written yet (the key of score -0.0, which no block has)
 SLOT_UNSET = -2           # selected-block slot not written yet (-1 = written, no block)
-PART_UNSET = 0x7FA5A5A5    # fp32 bits of a signalling NaN: selected-block partial not written yet (arithmetic only
-                           # produces the canonical quiet NaN, so no computed value has these bits)
-PART_UNSET_C = tl.constexpr(PART_UNSET)
 KEY_UNSET_C = tl.constexpr(KEY_UNSET)
 SLOT_UNSET_C = tl.constexpr(SLOT_UNSET)
 
@@ -126,13 +119,13 @@ def _store_partial(WS, o_m, o_l, o_acc, prow, m, l_i, acc, g_ok, offs_d, HEAD_DI
 
 
 @triton.jit
-def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
+def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
                     sqb, sqh, skb, sks, skh, svb, svs, svh,
-                    n_c, Hk, G, n_split, n_tiles, tps, NBW, n_part, nsel, init_per, qk_scale,
+                    n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
                     CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
                     HEAD_DIM: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, CNTW: tl.constexpr,
                     NSELP: tl.constexpr, MP: tl.constexpr, KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr,
-                    MTB: tl.constexpr, PART_POLL: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr):
+                    MTB: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr):
     sp = tl.program_id(0)
     ts = TS + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + sp) * 4
     if PROBE:
@@ -151,16 +144,6 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia
             tl.store(CNT + bh64 * CNTW + 8 + sl, tl.full([NSELP], -1, tl.int32))
         if KEY_POLL:
             tl.store(CAND + bh64 * MP + tl.arange(0, MP), tl.full([MP], KEY_UNSET_C, tl.int64))
-    if PART_POLL:      # selected-block partials (parts < nsel, contiguous per (b, kv head)) to PART_UNSET: m and l by
-        unset = tl.full([1024], PART_UNSET_C, tl.int32).to(tl.float32, bitcast=True)   # split 0, acc spread over
-        e = tl.arange(0, 1024)                                                          # all splits
-        if sp == 0:
-            for i in range(0, nsel * GP, 1024):
-                tl.store(WS + o_sm + bh64 * n_part * GP + i + e, unset, mask=i + e < nsel * GP)
-                tl.store(WS + o_sl + bh64 * n_part * GP + i + e, unset, mask=i + e < nsel * GP)
-        n_acc = nsel * GP * HEAD_DIM
-        for i in range(sp * init_per, tl.minimum(sp * init_per + init_per, n_acc), 1024):
-            tl.store(WS + o_sacc + bh64 * n_part * GP * HEAD_DIM + i + e, unset, mask=i + e < n_acc)
     offs_n = tl.arange(0, BLOCK_N)
     kbase = KC + b64 * skb + hk * skh
     vbase = VC + b64 * svb + hk * svh
@@ -282,14 +265,6 @@ def _wait_slot(ptr, flag, STALL: tl.constexpr, SPIN: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs, on):
-    """CUDA only: prefetch.global.L2 of the line at each address where `on` (int32) is nonzero (no result, no wait)."""
-    return tl.inline_asm_elementwise(
-        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;\n\t}",
-        "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _merge(WS, o_m, o_l, o_acc, row0, lo, hi, g, offs_d, NP: tl.constexpr, GP: tl.constexpr,
            HEAD_DIM: tl.constexpr):
     """LSE merge of partials lo..hi-1 of one head (rows (row0 + i) * GP + g): the normalised output (0 if empty).
@@ -310,17 +285,6 @@ def _merge(WS, o_m, o_l, o_acc, row0, lo, hi, g, offs_d, NP: tl.constexpr, GP: t
 
 
 @triton.jit
-def _window_chunk(q, K, V, WS, o_sm, o_sl, o_sacc, b64, hk, bh64, g, g_ok, offs_d, w, S, window, n_part,
-                  skb, sks, skh, svb, svs, svh, qk_scale, NSEL: tl.constexpr, BLK: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, GP: tl.constexpr):
-    """Window program w: partial of keys [max(S - window, 0) + w * BLK, + BLK) stored as part NSEL + w."""
-    w_lo = tl.maximum(S - window, 0) + w * BLK
-    m, l_w, acc_w = _attend_keys(q, K, V, b64, hk, w_lo, S, S, skb, sks, skh, svb, svs, svh, qk_scale, offs_d, BLK)
-    _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + NSEL + w) * GP + g, m, l_w, acc_w, g_ok, offs_d,
-                   HEAD_DIM)
-
-
-@triton.jit
 def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc, o_pre,
                     sqb, sqh, skb, sks, skh, svb, svs, svh, sgb, sgh, sgc, sob, soh,
@@ -331,11 +295,8 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     NSELP: tl.constexpr, NPARTP: tl.constexpr, CNTW: tl.constexpr, RET_IDX: tl.constexpr,
                     HAS_GATES: tl.constexpr, DO_SCORE: tl.constexpr, DO_RANK: tl.constexpr, DO_ATTN: tl.constexpr,
                     DO_MERGE: tl.constexpr, SYNC: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr,
-                    KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr, PREFETCH: tl.constexpr, MTB: tl.constexpr,
-                    WLATE: tl.constexpr, PART_POLL: tl.constexpr,
-                    LINE: tl.constexpr,
-                    NLINE: tl.constexpr, SPIN: tl.constexpr, STALL_R: tl.constexpr, STALL_A: tl.constexpr,
-                    STALL_M: tl.constexpr, STALL_W: tl.constexpr):
+                    KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr, MTB: tl.constexpr, SPIN: tl.constexpr,
+                    STALL_R: tl.constexpr, STALL_A: tl.constexpr, STALL_M: tl.constexpr, STALL_W: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
@@ -351,21 +312,20 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
     if PROBE:
         _gstamp(ts, 0)
         _stamp(ts, 1, pid)
-    if DO_SCORE and not WLATE:
+    if DO_SCORE:
         if (w >= 0) & (w < n_win):
             # ---- one chunk of the sliding window: needs only q, k, v, so it runs before griddepcontrol.wait,
             # while the compressed kernel still runs
-            _window_chunk(q, K, V, WS, o_sm, o_sl, o_sacc, b64, hk, bh64, g, g_ok, offs_d, w, S, window, n_part,
-                          skb, sks, skh, svb, svs, svh, qk_scale, NSEL, BLK, HEAD_DIM, GP)
+            w_lo = tl.maximum(S - window, 0) + w * BLK
+            m, l_w, acc_w = _attend_keys(q, K, V, b64, hk, w_lo, S, S, skb, sks, skh, svb, svs, svh, qk_scale,
+                                         offs_d, BLK)
+            _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + NSEL + w) * GP + g, m, l_w, acc_w, g_ok,
+                           offs_d, HEAD_DIM)
     if USE_PDL:        # everything below reads what _dec_cmp_kernel wrote (or the counters it zeroed)
         gdc_wait()
     if PROBE:
         _stamp(ts, 2, pid)
     if DO_SCORE:
-        if WLATE:      # after the wait: the compressed kernel has HBM to itself
-            if (w >= 0) & (w < n_win):
-                _window_chunk(q, K, V, WS, o_sm, o_sl, o_sacc, b64, hk, bh64, g, g_ok, offs_d, w, S, window, n_part,
-                              skb, sks, skh, svb, svs, svh, qk_scale, NSEL, BLK, HEAD_DIM, GP)
         if SYNC:
             if (w >= 0) & (w < n_win):
                 _arrive(cnt + 3)
@@ -456,23 +416,12 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                 tl.atomic_xchg(slot + r, val, mask=r < NSEL, sem="relaxed", scope="gpu")
             else:
                 tl.store(slot + r, cj, mask=(r < NSEL) & (mine >= 0))
-            if PREFETCH:      # L2 prefetch of the selected blocks' K/V rows (cold after a cache flush): the
-                selp = (r < NSEL) & (mine >= 0)   # attention program loads them after its slot wait
-                rows = tl.arange(0, BLK)
-                ln = tl.arange(0, NLINE)
-                kk = tl.where(selp, cj, 0)[:, None] * BS + rows[None, :]
-                on = (selp[:, None] & (rows[None, :] < BS) & (kk < S))[:, :, None] & (ln >= 0)[None, None, :]
-                off = tl.minimum(kk, S - 1)[:, :, None].to(tl.int64)
-                lo = (ln * LINE)[None, None, :]
-                _prefetch_l2(K + b64 * skb + hk * skh + off * sks + lo, on.to(tl.int32))
-                _prefetch_l2(V + b64 * svb + hk * svh + off * svs + lo, on.to(tl.int32))
             if PROBE:
                 _stamp(ts, 7, tl.max(r, 0))
             if SYNC:
                 if SLOT_POLL:
-                    if not PART_POLL:
-                        if pid >= NSEL:   # the others arrive after their selected block (off their critical path)
-                            _arrive(cnt + 1)
+                    if pid >= NSEL:       # the others arrive after their selected block (off their critical path)
+                        _arrive(cnt + 1)
                 else:
                     _arrive(cnt + 1)
         if w >= 0:
@@ -535,11 +484,10 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
             if PROBE:
                 _stamp(ts, 8, tl.sum(l_s, 0).to(tl.int32, bitcast=True))
             if SYNC:
-                if not PART_POLL:
-                    _arrive(cnt + 2)
-                    if SLOT_POLL:
-                        if pid < n_chunks:    # its chunk's final rank (and any timeout flag it set) is done too
-                            tl.atomic_add(cnt + 1, 1, sem="release", scope="gpu")
+                _arrive(cnt + 2)
+                if SLOT_POLL:
+                    if pid < n_chunks:    # its chunk's final rank (and any timeout flag it set) is done too
+                        tl.atomic_add(cnt + 1, 1, sem="release", scope="gpu")
     if DO_MERGE:
         if pid < G:
             h = hk * G + pid
@@ -549,43 +497,7 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                 g_slc = tl.load(GATES + b.to(tl.int64) * sgb + h * sgh + sgc).to(tl.float32)
             else:
                 g_slc = 1.0 / 3.0
-            if SYNC and PART_POLL:
-                c4 = _wait_count(cnt + 4, tl.num_programs(0) - n_prog, flag, SPIN)
-                pre = tl.load(prow, cache_modifier=".cg")
-                # the selected parts of head pid are their own flags (PART_UNSET until stored): m first (16 values
-                # a poll), then l and acc (stored by the same programs at about the same time)
-                i = tl.arange(0, NSELP)
-                iok = i < NSEL
-                srow = (bh64 * n_part + i) * GP + pid
-                m_p = tl.load(WS + o_sm + srow, mask=iok, other=0.0, volatile=True)
-                left = tl.sum((m_p.to(tl.int32, bitcast=True) == PART_UNSET_C).to(tl.int32), 0) + STALL_M
-                n = 0
-                while (left > 0) & (n < SPIN):
-                    m_p = tl.load(WS + o_sm + srow, mask=iok, other=0.0, volatile=True)
-                    left = tl.sum((m_p.to(tl.int32, bitcast=True) == PART_UNSET_C).to(tl.int32), 0) + STALL_M
-                    n += 1
-                l_p = tl.load(WS + o_sl + srow, mask=iok, other=0.0, volatile=True)
-                a_p = tl.load(WS + o_sacc + srow[:, None] * HEAD_DIM + offs_d[None, :], mask=iok[:, None], other=0.0,
-                              volatile=True)
-                left2 = (tl.sum((l_p.to(tl.int32, bitcast=True) == PART_UNSET_C).to(tl.int32), 0)
-                         + tl.sum(tl.sum((a_p.to(tl.int32, bitcast=True) == PART_UNSET_C).to(tl.int32), 1), 0))
-                while (left2 > 0) & (n < SPIN):
-                    l_p = tl.load(WS + o_sl + srow, mask=iok, other=0.0, volatile=True)
-                    a_p = tl.load(WS + o_sacc + srow[:, None] * HEAD_DIM + offs_d[None, :], mask=iok[:, None],
-                                  other=0.0, volatile=True)
-                    left2 = (tl.sum((l_p.to(tl.int32, bitcast=True) == PART_UNSET_C).to(tl.int32), 0)
-                             + tl.sum(tl.sum((a_p.to(tl.int32, bitcast=True) == PART_UNSET_C).to(tl.int32), 1), 0))
-                    n += 1
-                bad = (c4 < tl.num_programs(0) - n_prog) | (left > 0) | (left2 > 0)
-                bad = bad | (tl.load(flag, volatile=True) != 0)
-                if PROBE:
-                    _stamp(ts, 10, n)
-                mx = tl.max(tl.where(iok, m_p, float("-inf")), 0)
-                mx = tl.where(mx == float("-inf"), 0.0, mx)
-                w_p = tl.where(iok, tl.math.exp2(m_p - mx), 0.0)
-                tot = tl.sum(l_p * w_p, 0)
-                o_slc = tl.sum(a_p * w_p[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
-            elif SYNC:
+            if SYNC:
                 if MTB:   # the window programs' merges are long done: their part is loaded before the last wait
                     c4 = _wait_count(cnt + 4, tl.num_programs(0) - n_prog, flag, SPIN)
                     pre = tl.load(prow, cache_modifier=".cg")
@@ -603,10 +515,9 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                 bad = bad | (tl.load(flag, volatile=True) != 0)
                 if PROBE:
                     _stamp(ts, 10, c3 + c4)
-                o_slc = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, 0, NSEL, pid, offs_d, NPARTP, GP, HEAD_DIM)
             else:
                 pre = tl.load(prow, cache_modifier=".cg")
-                o_slc = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, 0, NSEL, pid, offs_d, NPARTP, GP, HEAD_DIM)
+            o_slc = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, 0, NSEL, pid, offs_d, NPARTP, GP, HEAD_DIM)
             o = pre + g_slc * o_slc
             o = tl.where(bad, float("nan"), o)
             tl.store(OUT + b.to(tl.int64) * sob + h * soh + offs_d, o.to(OUT.dtype.element_ty))
@@ -703,17 +614,14 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
         tsa = tsb = ws
     MP = n_chunks * CW
     cand = _workspace(BH * MP, torch.int64, dev)
-    part_poll = PART_POLL and KEY_POLL and SLOT_POLL
-    init_per = triton.cdiv(triton.cdiv(nsel * GP * D, n_split), 1024) * 1024   # partial elements reset per split
     _dec_cmp_kernel[(n_split, BH)](
-        q, k_cmp, v_cmp, ws, cnt, cand, tsa, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
+        q, k_cmp, v_cmp, ws, cnt, cand, tsa, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
         q.stride(0), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
-        n_c, Hk, G, n_split, n_tiles, tps, NBW, n_part, nsel, init_per, qk_scale,
+        n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
         CB=config.compress_block, CS=config.compress_stride, BS=bs, R=R, HEAD_DIM=D, GP=GP, BLOCK_N=CMP_BLOCK_N,
-        CNTW=CNTW, NSELP=NSELP, MP=MP, KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, PART_POLL=part_poll,
-        USE_PDL=pdl, PROBE=probe,
-        num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
+        CNTW=CNTW, NSELP=NSELP, MP=MP, KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, USE_PDL=pdl,
+        PROBE=probe, num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
     out = torch.empty((B, 1, Hq, D), dtype=q.dtype, device=dev)
     gt = gates if gates is not None else out
     args = (q, k, v, idx, ws, cand, cnt, gt, out, tsb, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
@@ -721,14 +629,11 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
             v.stride(2), gt.stride(0), gt.stride(2), gt.stride(3) if gates is not None else 0, out.stride(0),
             out.stride(2), S, Hk, G, n_split, n_tiles, NBW, n_b, n_chunks, n_part, n_prog, n_win, config.window,
             qk_scale)
-    line = max(1, 128 // k.element_size())     # elements per 128-byte line (L2 prefetch granularity)
     meta = dict(NB=NB, CH=CH, CW=CW, NBLK=NBLK, NSPLITP=max(2, triton.next_power_of_2(n_split)), NSEL=nsel, BS=bs,
                 BLK=BLK, HEAD_DIM=D, GP=GP, MP=MP, NSELP=NSELP, NPARTP=triton.next_power_of_2(n_part),
                 CNTW=CNTW, RET_IDX=return_indices, HAS_GATES=gates is not None, USE_PDL=pdl, PROBE=probe,
-                KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, PREFETCH=PREFETCH_SEL and sync, MTB=EARLY_LOADS, LINE=line,
-                WLATE=WINDOW_LATE, PART_POLL=part_poll,
-                NLINE=max(1, D // line), SPIN=SPIN_LIMIT, STALL_R=int(_STALL == 1), STALL_A=int(_STALL == 2),
-                STALL_M=int(_STALL == 3), STALL_W=int(_STALL == 4),
+                KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, SPIN=SPIN_LIMIT, STALL_R=int(_STALL == 1),
+                STALL_A=int(_STALL == 2), STALL_M=int(_STALL == 3), STALL_W=int(_STALL == 4),
                 num_warps=NUM_WARPS["sel"], **(dict(launch_pdl=True) if pdl else {}))
     phases = [(1, 1, 1, 1)] if sync else [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)]
     for ph in phases:
