@@ -259,10 +259,10 @@ def test_gpu_decode_cache_steps_and_graph():
 def test_gpu_decode_barrier_timeout_poisons(monkeypatch, stall, old):
     """An in-kernel wait that gives up (made unsatisfiable here through the test hook, with a short SPIN_LIMIT) makes
     the step's output NaN instead of silently wrong; the next step is unaffected (flags are reset per step). `old`:
-    the counter-barrier structure (KEY_POLL / SLOT_POLL off)."""
+    the session-4 counter-barrier structure (KEY_POLL / SLOT_POLL / EARLY_LOADS off)."""
     _, dec = _mods()
     if old:
-        for n in ("KEY_POLL", "SLOT_POLL", "PREFETCH_SEL"):
+        for n in ("KEY_POLL", "SLOT_POLL", "EARLY_LOADS"):
             monkeypatch.setattr(dec, n, False)
     cfg = NSAConfig()
     q, k, v, g = _gpu_case(1, 8192, 9)
