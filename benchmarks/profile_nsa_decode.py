@@ -190,7 +190,6 @@ def ab(ss, names, rounds=2, full=2, save=None):
     'code warm' (a flush, then a replay of the same step on other inputs, then the timed replay: data cold, kernel
     code and launch state warm) and 'warm' (no flush). Variants after the first `full` run only at the largest S."""
     import torch.nn.functional as F
-    import triton
     from sparsepatch.kernels import nsa
     rows = []
     for S in ss:
