@@ -305,6 +305,54 @@ def host_check(log, shapes=((1, 12, 32760, 128), (1, 16, 4096, 128))):
     return rows
 
 
+def host_breakdown(log, shape=(1, 16, 4096, 128)):
+    """Host us per call of each layer of the skip call (GPU kept busy): skip_attention, _skip_fwd_impl, _launch
+    (plan hit), the relaunch alone (C launcher + TMA map fills), and the pieces around them."""
+    from sparsepatch.kernels import skip
+    from sparsepatch.kernels._triton_common import DescriptorArgs, current_stream
+    B, H, S, D = shape
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    lst = random_list(B, H, S, 0.05)
+    scale = 1.0 / math.sqrt(D)
+    out = torch.empty_like(q)
+    nc, ni = torch.empty_like(lst.counts), torch.empty_like(lst.indices)
+    cfg = skip._config(D, 128, 128)
+    kw = dict(cnt_in=lst.counts, idx_in=lst.indices, cnt_out=nc, idx_out=ni, frow=None, fcol=None, step=None,
+              Tq=lst.counts.shape[-1], Tk=lst.indices.shape[-1], slot_cnt=0, slot_idx=0, warmup=0, scale=scale,
+              threshold=-5.0, tm=128, tn=128, skip=True, stateful=False, causal=False, cfg=cfg)
+    skip._PLANS.clear()
+    skip._launch(q, k, v, out, None, **kw)
+    relaunch, template, tslots, dslots = next(iter(skip._PLANS.values()))
+    tensors = (q, k, v, out, None, lst.counts, lst.indices, nc, ni, None, None, None)
+    args = list(template)
+    for pos, i in tslots:
+        args[pos] = out if tensors[i] is None else tensors[i]
+    for pos, i, geo in dslots:
+        args[pos] = DescriptorArgs(tensors[i], *geo)
+    dev = q.get_device()
+    parts = {
+        "skip_attention": lambda: skip.skip_attention(q, k, v, lst, -5.0),
+        "_skip_fwd_impl": lambda: skip._skip_fwd_impl(q, k, v, lst.counts, lst.indices, -5.0, scale, 128, 128, [],
+                                                      False),
+        "_launch (plan hit)": lambda: skip._launch(q, k, v, out, None, **kw),
+        "relaunch only": lambda: relaunch(current_stream(dev), *args),
+        "_config": lambda: skip._config(D, 128, 128),
+        "4 x torch.empty": lambda: [torch.empty((B, S, H, D), dtype=q.dtype, device=q.device) for _ in range(4)],
+        "_check_inputs": lambda: skip._check_inputs(q, k, v),
+        "SkipList(...)": lambda: type(lst)(nc, ni, (128, 128), S, S),
+    }
+    rows = []
+    for name, fn in parts.items():
+        rows.append(dict(part=name, host_us=_host_us(fn, calls=300)))
+        log(f"host part {rows[-1]}")
+    print("\n| host path part (S4096 H16, rand0.05) | us per call |")
+    print("|---|---|")
+    for r in rows:
+        print(f"| {r['part']} | {r['host_us']:.1f} |")
+    return rows
+
+
 def variants(log, shape=(1, 12, 32760, 128), names=None, rounds=2, only=None):
     """Time skip-config variants (exact: outputs and next lists must equal the base config's) on random lists at
     DENSITIES and on sequential lists of n tiles (fixed cost vs per-tile cost). Returns result rows."""
@@ -394,7 +442,7 @@ def main(argv=None):
         lines.append(msg)
 
     if args.host:
-        res = dict(host=host_check(log), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+        res = dict(host=host_check(log), parts=host_breakdown(log), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=triton.__version__)
         for d in filter(None, [args.out, os.environ.get("OUT")]):
             os.makedirs(d, exist_ok=True)
