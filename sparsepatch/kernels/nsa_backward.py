@@ -21,9 +21,10 @@ dout is materialised. Scores use exp2 with scale * log2(e) folded in, as the for
 (+inf for a row that sees nothing, so its probabilities are exactly 0).
 
 Launches (one set per batch of equal-length sequences; varlen calls this once per sequence, as the forward):
-  1. `_prep_kernel`     r = rowsum(dout * o_b) for the 3 branches -> R (B, T, Hq, 3) fp32 (= dgates).
-  2. `_slc_bwd_kernel`  one program per (token, KV head), rows = the group's query heads (padded to >= 16 for
-     tl.dot), over its selected blocks -> dq_slc (fp32 scratch, plain store: the program owns those rows).
+  1. `_slc_bwd_kernel`  one program per (token, KV head), rows = the group's query heads (padded to >= 16 for
+     tl.dot): first r = rowsum(dout * o_b) of its rows for the 3 branches -> R (B, T, Hq, 3) fp32 (= dgates; was
+     a launch of its own, 2 ms at 64K, before session 5), then over its selected blocks -> dq_slc (fp32 scratch,
+     plain store: the program owns those rows).
      Selected-branch dk/dv, two modes (BWD["slc_dkdv"]), both into zero-initialised fp32 (B, S, Hk, D) scratch:
      "list" (default): `_transpose_selection` (PyTorch sort of the indices) builds, per (batch, KV head, block j),
        the ascending list of tokens that selected j, cut into chunks; `_slc_dkdv_kernel` runs one program per
@@ -34,14 +35,14 @@ Launches (one set per batch of equal-length sequences; varlen calls this once pe
        (simplest; NSEL * BS * D atomic adds per (token, KV head) for each of dk and dv, contended on block 0 and
        the local blocks; ~34G atomic adds at T=32K, Hk=4, NSEL=16, BS=64, D=128).
      Either way dk/dv are not bitwise deterministic (fp32 atomics, order-dependent).
-  3. `_dq_kernel`       query tiles (BT tokens x the G heads of one KV head, as the forward's tile kernels):
+  2. `_dq_kernel`       query tiles (BT tokens x the G heads of one KV head, as the forward's tile kernels):
      compressed-branch and window-branch dq, plus the selected-branch scratch -> dq (q's dtype).
-  4. `_swa_dkdv_kernel` one program per (BLOCK_N keys, KV head): loops over the query tiles whose window covers
+  3. `_swa_dkdv_kernel` one program per (BLOCK_N keys, KV head): loops over the query tiles whose window covers
      the keys, adds the selected-branch scratch -> dk, dv (k's / v's dtype).
-  5. `_cmp_dkdv_kernel` one program per (BLOCK_N compressed blocks, KV head, query-range split): loops over the
+  4. `_cmp_dkdv_kernel` one program per (BLOCK_N compressed blocks, KV head, query-range split): loops over the
      query tiles that see them -> dk_cmp, dv_cmp (splits summed by fp32 atomics when there are several).
 GQA: the dK/dV programs fold the group's heads into the rows of their query tiles, so dk/dv come out already
-summed over the group (no atomics across heads).
+summed over the group (no atomics across heads). Their steps (`_dkdv_step`) work on S^T (keys on the rows).
 Runs under TRITON_INTERPRET=1 on CPU (fp16/fp32) and on CUDA (fp16/bf16).
 """
 from __future__ import annotations
@@ -57,7 +58,8 @@ __all__ = ["nsa_backward", "BWD"]
 
 LOG2E = 1.4426950408889634
 
-# Launch settings (sm_90, bf16, D=128; tuned on an H100 at HQ64/H4, T=16K, see benchmarks/NOTES.md).
+# Launch settings (sm_90, bf16, D=128; tuned on an H100 at HQ64/H4, T=16K and 64K, see benchmarks/NOTES.md; the
+# dK/dV tiles of session 5: 128 keys x 64 rows on 8 warps for the window and compressed kernels, spill-free loops).
 # Per kernel: *_rows = query-tile rows (BT tokens x GP heads), *_block_n = key-tile width, warps_* / stages_*.
 #   dq_*   : `_dq_kernel` (compressed + window dq on query tiles)
 #   swa_*  : `_swa_dkdv_kernel` (window dk/dv on key tiles)
@@ -70,11 +72,10 @@ LOG2E = 1.4426950408889634
 # "atomic" (per token and selected block; simplest, ~NSEL * BS * D fp32 atomic adds per (token, KV head) for each
 # of dk and dv, contended on block 0 and the local blocks).
 BWD = dict(dq_rows=128, dq_block_n=64, warps_dq=8, stages_dq=3,
-           swa_rows=32, swa_block_n=64, warps_swa=4, stages_swa=3,
-           cmp_rows=64, cmp_block_n=64, warps_cmp=4, stages_cmp=2, cmp_programs=1056, cmp_min_tiles=4,
+           swa_rows=64, swa_block_n=128, warps_swa=8, stages_swa=3,
+           cmp_rows=64, cmp_block_n=128, warps_cmp=8, stages_cmp=2, cmp_programs=1056, cmp_min_tiles=4,
            warps_slc=2, stages_slc=2,
-           slc_dkdv="list", slc_chunk_rows=8192, slc_rows=64, warps_slc_dkdv=4, stages_slc_dkdv=2,
-           warps_prep=4, prep_t=32)
+           slc_dkdv="list", slc_chunk_rows=8192, slc_rows=32, warps_slc_dkdv=4, stages_slc_dkdv=2)
 # Overrides as JSON in SPARSEPATCH_NSA_BWD (tuning runs: the GPU tests check the settings a sweep picked).
 if os.environ.get("SPARSEPATCH_NSA_BWD"):
     BWD.update(json.loads(os.environ["SPARSEPATCH_NSA_BWD"]))
@@ -123,42 +124,22 @@ def _branch_rows(Q, DO, LSE, R, GATES, b64, tok64, head, row_ok, offs_d, T, Hq,
 
 @triton.jit
 def _dkdv_step(q, do, lse, r, gate, k, v, ok, qk_scale, dk, dv):
-    """dK (unscaled) and dV of one key tile accumulated over these query rows; ok: the (row, key) pairs the branch
-    attends (masked rows included as False)."""
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    pg = tl.where(ok, tl.math.exp2(s - lse[:, None]), 0.0) * gate[:, None]
-    dv = tl.dot(tl.trans(pg).to(do.dtype), do, dv)
-    dp = tl.dot(do, tl.trans(v))
-    ds = pg * (dp - r[:, None])
-    dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
+    """dK (unscaled) and dV of one key tile (k, v: (N, D)) accumulated over these query rows (q, do: (M, D));
+    ok (N, M): the (key, row) pairs the branch attends (masked rows included as False).
+    Transposed form: S^T = K Q^T and dP^T = V dO^T put the keys on the rows, so P^T and dS^T come out of the
+    matrix unit already as the register A operands of the dV and dK products (the (rows, keys) form transposes
+    both through shared memory on every step; session 5: 29 -> 25 ms compressed dK/dV at 64K with 128-key tiles)."""
+    st = tl.dot(k, tl.trans(q)) * qk_scale
+    pgt = tl.where(ok, tl.math.exp2(st - lse[None, :]), 0.0) * gate[None, :]
+    dv = tl.dot(pgt.to(do.dtype), do, dv)
+    dpt = tl.dot(v, tl.trans(do))
+    dst = pgt * (dpt - r[None, :])
+    dk = tl.dot(dst.to(q.dtype), q, dk)
     return dk, dv
 
 
 @triton.jit
-def _prep_kernel(DO, BO_C, BO_S, BO_W, R, sdb, sds, sdh, T, Hq,
-                 HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
-    """R[b, t, h, br] = sum_d dout[b, t, h, d] * o_br[b, t, h, d] (fp32); BO_*: (B, T, Hq, D) contiguous."""
-    pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // Hq).to(tl.int64)
-    h = bh % Hq
-    tok = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    ok = tok < T
-    offs_d = tl.arange(0, HEAD_DIM)
-    do = tl.load(DO + b * sdb + tok[:, None] * sds + h * sdh + offs_d[None, :], mask=ok[:, None],
-                 other=0.0).to(tl.float32)
-    row = (b * T + tok) * Hq + h
-    off = row[:, None] * HEAD_DIM + offs_d[None, :]
-    o = tl.load(BO_C + off, mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(R + row * 3, tl.sum(do * o, 1), mask=ok)
-    o = tl.load(BO_S + off, mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(R + row * 3 + 1, tl.sum(do * o, 1), mask=ok)
-    o = tl.load(BO_W + off, mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(R + row * 3 + 2, tl.sum(do * o, 1), mask=ok)
-
-
-@triton.jit
-def _slc_bwd_kernel(Q, K, V, DO, IDX, GATES, LSE, R, DQS, DKS, DVS,
+def _slc_bwd_kernel(Q, K, V, DO, IDX, GATES, LSE, R, DQS, DKS, DVS, BO_C, BO_S, BO_W,
                     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, s_ib, s_it, s_ih,
                     sgb, sgs, sgh, sgc,
                     T, S, q_off, Hk, G, qk_scale, scale,
@@ -166,7 +147,9 @@ def _slc_bwd_kernel(Q, K, V, DO, IDX, GATES, LSE, R, DQS, DKS, DVS,
                     GP: tl.constexpr, HAS_GATES: tl.constexpr, DKDV: tl.constexpr, STAGES: tl.constexpr):
     """Selected branch, one program per (token t, batch x KV head). DQS (B, T, Hq, D) fp32 is stored; with DKDV
     (the "atomic" mode) DKS/DVS (B, S, Hk, D) fp32 (zero-initialised) also receive this token's dk/dv by atomic
-    adds, else `_slc_dkdv_kernel` computes them. LSE: (B, T, Hq) log2 units of this branch."""
+    adds, else `_slc_dkdv_kernel` computes them. LSE: (B, T, Hq) log2 units of this branch. The program also
+    writes, for its rows, R[row, br] = rowsum(dout * o_br) (fp32, R (B, T, Hq, 3)) of the three branches from
+    BO_C/BO_S/BO_W (B, T, Hq, D) contiguous: the launches after it read R."""
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -185,7 +168,16 @@ def _slc_bwd_kernel(Q, K, V, DO, IDX, GATES, LSE, R, DQS, DKS, DVS,
                  other=0.0).to(q.dtype)
     row = (b64 * T + t64) * Hq + head
     lse = tl.load(LSE + row, mask=g_ok, other=float("inf"))
-    r = tl.load(R + row * 3 + 1, mask=g_ok, other=0.0)
+    # r = rowsum(dout * o_b) per branch (also the gate gradients); this branch's r is used below
+    boff = row[:, None] * HEAD_DIM + offs_d[None, :]
+    dof = do.to(tl.float32)
+    o_b = tl.load(BO_C + boff, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    tl.store(R + row * 3, tl.sum(dof * o_b, 1), mask=g_ok)
+    o_b = tl.load(BO_W + boff, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    tl.store(R + row * 3 + 2, tl.sum(dof * o_b, 1), mask=g_ok)
+    o_b = tl.load(BO_S + boff, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    r = tl.sum(dof * o_b, 1)
+    tl.store(R + row * 3 + 1, r, mask=g_ok)
     if HAS_GATES:   # gate of branch 1 per row (fp32); uniform 1/3 without gates
         gs = tl.load(GATES + b64 * sgb + t64 * sgs + head * sgh + sgc, mask=g_ok, other=0.0).to(tl.float32)
     else:
@@ -257,7 +249,7 @@ def _slc_dkdv_kernel(Q, K, V, DO, GATES, LSE, R, DKS, DVS, CH_SEG, CH_START, CH_
         qpos = tok + q_off
         q, do, lse, r, gate = _branch_rows(Q, DO, LSE, R, GATES, b64, tok.to(tl.int64), head, row_ok, offs_d, T, Hq,
                                            sqb, sqs, sqh, sdb, sds, sdh, sgb, sgs, sgh, sgc, 1, HAS_GATES)
-        ok = (key[None, :] <= qpos[:, None]) & key_ok[None, :] & row_ok[:, None]
+        ok = (key[:, None] <= qpos[None, :]) & key_ok[:, None] & row_ok[None, :]
         dk, dv = _dkdv_step(q, do, lse, r, gate, k, v, ok, qk_scale, dk, dv)
     off = ((b64 * S + key64[:, None]) * Hk + hk) * HEAD_DIM + offs_d[None, :]
     tl.atomic_add(DKS + off, dk * scale, mask=key_ok[:, None], sem="relaxed")
@@ -384,7 +376,7 @@ def _swa_dkdv_kernel(Q, K, V, DO, GATES, LSE, R, DKS, DVS, DK, DV,
         qpos = tok + q_off
         q, do, lse, r, gate = _branch_rows(Q, DO, LSE, R, GATES, b64, tok.to(tl.int64), head, row_ok, offs_d, T, Hq,
                                            sqb, sqs, sqh, sdb, sds, sdh, sgb, sgs, sgh, sgc, 2, HAS_GATES)
-        ok = (key[None, :] <= qpos[:, None]) & (key[None, :] > qpos[:, None] - window) & row_ok[:, None]
+        ok = (key[:, None] <= qpos[None, :]) & (key[:, None] > qpos[None, :] - window) & row_ok[None, :]
         dk, dv = _dkdv_step(q, do, lse, r, gate, k, v, ok, qk_scale, dk, dv)
     off = ((b64 * S + key64[:, None]) * Hk + hk) * HEAD_DIM + offs_d[None, :]
     dk = dk * scale + tl.load(DKS + off, mask=key_ok[:, None], other=0.0)
@@ -434,7 +426,7 @@ def _cmp_dkdv_kernel(Q, KC, VC, DO, GATES, LSE, R, DKC, DVC,
         q, do, lse, r, gate = _branch_rows(Q, DO, LSE, R, GATES, b64, tok.to(tl.int64), head, row_ok, offs_d, T, Hq,
                                            sqb, sqs, sqh, sdb, sds, sdh, sgb, sgs, sgh, sgc, 0, HAS_GATES)
         nvis = tl.minimum(tl.where(qpos + 1 >= CB, (qpos + 1 - CB) // CS + 1, 0), n_c)
-        ok = (c[None, :] < nvis[:, None]) & row_ok[:, None]
+        ok = (c[:, None] < nvis[None, :]) & row_ok[None, :]
         dk, dv = _dkdv_step(q, do, lse, r, gate, kc, vc, ok, qk_scale, dk, dv)
     off = ((b64 * n_c + c64[:, None]) * Hk + hk) * HEAD_DIM + offs_d[None, :]
     if ATOMIC:
@@ -518,16 +510,10 @@ def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale
     gs = (sgb, sgs, sgh, sgc)
     st = _Stages(dev)
 
-    # 1. r = rowsum(dout * o_b), also the gate gradients
+    # 1. selected branch: r = rowsum(dout * o_b) of the 3 branches (= dgates, read by every later launch), dq
+    #    scratch (stored, one program per token), dk/dv scratch (fp32, atomics: per token in "atomic" mode, per
+    #    chunk of the transposed selection in "list" mode)
     r = torch.empty((B, T, Hq, 3), dtype=torch.float32, device=dev)
-    PT = C["prep_t"]
-    _prep_kernel[(triton.cdiv(T, PT), B * Hq)](
-        dout, branch_out[0], branch_out[1], branch_out[2], r, *ds_, T, Hq, HEAD_DIM=D, BLOCK_T=PT,
-        num_warps=C["warps_prep"])
-    st.mark("prep")
-
-    # 2. selected branch: dq scratch (stored, one program per token), dk/dv scratch (fp32, atomics: per token in
-    #    "atomic" mode, per chunk of the transposed selection in "list" mode)
     dqs = torch.empty((B, T, Hq, D), dtype=torch.float32, device=dev)
     dks = torch.zeros((B, S, Hk, D), dtype=torch.float32, device=dev)
     dvs = torch.zeros((B, S, Hk, D), dtype=torch.float32, device=dev)
@@ -537,7 +523,7 @@ def nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale
         raise ValueError(f"BWD['slc_dkdv'] must be 'list' or 'atomic', got {mode!r}")
     BSP = max(16, triton.next_power_of_2(bs))
     _slc_bwd_kernel[(T, B * Hk)](
-        q, k, v, dout, idx, gt, lse[1], r, dqs, dks, dvs,
+        q, k, v, dout, idx, gt, lse[1], r, dqs, dks, dvs, branch_out[0], branch_out[1], branch_out[2],
         *qs, *ks, *vs, *ds_, idx.stride(0), idx.stride(1), idx.stride(2), *gs,
         T, S, q_off, Hk, G, qk_scale, scale,
         BS=bs, BSP=BSP, NSEL=nsel, HEAD_DIM=D, GP=max(16, GP), HAS_GATES=HAS_GATES, DKDV=mode == "atomic",
