@@ -62,7 +62,9 @@ NUM_STAGES = dict(cmp=2)  # 2: a split's second tile is loaded only after the fi
                           # both before it (one cold HBM round trip instead of two; not yet timed: NOTES session 5)
 FUSE = True               # score + attention + merge in one launch with in-kernel barriers (when co-resident)
 PDL = True                # programmatic dependent launch of the selection kernel (Hopper; no-op semantics else)
-KEY_POLL = True           # final rank polls the candidate keys themselves (sentinel-initialised) instead of a counter
+KEY_POLL = False          # True: final rank polls the candidate keys themselves (sentinel-initialised) instead of a
+                          # counter. Off: with it on, 2 of 4 runs of the cache + graph GPU test timed out in that
+                          # wait (NaN output; 0 of 4 with it off, session 5, cause not found: NOTES NSA decode s5)
 SLOT_POLL = True          # each selected-block program polls its own slot instead of waiting for every chunk program
 EARLY_LOADS = True        # tile maxima stored per selection block (the score phase's four [G, chunk] loads share one
                           # layout, so they leave together instead of in three dependent rounds through shared
