@@ -25,8 +25,9 @@ query heads of one KV head (padded to GP >= 16 for tl.dot). Work per (b, kv head
    In one launch the phases wait on each other by spinning, which needs every program resident at once: taken when
    the grid fits on the SMs (n_prog = max(n_chunks, num_selected, G); 96 programs at B=1, HQ64/H4), else the same
    kernel runs once per phase (4 launches; always so under TRITON_INTERPRET=1, which runs programs one after
-   another). Waits: (b) polls the candidate keys themselves (KEY_POLL: reset to a sentinel by (1)), (c) polls its
-   own slot (SLOT_POLL: reset to -2 by (1)), the window merges and (d) spin on per-(b, kv head) counters (acquire
+   another). Waits: (b) spins on a per-(b, kv head) counter of the chunk programs (KEY_POLL, off by default: polls
+   the candidate keys themselves, reset to a sentinel by (1)), (c) polls its own slot (SLOT_POLL: reset to -2 by
+   (1)), the window merges and (d) spin on per-(b, kv head) counters (acquire
    loads; arrivals are a bar.sync then a release add). Every wait is bounded (SPIN_LIMIT polls); one that gives up
    sets a per-(b, kv head) flag that reaches the merge through the later arrivals, and the merge then writes NaN
    for that (b, kv head): a broken co-residency assumption shows as NaN output, never as a hang or a wrong number.
