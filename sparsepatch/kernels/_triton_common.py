@@ -63,6 +63,26 @@ def key_range(start_m, Sk, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     return hi, hi_full
 
 
+def empty_out_lse(q: torch.Tensor, return_lse: bool):
+    """Uninitialised outputs of an attention forward op (its fake implementation): out like q (B, Sq, Hq, D) and the
+    fp32 LSE (B, Hq, Sq), or an empty (0,) LSE when it is not returned."""
+    B, Sq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Sq) if return_lse else (0,), dtype=torch.float32)
+
+
+@triton.jit
+def store_delta_lse2(DELTA, LSE2, LSE, DLSE, base, ok, delta, HAS_DLSE: tl.constexpr):
+    """Epilogue of the backward prep kernels at row offsets `base` (rows where `ok`): delta = rowsum(dO * O) minus
+    dLSE when the LSE output has a gradient, and the LSE in log2 units, +inf for rows that saw no key (so that
+    exp2(s - lse2) is 0 there)."""
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + base, mask=ok, other=0.0)
+    lse = tl.load(LSE + base, mask=ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(DELTA + base, delta, mask=ok)
+    tl.store(LSE2 + base, lse2, mask=ok)
+
+
 # Triton versions whose compiled-kernel launcher (CompiledKernel.run.launch: the C launch function behind the
 # tensor-descriptor wrapper) is called directly with the argument layout of CudaLauncher.__call__ (checked against
 # its source: 3.6.0). Other versions relaunch through CompiledKernel[grid] (the public runner), which adds the

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import key_range
+from ._triton_common import empty_out_lse, key_range, store_delta_lse2
 from ._triton_common import interpret as _interpret
 from ._triton_common import set_tma_allocator
 from .reference import LOG2E, check_qkv
@@ -397,12 +397,7 @@ def _prep_kernel(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_os, stride_oh,
                  False)
         delta += tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     base = bh.to(tl.int64) * Sq + rows
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + base, mask=ok, other=0.0)
-    lse = tl.load(LSE + base, mask=ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    tl.store(DELTA + base, delta, mask=ok)
-    tl.store(LSE2 + base, lse2, mask=ok)
+    store_delta_lse2(DELTA, LSE2, LSE, DLSE, base, ok, delta, HAS_DLSE)
 
 
 @triton.jit
@@ -871,8 +866,7 @@ def _dense_splitd_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
 @_dense_splitd_fwd.register_fake
 def _(q, k, v, causal, scale, return_lse):
-    B, Sq, Hq, D = q.shape
-    return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq) if return_lse else (0,), dtype=torch.float32)
+    return empty_out_lse(q, return_lse)
 
 
 @torch.library.custom_op("sparsepatch::dense_splitd_bwd", mutates_args=())

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import DescriptorArgs, current_stream, direct_launcher, head_major_desc, num_sms
+from ._triton_common import DescriptorArgs, current_stream, direct_launcher, empty_out_lse, head_major_desc, num_sms
 from ._triton_common import interpret as _interpret
 from ._triton_common import set_tma_allocator
 from . import reference
@@ -665,8 +665,7 @@ def _skip_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.T
 def _(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_flat, return_lse):
     B, Sq, Hq, D = q.shape
     Tq, Tk = num_tiles(Sq, tm), num_tiles(k.shape[1], tn)
-    out = q.new_empty((B, Sq, Hq, D))
-    lse = q.new_empty((B, Hq, Sq) if return_lse else (0,), dtype=torch.float32)
+    out, lse = empty_out_lse(q, return_lse)
     return (out, q.new_empty((B, Hq, Tq), dtype=torch.int32), q.new_empty((B, Hq, Tq, Tk), dtype=torch.int32), lse)
 
 
@@ -695,8 +694,7 @@ def _dense_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
 
 @_dense_fwd.register_fake
 def _(q, k, v, causal, scale, return_lse):
-    B, Sq, Hq, D = q.shape
-    return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq) if return_lse else (0,), dtype=torch.float32)
+    return empty_out_lse(q, return_lse)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import head_major_desc, key_range
+from ._triton_common import head_major_desc, key_range, store_delta_lse2
 from ._triton_common import interpret as _interpret
 from . import reference
 from .reference import LOG2E, check_qkv
@@ -161,12 +161,7 @@ def _prep_kernel(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_os, stride_oh,
                  other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
     base = bh.to(tl.int64) * Sq + rows
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + base, mask=ok, other=0.0)
-    lse = tl.load(LSE + base, mask=ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    tl.store(DELTA + base, delta, mask=ok)
-    tl.store(LSE2 + base, lse2, mask=ok)
+    store_delta_lse2(DELTA, LSE2, LSE, DLSE, base, ok, delta, HAS_DLSE)
 
 
 @triton.jit
