@@ -90,11 +90,11 @@ def store_delta_lse2(DELTA, LSE2, LSE, DLSE, base, ok, delta, HAS_DLSE: tl.const
 C_LAUNCH_VERSIONS = ("3.6.0",)
 
 
-def direct_launcher(kern, grid):
+def direct_launcher(kern, grid, tail=()):
     """relaunch(stream, *params) for the compiled kernel `kern` (what `jit_fn[grid](...)` returned) on `grid`, or
-    None (interpreter). params: every kernel parameter in declaration order, constexprs included (Triton's launcher
-    takes them all); host TensorDescriptors (or any object with base / shape / strides / padding) where the kernel
-    has descriptors.
+    None (interpreter). params + tail: every kernel parameter in declaration order, constexprs included (Triton's
+    launcher takes them all); `tail` holds the trailing ones that are the same at every launch. Host
+    TensorDescriptors (or any object with base / shape / strides / padding) where the kernel has descriptors.
 
     This skips JITFunction.run (argument binding, specialisation, cache lookup: tens of microseconds per launch),
     so it is only valid for arguments that specialise as at the first launch: callers key their plans on every
@@ -115,12 +115,12 @@ def direct_launcher(kern, grid):
 
         def relaunch(stream, *args):
             if _no_hook(hooks.launch_enter_hook) and _no_hook(hooks.launch_exit_hook):
-                launch(g0, g1, g2, stream, fn, coop, pdl, None, None, meta, None, None, None, *args)
+                launch(g0, g1, g2, stream, fn, coop, pdl, None, None, meta, None, None, None, *args, *tail)
             else:
-                runner(*args, stream=stream)
+                runner(*args, *tail, stream=stream)
         relaunch.direct = True
         return relaunch
-    return lambda stream, *args: runner(*args, stream=stream)
+    return lambda stream, *args: runner(*args, *tail, stream=stream)
 
 
 def _no_hook(hook) -> bool:

@@ -155,17 +155,6 @@ def _decode_args(B, H, K, V, qs, ks, vs, ss, os_, state_dtype):
     return grid, warps, tail
 
 
-def _make_plan(kern, grid, tail):
-    """A relaunch closure (stream, *pointer/scale args) over the compiled kernel `kern` for this grid, or None."""
-    relaunch = direct_launcher(kern, grid)
-    if relaunch is None:
-        return None
-    def plan(stream, *args):
-        relaunch(stream, *args, *tail)
-    plan.direct = getattr(relaunch, "direct", False)
-    return plan
-
-
 def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool, B: int, H: int, K: int, V: int) -> None:
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | state.data_ptr() | out.data_ptr()
                | decay.data_ptr()) % 16 == 0
@@ -187,7 +176,7 @@ def _launch_decode(q, k, v, state, decay, out, scale: float, vk: bool, B: int, H
     kern = _decode_kernel[grid](q, k, v, state, decay, out, scale, *tail[:-7], K=K, V=V, BK=tail[-5],
                                 BV=tail[-4], EVEN=tail[-3], CSK=tail[-2], CSV=tail[-1], num_warps=warps)
     if use_plan and key[0] == torch.cuda.current_device():
-        plan = _make_plan(kern, grid, tail)
+        plan = direct_launcher(kern, grid, tail)   # (stream, *pointer / scale args)
         if plan is not None:
             if len(_PLANS) > 64:
                 _PLANS.clear()
