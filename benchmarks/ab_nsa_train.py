@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, gpu_name, save_results  # noqa: E402,F401
-from bench_nsa import bwd_stages, cudnn_causal_fwd_bwd, fwd_bwd  # noqa: E402
+from bench_nsa import best_per_stage, bwd_stages, cudnn_causal_fwd_bwd, fwd_bwd  # noqa: E402
 
 from sparsepatch.config import NSAConfig  # noqa: E402
 from sparsepatch.kernels import nsa, nsa_reference as ref  # noqa: E402
@@ -45,11 +45,6 @@ SETS = [
     dict(warps_slc=4, stages_slc=3),
     dict(stages_cmp=3, slc_rows=64),
 ]
-STAGE_KEYS = {"slc_dq": ("warps_slc", "stages_slc"),
-              "slc_list": ("slc_rows", "warps_slc_dkdv", "stages_slc_dkdv", "slc_chunk_rows"),
-              "dq": ("dq_rows", "dq_block_n", "warps_dq", "stages_dq"),
-              "swa_dkdv": ("swa_rows", "swa_block_n", "warps_swa", "stages_swa"),
-              "cmp_dkdv": ("cmp_rows", "cmp_block_n", "warps_cmp", "stages_cmp", "cmp_programs")}
 
 
 def _ev():
@@ -184,12 +179,7 @@ def main(argv=None):
         print("bwd set", row, flush=True)
         write()
     nb.BWD.update(base)
-    best = dict(base)
-    for stage, keys in STAGE_KEYS.items():
-        ok = [r for r in sweep if stage in r and "error" not in r and max(r["rel_vs_set0"]) < 1e-2]
-        if ok:
-            w = min(ok, key=lambda r: r[stage])
-            best.update({kk: {**base, **SETS[w["set"]]}[kk] for kk in keys})
+    best = best_per_stage(sweep, base, SETS, "rel_vs_set0")
     res["best"] = best
     if args.best_out:
         with open(args.best_out, "w") as f:

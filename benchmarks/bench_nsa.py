@@ -182,6 +182,19 @@ STAGE_KEYS = {"slc_dq": ("warps_slc", "stages_slc"),
               "cmp_dkdv": ("cmp_rows", "cmp_block_n", "warps_cmp", "stages_cmp", "cmp_programs")}
 
 
+def best_per_stage(sweep, base, sets, rel_key):
+    """BWD settings that take, for each backward stage (STAGE_KEYS), that stage's keys from the sweep row (one per
+    settings set, index row["set"] into `sets`) with the lowest stage time among the rows whose gradients matched
+    (max of row[rel_key] < 1e-2); stages with no such row keep `base`."""
+    best = dict(base)
+    for stage, keys in STAGE_KEYS.items():
+        ok = [r for r in sweep if stage in r and "error" not in r and max(r[rel_key]) < 1e-2]
+        if ok:
+            w = min(ok, key=lambda r: r[stage])
+            best.update({kk: {**base, **sets[w["set"]]}[kk] for kk in keys})
+    return best
+
+
 def _bwd_inputs(nsa, cfg, HQ, H, T, seed=0):
     """Saved forward state for one nsa_backward call (uniform gates), bf16, D=128, B=1."""
     import math
@@ -274,12 +287,7 @@ def bwd_tune(nsa, cfg, res, write, tune_t=16384, best_out=None):
         print("sweep", row, flush=True)
     nb.BWD.update(base)
     tune["sweep_16K" if tune_t == 16384 else f"sweep_{tune_t // 1024}K"] = sweep
-    best = dict(base)
-    for stage, keys in STAGE_KEYS.items():
-        ok = [r for r in sweep if stage in r and "error" not in r and max(r["rel_vs_default"]) < 1e-2]
-        if ok:
-            w = min(ok, key=lambda r: r[stage])
-            best.update({kk: {**base, **BWD_SETS[w["set"]]}[kk] for kk in keys})
+    best = best_per_stage(sweep, base, BWD_SETS, "rel_vs_default")
     tune["best"] = best
     print("best", best, flush=True)
     if best_out:
