@@ -29,7 +29,10 @@ def _cos(a, b):
     return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
 
 
-def rows_for(S, B=1, H=48, D=128, configs=({"stages": 3}, {"stages": 2})):
+DEFAULT_CONFIGS = '[{"stages": 3}, {"stages": 2}, {"ws": true}, {"ws": true, "stages": 2}]'
+
+
+def rows_for(S, B=1, H=48, D=128, configs=({"stages": 3},)):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from sparsepatch.kernels import dense
@@ -72,8 +75,6 @@ def rows_for(S, B=1, H=48, D=128, configs=({"stages": 3}, {"stages": 2})):
             row(name + "_kernel", t, x_vs_cudnn=t_cudnn / t)
         except Exception as e:
             row(name, None, error=repr(e)[:300])
-    del q, k, v, k8, vt8, ref
-    torch.cuda.empty_cache()
     return out
 
 
@@ -85,14 +86,16 @@ def offline_compile(configs):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.tools.disasm import get_sass
 
     from sparsepatch.kernels import fp8_gluon as fg
-    k = fg._fp8_gluon_fwd_kernel
-    names = k.arg_names
     res = []
     for cfg in configs:
+        ws = cfg.pop("WS", False)
+        k = fg._fp8_gluon_ws_kernel if ws else fg._fp8_gluon_fwd_kernel
+        names = k.arg_names
         c = dict(D=128, BM=128, BN=128, STAGES=3, QFUSED=True, WRITE_LSE=False, LOG2_PS=8.0, num_warps=8)
+        if ws:
+            c.update(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24)
         c.update(cfg)
         ptr = dict(Q="*bf16" if c["QFUSED"] else "*i8", QS="*fp32", K8="*i8", KS="*fp32", VT8="*fp8e4nv",
                    VS="*fp32", O="*bf16", LSE="*fp32")
@@ -105,10 +108,10 @@ def offline_compile(configs):
             f.write(ck.asm["cubin"])
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = get_sass(ck.asm["cubin"])
-        r = dict(cfg=cfg, smem=ck.metadata.shared, usage=re.findall(r"REG:\d+.*?LOCAL:\d+", usage),
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        r = dict(cfg=dict(cfg, WS=ws), smem=ck.metadata.shared, usage=re.findall(r"REG:\d+.*?LOCAL:\d+", usage),
                  igmma=sass.count("IGMMA"), qgmma=sass.count("QGMMA"), mufu_ex2=sass.count("MUFU.EX2"),
-                 bar_sync=sass.count("BAR.SYNC"))
+                 bar_sync=sass.count("BAR.SYNC"), local_mem=sass.count("STL") + sass.count("LDL"))
         print(json.dumps(r), flush=True)
         res.append(r)
     return res
@@ -118,13 +121,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", default="4096,8192,16384,32768")
     ap.add_argument("--heads", type=int, default=48)
-    ap.add_argument("--configs", default='[{"stages": 3}, {"stages": 2}]', help="JSON list of Gluon cfg dicts")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="JSON list of Gluon cfg dicts")
     ap.add_argument("--out", default="")
     ap.add_argument("--compile", action="store_true", help="offline sm_90 compile only (no GPU)")
     args = ap.parse_args()
     configs = json.loads(args.configs)
     if args.compile:
-        offline_compile([{"STAGES": c.get("stages", 3)} for c in configs])
+        offline_compile([{"STAGES": c.get("stages", 3), "WS": c.get("ws", False)} for c in configs])
         return
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, time=time.strftime("%F %T"),
                 B=1, H=args.heads, D=128, causal=False, flops="4*B*H*S*S*D")
@@ -136,6 +139,7 @@ def main():
     rows = []
     for S in (int(x) for x in args.seqs.split(",") if x):
         rows += rows_for(S, H=args.heads, configs=configs)
+        torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -41,7 +41,9 @@ BLOCK = 128  # q rows per program = keys per block = the quantize blocks of dens
 LOG2_P_SCALE = 8.0  # P is cast to e4m3 as P * 2^8 (as dense.FP8_LOG2_P_SCALE)
 MAGIC = 12582912.0  # 1.5 * 2^23: fp32 whose low mantissa bits hold a small int32 exactly
 MAGIC_BITS = 0x4B400000
-GLUON_FP8_CONFIG = dict(stages=3, num_warps=8)
+# ws: the warp-specialised kernel (2 consumer warpgroups + 1 producer warp, registers per worker partition by
+# setmaxnreg: consumer_regs for the second consumer warpgroup, producer_regs for the load warp)
+GLUON_FP8_CONFIG = dict(stages=3, num_warps=8, ws=False, consumer_regs=240, producer_regs=24)
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
 
@@ -199,6 +201,149 @@ if HAS_GLUON:
             gl.store(LSE + bh.to(gl.int64) * Sq + r, lse, mask=r < Sq)
 
 
+    # ------------------------------------------------------------------------------------------------------------
+    # Warp-specialised variant (cfg ws=True): the two 64-row warpgroups are separate partitions and a 1-warp
+    # producer partition runs the TMA ring. Slots are released by an mbarrier per slot (one arrive per consumer
+    # warpgroup) instead of a CTA barrier, so the warpgroups are not forced into lockstep (one warpgroup's softmax
+    # can run under the other's MMAs) and the Triton-inserted CTA barriers around the TMA issue leave the loop.
+    # ------------------------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _ws_producer(k_desc, v_desc, k_smem, v_smem, ready, empty, n_blk,
+                     BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+        TILE_BYTES: gl.constexpr = BN * D + D * BN
+        for j in range(n_blk):
+            slot = j % STAGES
+            # block j reuses the slot of block j - STAGES: wait for its release (both consumers arrived)
+            mbarrier.wait(empty.index(slot), ((j // STAGES) + 1) & 1, pred=j >= STAGES)
+            mbarrier.expect(ready.index(slot), TILE_BYTES)
+            tma.async_copy_global_to_shared(k_desc, [j * BN, 0], ready.index(slot), k_smem.index(slot))
+            tma.async_copy_global_to_shared(v_desc, [0, j * BN], ready.index(slot), v_smem.index(slot))
+
+    @gluon.jit
+    def _ws_consumer(q_sm, k_smem, v_smem, ready, empty, ks_base, VS, O, LSE, cq, row0, b, h, bh, bhk, Sq, Sk,
+                     n_blk, stride_ob, stride_os, stride_oh,
+                     D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
+                     LOG2_PS: gl.constexpr):
+        """One warpgroup: 64 q rows from row0, all key blocks; writes its rows of O (and LSE)."""
+        NW: gl.constexpr = gl.num_warps()
+        RM: gl.constexpr = 16 * NW
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, BN, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, D, 32])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        s_init = gl.full([RM, BN], _MAGIC_BITS, gl.int32, s_layout)
+        m_i = gl.full([RM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([RM], gl.float32, gl.SliceLayout(1, s_layout))
+        o = gl.zeros([RM, D], gl.float32, o_layout)
+
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(q_sm, k_smem.index(0).permute((1, 0)), s_init)
+        c = cq * gl.load(ks_base)
+        if Sk < BN:
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, c, 0, Sk, s_layout, BN, LOG2_PS, True)
+        else:
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, c, 0, Sk, s_layout, BN, LOG2_PS, False)
+        n_full = Sk // BN
+        for j in range(1, n_blk):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            c = cq * gl.load(ks_base + j)
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            s_tok = warpgroup_mma(q_sm, k_smem.index(slot).permute((1, 0)), s_init, is_async=True)
+            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+            o_tok = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), o, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            if j < n_full:
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, c, j * BN, Sk, s_layout, BN, LOG2_PS, False)
+            else:
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, c, j * BN, Sk, s_layout, BN, LOG2_PS, True)
+            o = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(empty.index(prev))  # K_{j-1} and V_{j-1} no longer read by this warpgroup
+            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        o = warpgroup_mma(p8, v_smem.index((n_blk - 1) % STAGES).permute((1, 0)), o)
+
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        sv = gl.load(VS + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, o_layout)))
+        out = (o * gl.expand_dims(1.0 / l_o, 1) * gl.expand_dims(sv, 0)).to(O.dtype.element_ty)
+        rows = row0 + gl.arange(0, RM, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (O + b.to(gl.int64) * stride_ob + h * stride_oh + gl.expand_dims(rows, 1) * stride_os
+                  + gl.expand_dims(cols, 0))
+        gl.store(o_ptrs, out, mask=gl.expand_dims(rows < Sq, 1))
+        if WRITE_LSE:
+            lse = (m_i + gl.log2(l_i) - LOG2_PS) * _LN2
+            r = row0 + gl.arange(0, RM, layout=gl.SliceLayout(1, s_layout))
+            gl.store(LSE + bh.to(gl.int64) * Sq + r, lse, mask=r < Sq)
+
+    @gluon.jit
+    def _fp8_gluon_ws_kernel(Q, QS, K8, KS, VT8, VS, O, LSE,
+                             stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
+                             Sq, Sk, Sk_pad, Hq, Hk, n_rep, nqb, nkb, qk_scale,
+                             D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                             QFUSED: gl.constexpr, WRITE_LSE: gl.constexpr, LOG2_PS: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                             num_warps: gl.constexpr):
+        """As `_fp8_gluon_fwd_kernel` (same arguments), launched with num_warps=4: the default partition is the
+        warpgroup of rows [0, 64) of the tile, worker 0 (4 warps) rows [64, 128), worker 1 (1 warp) the loads."""
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // Hq
+        h = bh % Hq
+        bhk = (b * Hk + h // n_rep).to(gl.int64)
+        start_m = pid_m * BM
+        HALF: gl.constexpr = BM // 2
+        TD: gl.constexpr = D // 8
+        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TD, TD], [num_warps, 1], [1, 0])
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], gl.int8)
+        k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.int8)
+        v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BN], gl.float8e4nv)
+        k_desc = tma.make_tensor_descriptor(K8 + bhk * Sk * D, shape=[Sk, D], strides=[D, 1],
+                                            block_shape=[BN, D], layout=k_sl)
+        v_desc = tma.make_tensor_descriptor(VT8 + bhk * D * Sk_pad, shape=[D, Sk], strides=[Sk_pad, 1],
+                                            block_shape=[D, BN], layout=v_sl)
+        q_smem = gl.allocate_shared_memory(gl.int8, [BM, D], q_sl)
+        k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BN, D], k_sl)
+        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BN], v_sl)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
+        fence_async_shared()
+
+        rows = start_m + gl.arange(0, BM, layout=gl.SliceLayout(1, ld_layout))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+        q_ptrs = (Q + b.to(gl.int64) * stride_qb + h * stride_qh + gl.expand_dims(rows, 1) * stride_qs
+                  + gl.expand_dims(offs_d, 0))
+        q_ok = gl.expand_dims(rows < Sq, 1)
+        if QFUSED:
+            qf = gl.load(q_ptrs, mask=q_ok, other=0.0).to(gl.float32)
+            sq = gl.maximum(gl.max(gl.max(gl.abs(qf), 1), 0), 1e-30) / 127.0
+            qy = qf * (1.0 / sq)
+            qy = gl.where(qy >= 0, qy + 0.5, qy - 0.5).to(gl.int32)
+            q_smem.store(qy.to(gl.int8))
+        else:
+            q_smem.store(gl.load(q_ptrs, mask=q_ok, other=0))
+            sq = gl.load(QS + bh.to(gl.int64) * nqb + pid_m)
+        fence_async_shared()
+        gl.thread_barrier()
+        cq = sq * qk_scale
+        ks_base = KS + bhk * nkb
+        n_blk = gl.cdiv(Sk, BN)
+        q0 = q_smem.slice(0, HALF)
+        q1 = q_smem.slice(HALF, HALF)
+        gl.warp_specialize([
+            (_ws_consumer, (q0, k_smem, v_smem, ready, empty, ks_base, VS, O, LSE, cq, start_m, b, h, bh, bhk,
+                            Sq, Sk, n_blk, stride_ob, stride_os, stride_oh, D, BN, STAGES, WRITE_LSE, LOG2_PS)),
+            (_ws_consumer, (q1, k_smem, v_smem, ready, empty, ks_base, VS, O, LSE, cq, start_m + HALF, b, h, bh,
+                            bhk, Sq, Sk, n_blk, stride_ob, stride_os, stride_oh, D, BN, STAGES, WRITE_LSE,
+                            LOG2_PS)),
+            (_ws_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_blk, BN, D, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 def gluon_fp8_supported(q) -> bool:
     """True when the Gluon fp8 kernel runs q: Gluon present, CUDA compute capability 9.x (wgmma; not 10.x),
     4-D fp16/bf16 (or int8 pre-quantized) q with head dim 64 or 128."""
@@ -259,7 +404,7 @@ def attention_fp8_gluon_quantized(q, qs, k8, ks, vt8, vs, *, Sk, causal=False, s
     (B, Sq, Hq, D) itself with qs=None (quantize_q=False; q is quantized in the kernel per 128-row tile, the same
     blocks and rounding as quantize_fp8: no q8 round trip, the faster form). k8 int8 (B, Hk, Sk, D), ks fp32
     (B, Hk, ceil(Sk/128)), vt8 e4m3 (B, Hk, D, Sk_pad16), vs fp32 (B, Hk, D). Non-causal only (causal=True raises
-    ValueError); head dim 64 / 128; GQA by Hq % Hk == 0. cfg: {"stages": 2..4, "num_warps": 8}."""
+    ValueError); head dim 64 / 128; GQA by Hq % Hk == 0. cfg: keys of GLUON_FP8_CONFIG."""
     if causal:
         raise ValueError("causal=True is not implemented by the Gluon fp8 kernel (non-causal only); "
                          "use dense.attention_fp8 for causal")
@@ -280,13 +425,17 @@ def attention_fp8_gluon_quantized(q, qs, k8, ks, vt8, vs, *, Sk, causal=False, s
     from ._triton_common import set_tma_allocator
     set_tma_allocator()
     grid = (triton.cdiv(Sq, BLOCK), B * Hq)
-    _fp8_gluon_fwd_kernel[grid](
-        q, qs if qs is not None else ks, k8, ks, vt8, vs, out, lse, *qstr,
-        out.stride(0), out.stride(1), out.stride(2),
-        Sq, int(Sk), vt8.shape[-1], Hq, Hk, Hq // Hk, qs.shape[-1] if qs is not None else 1, ks.shape[-1],
-        scale * LOG2E,
-        D=D, BM=BLOCK, BN=BLOCK, STAGES=int(cfg["stages"]), QFUSED=qfused, WRITE_LSE=bool(return_lse),
-        LOG2_PS=LOG2_P_SCALE, num_warps=int(cfg["num_warps"]))
+    args = (q, qs if qs is not None else ks, k8, ks, vt8, vs, out, lse, *qstr,
+            out.stride(0), out.stride(1), out.stride(2),
+            Sq, int(Sk), vt8.shape[-1], Hq, Hk, Hq // Hk, qs.shape[-1] if qs is not None else 1, ks.shape[-1],
+            scale * LOG2E)
+    meta = dict(D=D, BM=BLOCK, BN=BLOCK, STAGES=int(cfg["stages"]), QFUSED=qfused, WRITE_LSE=bool(return_lse),
+                LOG2_PS=LOG2_P_SCALE)
+    if cfg["ws"]:
+        _fp8_gluon_ws_kernel[grid](*args, **meta, CONSUMER_REGS=int(cfg["consumer_regs"]),
+                                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4)
+    else:
+        _fp8_gluon_fwd_kernel[grid](*args, **meta, num_warps=int(cfg["num_warps"]))
     return (out, lse) if return_lse else out
 
 
