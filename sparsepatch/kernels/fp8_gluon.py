@@ -17,6 +17,10 @@ int32 -> fp32 without I2F: the Q K^T accumulator starts at the bits of 1.5 * 2^2
 the int32 result reinterpreted as fp32 is exactly 1.5 * 2^23 + q.k (|q.k| < 2^21); the offset folds into the
 per-row bias of the one FFMA that scales and shifts the logits.
 
+cfg ws=True: the same step in a warp-specialised kernel (each 64-row warpgroup its own partition, a 1-warp TMA
+producer, per-slot `empty` mbarriers instead of CTA barriers). Both schedules compile for sm_90 with Triton 3.6
+without spills; as of session 6 neither has run on a GPU (benchmarks/NOTES.md, "fp8 Gluon forward").
+
 Public entry points: `attention_fp8_gluon_quantized` (on `dense.quantize_fp8` outputs, q either pre-quantized
 int8 or the fp16/bf16 q itself, quantized in the kernel per 128-row tile), `attention_fp8_gluon` (end to end),
 `gluon_fp8_supported`.
