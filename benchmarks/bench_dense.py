@@ -38,8 +38,15 @@ FWD_SWEEP = {
 # Backward (materialised P / dS): _pds_kernel tile and pipeline depth, P / dS scratch budget (MiB). Runs 1-2 swept
 # stages 2 / BLOCK_D 32 x 4 stages / BLOCK_N 64 / 2 GiB at D 320, 512, 1024 (benchmarks/NOTES.md).
 BWD_SWEEP = {}
-FP8_SWEEP = [dict(qk_format="int8", cfg=dict()), dict(qk_format="int8", cfg=dict(fuse_q=False)),
-             dict(qk_format="e4m3", cfg=dict())]
+# fp8 session 6 A/B (int8 Q K^T; e4m3 Q K^T misses cos 0.999 and is not timed): quant "old" (3 launches + torch
+# amax) vs "fused" (2 launches); fold (one FFMA per score); block_m 64 (one warpgroup, two programs per SM).
+_W4 = dict(block_m=64, num_warps=4)
+FP8_SWEEP = [dict(qk_format="int8", cfg=dict(quant="old")), dict(qk_format="int8", cfg=dict()),
+             dict(qk_format="int8", cfg=dict(fold=True)), dict(qk_format="int8", cfg=dict(fold=True, fuse_q=False)),
+             dict(qk_format="int8", cfg=dict(_W4, fold=True)),
+             dict(qk_format="int8", cfg=dict(_W4, fold=True, fuse_q=False)),
+             dict(qk_format="int8", cfg=dict(_W4, fold=True, fuse_q=False, num_stages=2)),
+             dict(qk_format="int8", cfg=dict(_W4, fold=True, fuse_q=False, num_stages=2, maxnreg=168))]
 
 
 def _gpu_name():
@@ -145,7 +152,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     from sparsepatch.kernels import dense
 
-    dims = [int(x) for x in args.dims.split(",")]
+    dims = [int(x) for x in args.dims.split(",") if x]  # --dims "": the fp8 rows only
     B, S, H = args.batch, args.seq, args.heads
     dt = torch.float16
     fp8_seqs = [int(x) for x in args.fp8.split(",") if x]
@@ -230,8 +237,16 @@ def _cos(a, b):
     return float(F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
 
 
+def _fp8_quant_bytes(B, S, H, D, with_q):
+    """Fewest bytes `quantize_fp8` moves (q/k read 2 B + write 1 B per element, v read twice + written once)."""
+    n = B * S * H * D
+    return n * (3 + 3 * with_q + 5)
+
+
 def _fp8_rows(B, S, H, D=128):
-    """fp8/int8 forward (quantize included, and kernel only) vs cuDNN bf16 at head dim D; cos-sim vs cuDNN bf16."""
+    """fp8/int8 forward vs cuDNN bf16 at head dim D (B1 H48 by default, bf16, non-causal): the quantize pass alone
+    (old / fused, with and without q; ms and TB/s of its fewest bytes), then per FP8_SWEEP variant the end-to-end
+    call, the kernel alone on the quantize outputs (the same path: fused q or q8), cos-sim vs cuDNN bf16."""
     from sparsepatch.kernels import dense
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -239,26 +254,44 @@ def _fp8_rows(B, S, H, D=128):
     cud = _sdpa("cudnn")
     with torch.no_grad():
         ref = cud(q, k, v).transpose(1, 2)
-        t_ref = _bench(lambda: cud(q, k, v))
+        t_ref = _bench(lambda: cud(q, k, v), rep=100)
     rows = [dict(S=S, D=D, impl="cudnn_bf16", ms=t_ref, tflops=round(fl / t_ref * 1e-9, 1))]
     print(json.dumps(rows[-1]), flush=True)
+    quant = {}
+    for impl in ("old", "fused"):
+        for with_q in (False, True):
+            t = _bench(lambda: dense.quantize_fp8(q, k, v, "int8", quantize_q=with_q, impl=impl), rep=100)
+            quant[(impl, with_q)] = t
+            rows.append(dict(S=S, D=D, impl=f"quant_{impl}", with_q=with_q, ms=t,
+                             tb_s=round(_fp8_quant_bytes(B, S, H, D, with_q) / t * 1e-9, 2)))
+            print(json.dumps(rows[-1]), flush=True)
+    a = dense.quantize_fp8(q, k, v, "int8", impl="old")
+    b = dense.quantize_fp8(q, k, v, "int8", impl="fused")
+    same = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+    rows[-1]["bitwise_same_as_old"] = same
+    del a, b
     for v8 in FP8_SWEEP:
         fmt, cfg = v8["qk_format"], v8["cfg"]
+        c = dense._fp8_cfg(cfg)
         try:
             with torch.no_grad():
                 out = dense.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg)
-                t = _bench(lambda: dense.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg))
-                qq = dense.quantize_fp8(q, k, v, fmt)
-                tq = _bench(lambda: dense.quantize_fp8(q, k, v, fmt))
-                tk = _bench(lambda: dense.attention_fp8_quantized(*qq, Sk=S, cfg=cfg))
+                t = _bench(lambda: dense.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg), rep=100)
+                q8, qs, k8, ks, vt8, vs = dense.quantize_fp8(q, k, v, fmt, quantize_q=not c["fuse_q"])
+                qa = q if c["fuse_q"] else q8
+                tk = _bench(lambda: dense._fp8_launch(qa, qs, k8, ks, vt8, vs, B=B, Sq=S, Hq=H, Sk=S, causal=False,
+                                                      scale=None, return_lse=False, out_dtype=q.dtype, cfg=cfg,
+                                                      qfused=c["fuse_q"]), rep=100)
+                del q8, qs, k8, ks, vt8, vs
                 outc = dense.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg, causal=True)
                 refc = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                       is_causal=True).transpose(1, 2)
             r = dict(S=S, D=D, impl=f"ours_{fmt}", cfg=cfg, ms=t, tflops=round(fl / t * 1e-9, 1),
-                     kernel_ms=tk, kernel_tflops=round(fl / tk * 1e-9, 1), quant_ms=tq,
-                     x_vs_cudnn=round(t_ref / t, 3), cos_vs_bf16=round(_cos(out, ref), 6),
-                     cos_vs_bf16_causal=round(_cos(outc, refc), 6), rel_vs_bf16=float((out.float() - ref.float()).norm()
-                                                                                      / ref.float().norm()))
+                     kernel_ms=tk, kernel_tflops=round(fl / tk * 1e-9, 1),
+                     quant_ms=quant.get((c["quant"], not c["fuse_q"])),
+                     x_vs_cudnn=round(t_ref / t, 3), kernel_x_vs_cudnn=round(t_ref / tk, 3),
+                     cos_vs_bf16=round(_cos(out, ref), 6), cos_vs_bf16_causal=round(_cos(outc, refc), 6),
+                     rel_vs_bf16=float((out.float() - ref.float()).norm() / ref.float().norm()))
         except Exception as exc:  # noqa: BLE001
             r = dict(S=S, D=D, impl=f"ours_{fmt}", cfg=cfg, error=str(exc)[:300])
         rows.append(r)
@@ -283,9 +316,18 @@ def _table(res):
     for e in res["sweep"]:
         if e["kind"] == "bwd":
             print("bwd", e["D"], e.get("tflops"), json.dumps(e["cfg"]))
+    if res["fp8"]:
+        print("\nfp8 S | impl | cfg | ms | TB/s or TFLOP/s | kernel ms | kernel TF | x cuDNN (e2e / kernel) | cos | "
+              "cos causal")
     for r in res["fp8"]:
-        print("fp8", r.get("S"), r.get("impl"), r.get("tflops"), r.get("kernel_tflops"), r.get("x_vs_cudnn"),
-              r.get("cos_vs_bf16"), r.get("cos_vs_bf16_causal"), r.get("error", "")[:80])
+        cfg = r.get("cfg", r.get("with_q", ""))
+        cfg = json.dumps(cfg, separators=(",", ":")) if isinstance(cfg, dict) else f"with_q={cfg}" if cfg != "" else ""
+        ms = r.get("ms")
+        print("fp8", r.get("S"), r.get("impl"), cfg, round(ms, 4) if isinstance(ms, float) else ms,
+              r.get("tb_s", r.get("tflops")), r.get("kernel_ms") and round(r["kernel_ms"], 4), r.get("kernel_tflops"),
+              f"{r.get('x_vs_cudnn')} / {r.get('kernel_x_vs_cudnn')}" if "x_vs_cudnn" in r else "",
+              r.get("cos_vs_bf16"), r.get("cos_vs_bf16_causal"), r.get("bitwise_same_as_old", ""),
+              r.get("error", "")[:80], sep=" | ")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_checks import gpu, rel  # noqa: E402
+from kernel_checks import cpu_only, gpu, rel  # noqa: E402
 
 from sparsepatch.kernels import reference  # noqa: E402
 
@@ -38,6 +38,30 @@ def test_quantize_model_error_budget():
         dense.quantize_fp8_reference(q, k, v, "int4")
 
 
+@cpu_only
+def test_quant_kqv_kernel_interpreter():
+    """The fused k / V-amax / q launch of `quantize_fp8` (interpreter, fp16 in, int8 out): k8, q8 and their block
+    scales dequantize exactly to the model, and V's channel amax (atomic max on the fp32 bits) is exact."""
+    import triton
+    g = torch.Generator().manual_seed(1)
+    B, Sq, Sk, Hq, Hk, D = 1, 200, 300, 4, 2, 64
+    q = torch.randn(B, Sq, Hq, D, generator=g).half()
+    k, v = (torch.randn(B, Sk, Hk, D, generator=g).half() for _ in range(2))
+    v[..., 3] *= 40.0
+    nqb, nkb = triton.cdiv(Sq, 128), triton.cdiv(Sk, 128)
+    q8, k8 = torch.empty(B, Hq, Sq, D, dtype=torch.int8), torch.empty(B, Hk, Sk, D, dtype=torch.int8)
+    qs, ks = torch.empty(B, Hq, nqb), torch.empty(B, Hk, nkb)
+    vam = torch.zeros(B, Hk, D, dtype=torch.int32)
+    n_k = nkb * B * Hk
+    dense._fp8_quant_kqv_kernel[(n_k + nqb * B * Hq,)](
+        k, v, q, k8, ks, vam, q8, qs, *k.stride()[:3], *v.stride()[:3], *q.stride()[:3], Sk, Sq, Hk, Hq, nkb, nqb,
+        n_k, D=D, BLK=128, FMAX=127.0, INT8=True)
+    qd, kd, vd = dense.quantize_fp8_reference(q, k, v, "int8")
+    assert torch.equal(vam.view(torch.float32), v.float().abs().amax(1))
+    assert torch.equal((k8.float() * ks.repeat_interleave(128, -1)[..., :Sk, None]).transpose(1, 2), kd)
+    assert torch.equal((q8.float() * qs.repeat_interleave(128, -1)[..., :Sq, None]).transpose(1, 2), qd)
+
+
 def test_attention_fp8_rejects_bad_input():
     q = torch.randn(1, 8, 2, 128)
     assert not dense.fp8_supported(q)
@@ -50,6 +74,12 @@ CASES = [  # (B, Sq, Sk, Hq, Hk, D, causal)
     (2, 1000, 1000, 4, 2, 128, True),     # partial tiles, GQA
     (1, 512, 1536, 2, 1, 64, True),       # Sq < Sk, bottom-right causal
 ]
+
+
+# kernel variants under A/B (fp8 session 6): the default, the folded int8 conversion (one FFMA per score), 64-row
+# programs (one warpgroup, two programs per SM; three with 168 registers and 2 stages), q8 from the quantize pass
+CFGS = [dict(), dict(fold=True), dict(block_m=64, num_warps=4, fold=True),
+        dict(block_m=64, num_warps=4, fold=True, fuse_q=False, num_stages=2, maxnreg=168)]
 
 
 @gpu
@@ -65,8 +95,21 @@ def test_gpu_fp8_vs_bf16(case):
         q8, qs, k8, ks, vt8, vs = dense.quantize_fp8(q, k, v, fmt)
         qd, kd, vd = dense.quantize_fp8_reference(q, k, v, fmt)
         assert rel((q8.float() * qs.repeat_interleave(128, -1)[..., :Sq, None]).transpose(1, 2), qd) <= 1e-3
+        assert rel((k8.float() * ks.repeat_interleave(128, -1)[..., :Sk, None]).transpose(1, 2), kd) <= 1e-3
         assert rel((vt8.float()[..., :Sk] * vs[..., None]).permute(0, 3, 1, 2), vd) <= 1e-3
-        out, lse = dense.attention_fp8(q, k, v, causal=causal, return_lse=True, qk_format=fmt)
-        assert out.dtype == q.dtype and out.shape == q.shape and torch.isfinite(out).all()
-        assert cos(out, want) >= floor, (fmt, cos(out, want))
-        assert (lse - wlse).abs().max().item() <= lse_tol
+        old = list(dense.quantize_fp8(q, k, v, fmt, impl="old"))  # the fused launches change no bit
+        old[4] = old[4][..., :Sk]  # V^T's padding columns are not written
+        for a, b in zip((q8, qs, k8, ks, vt8[..., :Sk], vs), old):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+        cfgs = CFGS if fmt == "int8" else CFGS[:1]
+        for cfg in cfgs:
+            out, lse = dense.attention_fp8(q, k, v, causal=causal, return_lse=True, qk_format=fmt, cfg=cfg)
+            assert out.dtype == q.dtype and out.shape == q.shape and torch.isfinite(out).all()
+            assert cos(out, want) >= floor, (fmt, cfg, cos(out, want))
+            assert (lse - wlse).abs().max().item() <= lse_tol, (fmt, cfg)
+        # the kernel on the quantize outputs (q8 path) vs attention on the dequantized inputs
+        want_q = reference.attention(qd, kd, vd, causal=causal)
+        for cfg in cfgs:
+            got = dense.attention_fp8_quantized(q8, qs, k8, ks, vt8, vs, Sk=Sk, causal=causal, cfg=cfg)
+            assert cos(got, want_q) >= 0.999, (fmt, cfg, cos(got, want_q))

@@ -954,19 +954,15 @@ FP8_BLOCK = 128  # rows per q/k scale; equals the kernel's BLOCK_M and BLOCK_N
 FP8_LOG2_P_SCALE = 8.0  # P is cast to e4m3 as P * 2^8 (max 256 < 448)
 # Launch settings (cfg of attention_fp8). Warp specialisation and fp16x2 exp2 were measured neutral or slower
 # (benchmarks/NOTES.md, fp8 runs 1-3) and deleted.
-FP8_CONFIG = dict(num_warps=8, num_stages=3, fuse_q=True)
+FP8_CONFIG = dict(num_warps=8, num_stages=3, fuse_q=True, block_m=128, fold=False, quant="fused", maxnreg=None)
 
 
 @triton.jit
-def _fp8_quant_rows_kernel(X, Y, SC, stride_b, stride_s, stride_h, S, H, n_blk,
-                           D: tl.constexpr, BLK: tl.constexpr, FMAX: tl.constexpr, INT8: tl.constexpr):
-    """One (BLK rows, head) block of X (B, S, H, D) -> Y (B, H, S, D) e4m3 (or int8, rounded to nearest) and its
-    scale amax / FMAX."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    rows = pid * BLK + tl.arange(0, BLK)
+def _fp8_quant_block(X, Y, SC, b, h, bh, blk, stride_b, stride_s, stride_h, S, n_blk,
+                     D: tl.constexpr, BLK: tl.constexpr, FMAX: tl.constexpr, INT8: tl.constexpr):
+    """Rows [blk * BLK, +BLK) of head h of X (B, S, H, D) -> Y (B, H, S, D) e4m3 (or int8, rounded to nearest) and
+    the block's scale amax / FMAX at SC[bh * n_blk + blk]."""
+    rows = blk * BLK + tl.arange(0, BLK)
     offs_d = tl.arange(0, D)
     ok = (rows < S)[:, None]
     x = tl.load(X + b * stride_b + h * stride_h + rows[:, None] * stride_s + offs_d[None, :], mask=ok,
@@ -977,13 +973,82 @@ def _fp8_quant_rows_kernel(X, Y, SC, stride_b, stride_s, stride_h, S, H, n_blk,
         y = tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int32)
     y = y.to(Y.dtype.element_ty)
     tl.store(Y + (bh.to(tl.int64) * S + rows[:, None]) * D + offs_d[None, :], y, mask=ok)
-    tl.store(SC + bh.to(tl.int64) * n_blk + pid, sc)
+    tl.store(SC + bh.to(tl.int64) * n_blk + blk, sc)
 
 
 @triton.jit
-def _fp8_quant_vt_kernel(X, Y, SC, stride_b, stride_s, stride_h, S, S_pad, H, D: tl.constexpr, BS: tl.constexpr):
-    """BS keys of one (batch, kv head) of V (B, S, H, D) with per-channel scales SC (B, H, D) -> e4m3 V^T rows
-    Y[(bh * D + d) * S_pad + s]."""
+def _fp8_quant_rows_kernel(X, Y, SC, stride_b, stride_s, stride_h, S, H, n_blk,
+                           D: tl.constexpr, BLK: tl.constexpr, FMAX: tl.constexpr, INT8: tl.constexpr):
+    """(old path, A/B only) One (BLK rows, head) block of X per program (`_fp8_quant_block`)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    _fp8_quant_block(X, Y, SC, (bh // H).to(tl.int64), bh % H, bh, pid, stride_b, stride_s, stride_h, S, n_blk,
+                     D, BLK, FMAX, INT8)
+
+
+@triton.jit
+def _fp8_quant_kqv_kernel(K, V, Q, K8, KS, VAMAX, Q8, QS, stride_kb, stride_ks, stride_kh,
+                          stride_vb, stride_vs, stride_vh, stride_qb, stride_qs, stride_qh,
+                          Sk, Sq, Hk, Hq, nkb, nqb, n_k_tasks,
+                          D: tl.constexpr, BLK: tl.constexpr, FMAX: tl.constexpr, INT8: tl.constexpr):
+    """One launch for everything `quantize_fp8` can do before V's scales are known. Program t < n_k_tasks: key
+    block (t % nkb) of (batch, kv head) t // nkb -> k8 + its scale, and the per-channel amax of the same V rows,
+    merged into VAMAX (B, Hk, D) (zeroed by the caller) by an atomic max on the fp32 bits as int32 (|v| >= 0, so
+    the integer order of the bits is the float order). Later programs: the q blocks (when there are any)."""
+    t = tl.program_id(0)
+    if t < n_k_tasks:
+        blk = t % nkb
+        bh = t // nkb
+        b = (bh // Hk).to(tl.int64)
+        h = bh % Hk
+        rows = blk * BLK + tl.arange(0, BLK)
+        offs_d = tl.arange(0, D)
+        # V's loads are issued before K's block is processed: both 32 KB reads in flight at once
+        xv = tl.load(V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + offs_d[None, :],
+                     mask=(rows < Sk)[:, None], other=0.0)
+        _fp8_quant_block(K, K8, KS, b, h, bh, blk, stride_kb, stride_ks, stride_kh, Sk, nkb, D, BLK, FMAX, INT8)
+        amax = tl.max(tl.abs(xv.to(tl.float32)), 0)
+        tl.atomic_max(VAMAX + bh.to(tl.int64) * D + offs_d, amax.to(tl.int32, bitcast=True), sem="relaxed")
+    else:
+        t -= n_k_tasks
+        blk = t % nqb
+        bh = t // nqb
+        _fp8_quant_block(Q, Q8, QS, (bh // Hq).to(tl.int64), bh % Hq, bh, blk, stride_qb, stride_qs, stride_qh, Sq,
+                         nqb, D, BLK, FMAX, INT8)
+
+
+@triton.jit
+def _fp8_quant_vt_kernel(X, Y, SC, VAMAX, stride_b, stride_s, stride_h, S, S_pad, H, D: tl.constexpr,
+                         BS: tl.constexpr, FROM_AMAX: tl.constexpr):
+    """BS keys of one (batch, kv head) of V (B, S, H, D) -> e4m3 V^T rows Y[(bh * D + d) * S_pad + s] with the
+    per-channel scales SC (B, H, D). FROM_AMAX: the scales are computed here from the channel amax bits VAMAX
+    (max(amax, 1e-30) / 448, IEEE division as torch's) and program 0 of each head stores them to SC. The tile is
+    indexed (d, s) from the start: the load is vectorised along d, the store along s (16 keys per thread), and
+    the compiler's layout change between them goes through shared memory."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    offs_d = tl.arange(0, D)
+    rows = pid * BS + tl.arange(0, BS)
+    ok = rows < S
+    x = tl.load(X + b * stride_b + h * stride_h + rows[None, :] * stride_s + offs_d[:, None], mask=ok[None, :],
+                other=0.0).to(tl.float32)
+    if FROM_AMAX:
+        amax = tl.load(VAMAX + bh.to(tl.int64) * D + offs_d).to(tl.float32, bitcast=True)
+        sc = tl.math.div_rn(tl.maximum(amax, 1e-30), 448.0)
+        if pid == 0:
+            tl.store(SC + bh.to(tl.int64) * D + offs_d, sc)
+    else:
+        sc = tl.load(SC + bh.to(tl.int64) * D + offs_d)
+    inv = 1.0 / sc
+    y = (x * inv[:, None]).to(Y.dtype.element_ty)
+    tl.store(Y + (bh.to(tl.int64) * D + offs_d[:, None]) * S_pad + rows[None, :], y, mask=ok[None, :])
+
+
+@triton.jit
+def _fp8_quant_vt_old_kernel(X, Y, SC, stride_b, stride_s, stride_h, S, S_pad, H, D: tl.constexpr, BS: tl.constexpr):
+    """(old path, A/B only) the session-5 V^T pass: (BS, D) tile, tl.trans, scales from SC."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -1015,9 +1080,12 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
                     stride_qb, stride_qs, stride_qh,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     WRITE_LSE: tl.constexpr, LOG2_PS: tl.constexpr, QK_ACC: tl.constexpr, QFUSED: tl.constexpr,
-                    QMAX: tl.constexpr):
+                    QMAX: tl.constexpr, FOLD: tl.constexpr, QBLK: tl.constexpr):
     """One (BLOCK_M rows, query head) tile. QFUSED: Q8 is the fp16/bf16 q (B, Sq, Hq, D) itself, quantized here
-    (one block = this tile, the same blocks as `quantize_fp8`), saving the separate pass over q."""
+    (one scale per tile: the blocks of `quantize_fp8` when BLOCK_M = 128), saving the separate pass over q.
+    Otherwise Q8 is q8 (B, Hq, Sq, D) with one scale per QBLK rows. BLOCK_M 64 (4 warps, one warpgroup): two
+    independent programs per SM, so one's softmax can overlap the other's wgmma (a 128-row program's two
+    warpgroups meet at a CTA barrier every k-block: its tensor cores idle during the softmax)."""
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -1045,7 +1113,7 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
         q_desc = tl.make_tensor_descriptor(Q8 + bh.to(tl.int64) * Sq * D, shape=[Sq, D], strides=[D, 1],
                                            block_shape=[BLOCK_M, D])
         q = q_desc.load([start_m, 0])
-        cq = tl.load(QS + bh.to(tl.int64) * nqb + pid_m) * qk_scale
+        cq = tl.load(QS + bh.to(tl.int64) * nqb + start_m // QBLK) * qk_scale
     ks_base = KS + bhk * nkb
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -1055,15 +1123,33 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
         k = k_desc.load([start_n, 0])
         vt = v_desc.load([0, start_n])
         c = cq * tl.load(ks_base + start_n // BLOCK_N)
-        s = _qk_scores(q, k, QK_ACC)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * c)
-        # P is produced already scaled by 2^LOG2_PS (exponent offset, no multiply); l carries the same factor.
-        p = tl.math.exp2(s * c - (m_new - LOG2_PS)[:, None])
-        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(p, 1)
-        alpha = tl.math.exp2(m_i - m_new)
+        if FOLD and QK_ACC == tl.int32:
+            # The int32 scores arrive as floats sf = 1.5 * 2^23 + s (the magic constant is the wgmma's initial
+            # accumulator), so s * c - (m - 8) = sf * c - kk with kk = 1.5 * 2^23 * c + m - 8: one FFMA per score
+            # instead of FADD + FMUL + FADD. kk is rounded once per row; the max actually subtracted is then
+            # m_use = kk - 1.5 * 2^23 * c + 8 (within half an ulp of kk of m_new; every use below is consistent
+            # with m_use, so this is exact softmax algebra). 1.5 * 2^23 * c is exact: c keeps 22 mantissa bits.
+            c = (c.to(tl.int32, bitcast=True) & -4).to(tl.float32, bitcast=True)
+            sf = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
+            mc = 12582912.0 * c
+            m_new = tl.maximum(m_i, (tl.max(sf, 1) - 12582912.0) * c)
+            kk = mc + (m_new - LOG2_PS)
+            m_use = (kk - mc) + LOG2_PS
+            p = tl.math.exp2(tl.fma(sf, c, -kk[:, None]))
+        elif FOLD:
+            s = _qk_scores(q, k, QK_ACC)
+            m_use = tl.maximum(m_i, tl.max(s, 1) * c)
+            p = tl.math.exp2(tl.fma(s, c, -(m_use - LOG2_PS)[:, None]))
+        else:
+            s = _qk_scores(q, k, QK_ACC)
+            m_use = tl.maximum(m_i, tl.max(s, 1) * c)
+            # P is produced already scaled by 2^LOG2_PS (exponent offset, no multiply); l carries the same factor.
+            p = tl.math.exp2(s * c - (m_use - LOG2_PS)[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
-        m_i = m_new
+        m_i = m_use
     for start_n in tl.range(hi_full, hi, BLOCK_N, num_stages=1):
         k = k_desc.load([start_n, 0])
         vt = v_desc.load([0, start_n])
@@ -1103,33 +1189,55 @@ QK_FORMATS = ("int8", "e4m3")
 _QMAX = {"int8": 127.0, "e4m3": FP8_MAX}
 
 
-def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True):
+def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True, impl: str = "fused"):
     """Quantize for `attention_fp8`: -> (q8 (B, Hq, Sq, D), q_scale (B, Hq, ceil(Sq/128)), k8, k_scale (same for
     k), vt8 (B, Hk, D, Sk rounded up to 16), v_scale (B, Hk, D)); fp32 scales (dequant = x8 * scale). q8/k8 are
     int8 (qk_format "int8", scale amax/127) or e4m3 ("e4m3", amax/448); vt8 is always e4m3. quantize_q=False:
-    q8 and q_scale are None (the kernel quantizes q itself)."""
+    q8 and q_scale are None (the kernel quantizes q itself).
+
+    Two launches (impl "fused"): k blocks + V's channel amax (atomic max) + q blocks, then the V^T pass, which
+    needs the amax of the whole sequence. impl "old" (A/B only): a launch per q / k, torch amax, V^T pass."""
     B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, v)
     q, k, v = (_unit(t) for t in (q, k, v))
     if qk_format not in QK_FORMATS:
         raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    if impl not in ("fused", "old"):
+        raise ValueError(f"impl must be 'fused' or 'old', got {impl!r}")
     dev, f8 = q.device, torch.float8_e4m3fn
     qk_dt = torch.int8 if qk_format == "int8" else f8
-    out = [None, None]
-    for t, S, H in (((q, Sq, Hq),) if quantize_q else ()) + ((k, Sk, Hk),):
-        nb = triton.cdiv(S, FP8_BLOCK)
-        y = torch.empty((B, H, S, D), dtype=qk_dt, device=dev)
-        sc = torch.empty((B, H, nb), dtype=torch.float32, device=dev)
-        _fp8_quant_rows_kernel[(nb, B * H)](t, y, sc, t.stride(0), t.stride(1), t.stride(2), S, H, nb,
-                                            D=D, BLK=FP8_BLOCK, FMAX=_QMAX[qk_format], INT8=qk_format == "int8",
-                                            num_warps=8)
-        out += [y, sc]
-    out = out[-4:]
+    fmax, int8 = _QMAX[qk_format], qk_format == "int8"
+    nqb, nkb = triton.cdiv(Sq, FP8_BLOCK), triton.cdiv(Sk, FP8_BLOCK)
+    q8 = torch.empty((B, Hq, Sq, D), dtype=qk_dt, device=dev) if quantize_q else None
+    qs = torch.empty((B, Hq, nqb), dtype=torch.float32, device=dev) if quantize_q else None
+    k8 = torch.empty((B, Hk, Sk, D), dtype=qk_dt, device=dev)
+    ks = torch.empty((B, Hk, nkb), dtype=torch.float32, device=dev)
     s_pad = -(-Sk // 16) * 16
     vt = torch.empty((B, Hk, D, s_pad), dtype=f8, device=dev)
-    vs = (v.abs().amax(dim=1).float().clamp_min(1e-30) / FP8_MAX).contiguous()  # (B, Hk, D): one pass over v
-    _fp8_quant_vt_kernel[(triton.cdiv(Sk, 64), B * Hk)](v, vt, vs, v.stride(0), v.stride(1), v.stride(2), Sk, s_pad,
-                                                        Hk, D=D, BS=64, num_warps=4)
-    return out[0], out[1], out[2], out[3], vt, vs
+    if impl == "old":
+        for t, y, sc, S, H, nb in (((q, q8, qs, Sq, Hq, nqb),) if quantize_q else ()) + ((k, k8, ks, Sk, Hk, nkb),):
+            _fp8_quant_rows_kernel[(nb, B * H)](t, y, sc, t.stride(0), t.stride(1), t.stride(2), S, H, nb,
+                                                D=D, BLK=FP8_BLOCK, FMAX=fmax, INT8=int8, num_warps=8)
+        vs = (v.abs().amax(dim=1).float().clamp_min(1e-30) / FP8_MAX).contiguous()  # (B, Hk, D)
+        _fp8_quant_vt_old_kernel[(triton.cdiv(Sk, 64), B * Hk)](v, vt, vs, v.stride(0), v.stride(1), v.stride(2), Sk,
+                                                                s_pad, Hk, D=D, BS=64, num_warps=4)
+        return q8, qs, k8, ks, vt, vs
+    vamax = torch.zeros((B, Hk, D), dtype=torch.int32, device=dev)
+    vs = torch.empty((B, Hk, D), dtype=torch.float32, device=dev)
+    n_k = nkb * B * Hk
+    n_q = nqb * B * Hq if quantize_q else 0
+    qa = q if quantize_q else k  # unused pointers when q is not quantized here
+    _fp8_quant_kqv_kernel[(n_k + n_q,)](
+        k, v, qa, k8, ks, vamax, q8 if quantize_q else k8, qs if quantize_q else ks,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        qa.stride(0), qa.stride(1), qa.stride(2), Sk, Sq, Hk, Hq, nkb, nqb, n_k,
+        D=D, BLK=FP8_BLOCK, FMAX=fmax, INT8=int8, num_warps=8)
+    _fp8_quant_vt_kernel[(triton.cdiv(Sk, _VT_BS), B * Hk)](v, vt, vs, vamax, v.stride(0), v.stride(1), v.stride(2),
+                                                            Sk, s_pad, Hk, D=D, BS=_VT_BS, FROM_AMAX=True,
+                                                            num_warps=8)
+    return q8, qs, k8, ks, vt, vs
+
+
+_VT_BS = 128  # keys per V^T program: 128-byte rows of V^T per store
 
 
 def _fp8_cfg(cfg):
@@ -1149,13 +1257,15 @@ def _fp8_launch(qa, qs, k8, ks, vt8, vs, *, B, Sq, Hq, Sk, causal, scale, return
     int8 = k8.dtype == torch.int8
     qstr = (qa.stride(0), qa.stride(1), qa.stride(2)) if qfused else (0, 0, 0)
     set_tma_allocator()
-    _fp8_fwd_kernel[(triton.cdiv(Sq, FP8_BLOCK), B * Hq)](
+    bm = cfg["block_m"]
+    _fp8_fwd_kernel[(triton.cdiv(Sq, bm), B * Hq)](
         qa, k8, vt8, qs if qs is not None else ks, ks, vs, out, lse, out.stride(0), out.stride(1), out.stride(2),
         Sq, Sk, vt8.shape[-1], Hq, Hk, Hq // Hk, qs.shape[-1] if qs is not None else 0, ks.shape[-1],
         scale * LOG2E, Sk - Sq, *qstr,
-        D=D, BLOCK_M=FP8_BLOCK, BLOCK_N=FP8_BLOCK, CAUSAL=bool(causal), WRITE_LSE=bool(return_lse),
+        D=D, BLOCK_M=bm, BLOCK_N=FP8_BLOCK, CAUSAL=bool(causal), WRITE_LSE=bool(return_lse),
         LOG2_PS=FP8_LOG2_P_SCALE, QK_ACC=tl.int32 if int8 else tl.float32, QFUSED=bool(qfused),
-        QMAX=127.0 if int8 else FP8_MAX, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        QMAX=127.0 if int8 else FP8_MAX, FOLD=bool(cfg["fold"]), QBLK=FP8_BLOCK, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))
     return (out, lse) if return_lse else out
 
 
@@ -1184,8 +1294,9 @@ def attention_fp8(q, k, v, *, causal: bool = False, scale=None, return_lse: bool
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q/k/v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
     q, k, v = (_unit(t) for t in (q, k, v))  # the quantize kernels and the fused q load index D with stride 1
-    fuse = _fp8_cfg(cfg)["fuse_q"]
-    q8, qs, k8, ks, vt8, vs = quantize_fp8(q, k, v, qk_format, quantize_q=not fuse)
+    c = _fp8_cfg(cfg)
+    fuse = c["fuse_q"]
+    q8, qs, k8, ks, vt8, vs = quantize_fp8(q, k, v, qk_format, quantize_q=not fuse, impl=c["quant"])
     return _fp8_launch(q if fuse else q8, qs, k8, ks, vt8, vs, B=B, Sq=Sq, Hq=Hq, Sk=Sk, causal=causal,
                        scale=scale, return_lse=return_lse, out_dtype=q.dtype, cfg=cfg, qfused=fuse)
 
