@@ -39,14 +39,16 @@ FWD_SWEEP = {
 # stages 2 / BLOCK_D 32 x 4 stages / BLOCK_N 64 / 2 GiB at D 320, 512, 1024 (benchmarks/NOTES.md).
 BWD_SWEEP = {}
 # fp8 session 6 A/B (int8 Q K^T; e4m3 Q K^T misses cos 0.999 and is not timed): quant "old" (3 launches + torch
-# amax) vs "fused" (2 launches); fold (one FFMA per score); block_m 64 (one warpgroup, two programs per SM).
-_W4 = dict(block_m=64, num_warps=4)
-FP8_SWEEP = [dict(qk_format="int8", cfg=dict(quant="old")), dict(qk_format="int8", cfg=dict()),
-             dict(qk_format="int8", cfg=dict(fold=True)), dict(qk_format="int8", cfg=dict(fold=True, fuse_q=False)),
-             dict(qk_format="int8", cfg=dict(_W4, fold=True)),
-             dict(qk_format="int8", cfg=dict(_W4, fold=True, fuse_q=False)),
-             dict(qk_format="int8", cfg=dict(_W4, fold=True, fuse_q=False, num_stages=2)),
-             dict(qk_format="int8", cfg=dict(_W4, fold=True, fuse_q=False, num_stages=2, maxnreg=168))]
+# amax) vs "fused" (2 launches); pair (two 128-key blocks per loop iteration); block_m 64 (one warpgroup per
+# program, two programs per SM; maxnreg 168 + 2 stages: three).
+_W4 = dict(block_m=64, num_warps=4, quant="fused")
+_FQ = dict(quant="fused")
+FP8_SWEEP = [dict(qk_format="int8", cfg=dict(quant="old")), dict(qk_format="int8", cfg=dict(_FQ)),
+             dict(qk_format="int8", cfg=dict(_FQ, pair=True)),
+             dict(qk_format="int8", cfg=dict(_FQ, pair=True, fuse_q=False)),
+             dict(qk_format="int8", cfg=dict(_FQ, pair=True, num_stages=2)),
+             dict(qk_format="int8", cfg=dict(_W4)), dict(qk_format="int8", cfg=dict(_W4, fuse_q=False)),
+             dict(qk_format="int8", cfg=dict(_W4, fuse_q=False, num_stages=2, maxnreg=168))]
 
 
 def _gpu_name():

@@ -62,6 +62,30 @@ def test_quant_kqv_kernel_interpreter():
     assert torch.equal((q8.float() * qs.repeat_interleave(128, -1)[..., :Sq, None]).transpose(1, 2), qd)
 
 
+@cpu_only
+def test_quant_vt_kernel_interpreter():
+    """The V^T pass from the channel amax bits (interpreter; fp16 out, as the interpreter's e4m3 cast is not the
+    GPU's): V^T indexing, the per-channel scales it stores, and the same values as the old pass given torch's
+    scales."""
+    import triton
+    g = torch.Generator().manual_seed(2)
+    B, Sk, Hk, D = 2, 300, 2, 64
+    v = torch.randn(B, Sk, Hk, D, generator=g).half()
+    v[..., 5] *= 30.0
+    s_pad = -(-Sk // 16) * 16
+    vam = v.float().abs().amax(1).contiguous().view(torch.int32)
+    want_s = v.float().abs().amax(1).clamp_min(1e-30) / dense.FP8_MAX
+    vt, vs = torch.zeros(B, Hk, D, s_pad, dtype=torch.float16), torch.empty(B, Hk, D)
+    dense._fp8_quant_vt_kernel[(triton.cdiv(Sk, 128), B * Hk)](v, vt, vs, vam, *v.stride()[:3], Sk, s_pad, Hk, D=D,
+                                                               BS=128, FROM_AMAX=True)
+    assert torch.equal(vs, want_s)
+    assert torch.equal(vt[..., :Sk], (v.float() * (1.0 / want_s[:, None])).permute(0, 2, 3, 1).half())
+    vt_old = torch.zeros_like(vt)
+    dense._fp8_quant_vt_old_kernel[(triton.cdiv(Sk, 64), B * Hk)](v, vt_old, want_s, *v.stride()[:3], Sk, s_pad, Hk,
+                                                                  D=D, BS=64)
+    assert torch.equal(vt, vt_old)
+
+
 def test_attention_fp8_rejects_bad_input():
     q = torch.randn(1, 8, 2, 128)
     assert not dense.fp8_supported(q)
@@ -76,10 +100,10 @@ CASES = [  # (B, Sq, Sk, Hq, Hk, D, causal)
 ]
 
 
-# kernel variants under A/B (fp8 session 6): the default, the folded int8 conversion (one FFMA per score), 64-row
-# programs (one warpgroup, two programs per SM; three with 168 registers and 2 stages), q8 from the quantize pass
-CFGS = [dict(), dict(fold=True), dict(block_m=64, num_warps=4, fold=True),
-        dict(block_m=64, num_warps=4, fold=True, fuse_q=False, num_stages=2, maxnreg=168)]
+# kernel variants under A/B (fp8 session 6): the default, two key blocks per iteration (pair), 64-row programs
+# (one warpgroup, two programs per SM; three with 168 registers and 2 stages), q8 from the quantize pass
+CFGS = [dict(), dict(pair=True, quant="fused"), dict(block_m=64, num_warps=4, quant="fused"),
+        dict(block_m=64, num_warps=4, fuse_q=False, num_stages=2, maxnreg=168, quant="fused")]
 
 
 @gpu
@@ -92,7 +116,7 @@ def test_gpu_fp8_vs_bf16(case):
     want, wlse = reference.attention(q.float(), k.float(), v.float(), causal=causal, return_lse=True)
     for fmt, floor, lse_tol in (("int8", 0.999, 0.05), ("e4m3", 0.997, 0.15)):
         # the quantize kernels reproduce the model (up to rounding ties)
-        q8, qs, k8, ks, vt8, vs = dense.quantize_fp8(q, k, v, fmt)
+        q8, qs, k8, ks, vt8, vs = dense.quantize_fp8(q, k, v, fmt, impl="fused")
         qd, kd, vd = dense.quantize_fp8_reference(q, k, v, fmt)
         assert rel((q8.float() * qs.repeat_interleave(128, -1)[..., :Sq, None]).transpose(1, 2), qd) <= 1e-3
         assert rel((k8.float() * ks.repeat_interleave(128, -1)[..., :Sk, None]).transpose(1, 2), kd) <= 1e-3

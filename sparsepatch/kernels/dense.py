@@ -950,11 +950,17 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
 # exp2, and l carries it too), and O = acc * s_v / l.
 
 FP8_MAX = 448.0
-FP8_BLOCK = 128  # rows per q/k scale; equals the kernel's BLOCK_M and BLOCK_N
+FP8_BLOCK = 128  # rows per q/k scale; the kernel's BLOCK_N and default BLOCK_M
 FP8_LOG2_P_SCALE = 8.0  # P is cast to e4m3 as P * 2^8 (max 256 < 448)
 # Launch settings (cfg of attention_fp8). Warp specialisation and fp16x2 exp2 were measured neutral or slower
 # (benchmarks/NOTES.md, fp8 runs 1-3) and deleted.
-FP8_CONFIG = dict(num_warps=8, num_stages=3, fuse_q=True, block_m=128, fold=False, quant="fused", maxnreg=None)
+# quantize_fp8's implementation: "fused" (2 launches, session 6) or "old" (a launch per q / k, torch amax, V^T pass).
+# Bit-identical outputs; "old" stays the default until a GPU run has timed both (benchmarks/NOTES.md, session 6).
+FP8_QUANT_IMPL = "old"
+# Session-6 kernel cfg keys under A/B: pair (two key blocks per loop iteration), block_m 64 (+ num_warps 4: one
+# warpgroup per program), maxnreg (register cap: 168 fits three 64-row programs per SM at 2 stages).
+FP8_CONFIG = dict(num_warps=8, num_stages=3, fuse_q=True, block_m=128, pair=False, quant=FP8_QUANT_IMPL,
+                  maxnreg=None)
 
 
 @triton.jit
@@ -1080,7 +1086,7 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
                     stride_qb, stride_qs, stride_qh,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     WRITE_LSE: tl.constexpr, LOG2_PS: tl.constexpr, QK_ACC: tl.constexpr, QFUSED: tl.constexpr,
-                    QMAX: tl.constexpr, FOLD: tl.constexpr, QBLK: tl.constexpr):
+                    QMAX: tl.constexpr, PAIR: tl.constexpr, QBLK: tl.constexpr):
     """One (BLOCK_M rows, query head) tile. QFUSED: Q8 is the fp16/bf16 q (B, Sq, Hq, D) itself, quantized here
     (one scale per tile: the blocks of `quantize_fp8` when BLOCK_M = 128), saving the separate pass over q.
     Otherwise Q8 is q8 (B, Hq, Sq, D) with one scale per QBLK rows. BLOCK_M 64 (4 warps, one warpgroup): two
@@ -1119,38 +1125,44 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     hi, hi_full = key_range(start_m, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in tl.range(0, hi_full, BLOCK_N):
-        k = k_desc.load([start_n, 0])
-        vt = v_desc.load([0, start_n])
-        c = cq * tl.load(ks_base + start_n // BLOCK_N)
-        if FOLD and QK_ACC == tl.int32:
-            # The int32 scores arrive as floats sf = 1.5 * 2^23 + s (the magic constant is the wgmma's initial
-            # accumulator), so s * c - (m - 8) = sf * c - kk with kk = 1.5 * 2^23 * c + m - 8: one FFMA per score
-            # instead of FADD + FMUL + FADD. kk is rounded once per row; the max actually subtracted is then
-            # m_use = kk - 1.5 * 2^23 * c + 8 (within half an ulp of kk of m_new; every use below is consistent
-            # with m_use, so this is exact softmax algebra). 1.5 * 2^23 * c is exact: c keeps 22 mantissa bits.
-            c = (c.to(tl.int32, bitcast=True) & -4).to(tl.float32, bitcast=True)
-            sf = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
-            mc = 12582912.0 * c
-            m_new = tl.maximum(m_i, (tl.max(sf, 1) - 12582912.0) * c)
-            kk = mc + (m_new - LOG2_PS)
-            m_use = (kk - mc) + LOG2_PS
-            p = tl.math.exp2(tl.fma(sf, c, -kk[:, None]))
-        elif FOLD:
+    lo_tail = hi_full
+    if PAIR:
+        # two key blocks per iteration: one max / alpha / acc rescale per 256 keys (the rescale is 64 FMUL per
+        # thread and block, ~10% of the loop); a leftover full block goes through the masked loop below.
+        lo_tail = hi_full // (2 * BLOCK_N) * (2 * BLOCK_N)
+        for start_n in tl.range(0, lo_tail, 2 * BLOCK_N):
+            k0 = k_desc.load([start_n, 0])
+            k1 = k_desc.load([start_n + BLOCK_N, 0])
+            vt0 = v_desc.load([0, start_n])
+            vt1 = v_desc.load([0, start_n + BLOCK_N])
+            c0 = cq * tl.load(ks_base + start_n // BLOCK_N)
+            c1 = cq * tl.load(ks_base + start_n // BLOCK_N + 1)
+            s0 = _qk_scores(q, k0, QK_ACC)
+            s1 = _qk_scores(q, k1, QK_ACC)
+            m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, 1) * c0, tl.max(s1, 1) * c1))
+            p0 = tl.math.exp2(s0 * c0 - (m_new - LOG2_PS)[:, None])
+            p1 = tl.math.exp2(s1 * c1 - (m_new - LOG2_PS)[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + (tl.sum(p0, 1) + tl.sum(p1, 1))
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p0.to(vt0.dtype), tl.trans(vt0), acc)
+            acc = tl.dot(p1.to(vt1.dtype), tl.trans(vt1), acc)
+            m_i = m_new
+    else:
+        for start_n in tl.range(0, hi_full, BLOCK_N):
+            k = k_desc.load([start_n, 0])
+            vt = v_desc.load([0, start_n])
+            c = cq * tl.load(ks_base + start_n // BLOCK_N)
             s = _qk_scores(q, k, QK_ACC)
-            m_use = tl.maximum(m_i, tl.max(s, 1) * c)
-            p = tl.math.exp2(tl.fma(s, c, -(m_use - LOG2_PS)[:, None]))
-        else:
-            s = _qk_scores(q, k, QK_ACC)
-            m_use = tl.maximum(m_i, tl.max(s, 1) * c)
+            m_new = tl.maximum(m_i, tl.max(s, 1) * c)
             # P is produced already scaled by 2^LOG2_PS (exponent offset, no multiply); l carries the same factor.
-            p = tl.math.exp2(s * c - (m_use - LOG2_PS)[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
-        m_i = m_use
-    for start_n in tl.range(hi_full, hi, BLOCK_N, num_stages=1):
+            p = tl.math.exp2(s * c - (m_new - LOG2_PS)[:, None])
+            l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(p, 1)
+            alpha = tl.math.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
+            m_i = m_new
+    for start_n in tl.range(lo_tail, hi, BLOCK_N, num_stages=1):
         k = k_desc.load([start_n, 0])
         vt = v_desc.load([0, start_n])
         c = cq * tl.load(ks_base + start_n // BLOCK_N)
@@ -1189,18 +1201,20 @@ QK_FORMATS = ("int8", "e4m3")
 _QMAX = {"int8": 127.0, "e4m3": FP8_MAX}
 
 
-def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True, impl: str = "fused"):
+def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True, impl: str | None = None):
     """Quantize for `attention_fp8`: -> (q8 (B, Hq, Sq, D), q_scale (B, Hq, ceil(Sq/128)), k8, k_scale (same for
     k), vt8 (B, Hk, D, Sk rounded up to 16), v_scale (B, Hk, D)); fp32 scales (dequant = x8 * scale). q8/k8 are
     int8 (qk_format "int8", scale amax/127) or e4m3 ("e4m3", amax/448); vt8 is always e4m3. quantize_q=False:
     q8 and q_scale are None (the kernel quantizes q itself).
 
-    Two launches (impl "fused"): k blocks + V's channel amax (atomic max) + q blocks, then the V^T pass, which
-    needs the amax of the whole sequence. impl "old" (A/B only): a launch per q / k, torch amax, V^T pass."""
+    impl (default FP8_QUANT_IMPL): "fused", two launches: k blocks + V's channel amax (atomic max) + q blocks,
+    then the V^T pass, which needs the amax of the whole sequence; "old": a launch per q / k, torch amax, V^T pass.
+    The two give bit-identical outputs."""
     B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, v)
     q, k, v = (_unit(t) for t in (q, k, v))
     if qk_format not in QK_FORMATS:
         raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    impl = FP8_QUANT_IMPL if impl is None else impl
     if impl not in ("fused", "old"):
         raise ValueError(f"impl must be 'fused' or 'old', got {impl!r}")
     dev, f8 = q.device, torch.float8_e4m3fn
@@ -1264,7 +1278,7 @@ def _fp8_launch(qa, qs, k8, ks, vt8, vs, *, B, Sq, Hq, Sk, causal, scale, return
         scale * LOG2E, Sk - Sq, *qstr,
         D=D, BLOCK_M=bm, BLOCK_N=FP8_BLOCK, CAUSAL=bool(causal), WRITE_LSE=bool(return_lse),
         LOG2_PS=FP8_LOG2_P_SCALE, QK_ACC=tl.int32 if int8 else tl.float32, QFUSED=bool(qfused),
-        QMAX=127.0 if int8 else FP8_MAX, FOLD=bool(cfg["fold"]), QBLK=FP8_BLOCK, num_warps=cfg["num_warps"],
+        QMAX=127.0 if int8 else FP8_MAX, PAIR=bool(cfg["pair"]), QBLK=FP8_BLOCK, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))
     return (out, lse) if return_lse else out
 
