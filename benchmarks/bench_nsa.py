@@ -1,6 +1,6 @@
 """Native Sparse Attention forward / decode: sparsepatch Triton vs SDPA (cuDNN causal) vs fla parallel_nsa.
 
-    python benchmarks/bench_nsa.py [--quick] [--out DIR] [--max-t N] [--bwd] [--bwd-only]
+    python benchmarks/bench_nsa.py [--quick] [--out DIR] [--max-t N] [--bwd] [--bwd-only] [--slc-ab 0,64,128]
 
 Prefill forward, bf16, D=128, B=1, NSAConfig() (block 64, 16 selected, window 512, compressed block 32 stride 16,
 uniform gates) for HQ64/H4 (G=16), HQ32/H8 (G=4), HQ16/H16 (MHA), T = 8K..64K (128K for G=16 with --max-t).
@@ -20,6 +20,8 @@ about 6 or more timed calls (`_bench_n`; plain do_bench times one call at 64K, w
 --bwd-only skips the forward and decode sections. --bwd-tune first times every stage of nsa_backward (CUDA events,
 nsa_backward.PROFILE) at HQ64/H4 16K and 64K, sweeps BWD_SETS at --tune-t and uses the per-stage best for fwd_bwd
 (--best-out writes it as JSON for SPARSEPATCH_NSA_BWD); --summary JSON prints the backward tables of a results file.
+--slc-ab R,R,...: only an A/B of the selected-branch kernel (nsa.SLC_TILE_ROWS per value; 0 = per token) at every
+head layout, with index equality and output differences against the first value (section slc_ab).
 """
 from __future__ import annotations
 
@@ -317,7 +319,7 @@ def bwd_tune(nsa, cfg, res, write, tune_t=16384, best_out=None):
 
 def breakdown(nsa, q, k, v, cfg):
     """ms per kernel for one forward (CUDA events around each launch)."""
-    names = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_swa_kernel"]
+    names = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel"]
     times, origs = {}, {}
     for n in names:
         kern = getattr(nsa, n)
@@ -342,6 +344,48 @@ def breakdown(nsa, q, k, v, cfg):
     return {n: round(min(s.elapsed_time(e) for s, e in v_), 3) for n, v_ in times.items()}
 
 
+def slc_ab(nsa, cfg, settings, ts, write=None):
+    """Forward with each selected-branch kernel setting (nsa.SLC_TILE_ROWS: 0 = per token, R = token tiles of R
+    rows visiting the union of their blocks) at every head layout, same inputs, interleaved; cuDNN causal alongside.
+    Each row: ms per setting (best of 2 rounds), the selected kernel's ms (CUDA events), and per setting whether
+    the indices equal setting settings[0]'s and the max |out difference| to it."""
+    rows, saved = [], nsa.SLC_TILE_ROWS
+    try:
+        for HQ, H in HEADS:
+            for T in ts:
+                q = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn_like(k)
+                row = dict(HQ=HQ, H=H, G=HQ // H, T=T, ms={}, slc_kernel_ms={}, same_idx={}, max_diff={})
+                with torch.no_grad():
+                    row["cudnn_ms"] = _bench(cudnn_causal(q, k, v), rep=100)
+                    base = None
+                    for rnd in range(2):
+                        for r in settings:
+                            nsa.SLC_TILE_ROWS = r
+                            ms = _bench(lambda: nsa.nsa_attention(q, k, v, cfg), rep=100)
+                            row["ms"][r] = min(ms, row["ms"].get(r, ms))
+                            if rnd:
+                                continue
+                            out, idx = nsa.nsa_attention(q, k, v, cfg, return_indices=True)
+                            bd = breakdown(nsa, q, k, v, cfg)
+                            row["slc_kernel_ms"][r] = bd.get("_slc_tile_kernel" if r else "_slc_kernel")
+                            if base is None:
+                                base = (out, idx)
+                            row["same_idx"][r] = bool(torch.equal(idx, base[1]))
+                            row["max_diff"][r] = (out.float() - base[0].float()).abs().max().item()
+                row["speedup_vs_cudnn"] = {r: row["cudnn_ms"] / ms for r, ms in row["ms"].items()}
+                rows.append(row)
+                print("slc_ab", row, flush=True)
+                if write:
+                    write(rows)
+                del q, k, v
+                torch.cuda.empty_cache()
+    finally:
+        nsa.SLC_TILE_ROWS = saved
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="T = 8K, 16K only")
@@ -360,6 +404,9 @@ def main(argv=None):
     ap.add_argument("--summary", metavar="JSON", help="only print the backward tables of a results JSON")
     ap.add_argument("--decode-only", action="store_true",
                     help="only the decode section (JSON <gpu>-nsa-decode.json unless --tag is given)")
+    ap.add_argument("--slc-ab", metavar="R[,R...]",
+                    help="only the selected-kernel A/B: forward with nsa.SLC_TILE_ROWS = each R (0 = per token) at "
+                         "every head layout, T = 8K..64K (--quick: 8K, 16K); section slc_ab")
     ap.add_argument("--fla-only", action="store_true",
                     help="only the G=16 prefill rows (ours, cuDNN, fla without its window branch); no decode")
     args = ap.parse_args(argv)
@@ -383,6 +430,10 @@ def main(argv=None):
 
     def write(*_):
         _write(res, args.out, gpu, args.tag, quiet=True)
+    if args.slc_ab:
+        res["slc_ab"] = slc_ab(nsa, cfg, [int(x) for x in args.slc_ab.split(",")], ts,
+                               write=lambda rows: (res.__setitem__("slc_ab", rows), write()))
+        return _write(res, args.out, gpu, args.tag)
     if args.bwd_tune:
         res["bwd_best"] = bwd_tune(nsa, cfg, res, write, args.tune_t, args.best_out)
     if args.bwd or args.bwd_only:

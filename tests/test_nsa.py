@@ -252,6 +252,28 @@ def test_triton_matches_reference(G, Hk, dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("G, Hk, T, rows", [(1, 2, 40, 16), (16, 1, 40, 16), (3, 1, 37, 32)])
+def test_triton_selected_tile_union_equals_per_token(G, Hk, T, rows, monkeypatch):
+    """`_slc_tile_kernel` (tokens of a tile visit the union of their blocks, each row masks the blocks its token
+    did not select) computes the per-token kernel's function: same indices, outputs equal to rounding."""
+    from sparsepatch.kernels import nsa
+    dev = "cuda" if CUDA and not INTERPRET else "cpu"
+    q, k, v = rand(1, T, G * Hk, Hk, 32, seed=40 + G, device=dev)
+    gates = torch.rand(1, T, G * Hk, 3, generator=torch.Generator().manual_seed(G)).to(dev)
+    monkeypatch.setattr(nsa, "SLC_TILE_ROWS", 0)
+    a, ia = nsa.nsa_attention(q, k, v, CFG, gates=gates, return_indices=True)
+    monkeypatch.setattr(nsa, "SLC_TILE_ROWS", rows)
+    b, ib = nsa.nsa_attention(q, k, v, CFG, gates=gates, return_indices=True)
+    assert torch.equal(ia, ib)
+    assert (a - b).abs().max().item() < 2e-6
+    want, widx = ref.nsa_attention(q, k, v, CFG, gates=gates, return_indices=True)
+    _compare(b, ib, want, widx, 2e-5)
+    monkeypatch.setattr(nsa, "SLC_TILE_ROWS", 24)
+    with pytest.raises(ValueError, match="SLC_TILE_ROWS"):
+        nsa.nsa_attention(q, k, v, CFG)
+
+
+@needs_triton
 def test_triton_decode_varlen_and_weights():
     nsa = _tri()
     dev = "cuda" if CUDA and not INTERPRET else "cpu"
@@ -281,10 +303,12 @@ def test_triton_grad_runs():
 
 
 @gpu
+@pytest.mark.parametrize("slc_rows", [0, 64])
 @pytest.mark.parametrize("G, Hk", [(16, 2), (4, 4), (1, 8)])
 @pytest.mark.parametrize("T", [1000, 4096])
-def test_gpu_bf16_matches_reference(G, Hk, T):
+def test_gpu_bf16_matches_reference(G, Hk, T, slc_rows, monkeypatch):
     from sparsepatch.kernels import nsa
+    monkeypatch.setattr(nsa, "SLC_TILE_ROWS", slc_rows)   # 0: per-token selected kernel, 64: token-tile union
     cfg = NSAConfig()
     q, k, v = rand(1, T, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=T + G, device="cuda")
     gates = torch.rand(1, T, G * Hk, 3, device="cuda")

@@ -1,4 +1,4 @@
-"""Small helpers shared by the Triton kernel modules (host side, and one jit function)."""
+"""Small helpers shared by the Triton kernel modules (host side, and a few jit functions)."""
 from __future__ import annotations
 
 import functools
@@ -61,6 +61,22 @@ def key_range(start_m, Sk, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
         hi = Sk
         hi_full = Sk // BLOCK_N * BLOCK_N
     return hi, hi_full
+
+
+@triton.jit
+def bit_or(a, b):
+    """Combine function of tl.reduce: bitwise OR."""
+    return a | b
+
+
+@triton.jit
+def popc32(x):
+    """Set bits of each int32 in x (SWAR; integer ops only, so it also runs under the interpreter)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = u - ((u >> 1) & 0x55555555)
+    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+    u = (u + (u >> 4)) & 0x0F0F0F0F
+    return ((u * 0x01010101) >> 24).to(tl.int32)
 
 
 def empty_out_lse(q: torch.Tensor, return_lse: bool):

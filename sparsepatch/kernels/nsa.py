@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_common import bit_or, popc32
 from ._triton_common import interpret as _interpret
 from . import nsa_reference as ref
 from .nsa_reference import FORCE_FIRST, NSACache, compress_kv
@@ -209,22 +210,106 @@ def _slc_kernel(Q, K, V, IDX, OC, GATES, PART, BO_C, BO_S, LSE,
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+    _slc_epilogue(acc, l_i, m_i, OC, GATES, PART, BO_C, BO_S, LSE, b64, t64, head, g_ok, offs_d,
+                  sob, sos, soh, sgb, sgs, sgh, sgc, T, Hk, G, HAS_GATES, SAVE)
+
+
+@triton.jit
+def _slc_epilogue(acc, l_i, m_i, OC, GATES, PART, BO_C, BO_S, LSE, b64, tok64, head, ok, offs_d,
+                  sob, sos, soh, sgb, sgs, sgh, sgc, T, Hk, G, HAS_GATES: tl.constexpr, SAVE: tl.constexpr):
+    """Selected-branch epilogue for rows (token tok64, query head `head`) where `ok`: o_slc = acc / l, then
+    PART = g_cmp * o_cmp + g_slc * o_slc (o_cmp read from OC at the same rows; PART may alias OC)."""
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    orow = b64 * sob + t64 * sos + head[:, None] * soh + offs_d[None, :]
-    oc = tl.load(OC + orow, mask=g_ok[:, None], other=0.0)
+    orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
+    oc = tl.load(OC + orow, mask=ok[:, None], other=0.0)
     if SAVE:   # for the backward: o_cmp and o_slc (B, T, Hq, D) in q's dtype (same layout as OC), LSE of o_slc
-        tl.store(BO_C + orow, oc.to(BO_C.dtype.element_ty), mask=g_ok[:, None])
-        tl.store(BO_S + orow, o.to(BO_S.dtype.element_ty), mask=g_ok[:, None])
-        tl.store(LSE + (b64 * T + t64) * (Hk * G) + head, m_i + tl.math.log2(l_safe), mask=g_ok)
+        tl.store(BO_C + orow, oc.to(BO_C.dtype.element_ty), mask=ok[:, None])
+        tl.store(BO_S + orow, o.to(BO_S.dtype.element_ty), mask=ok[:, None])
+        tl.store(LSE + (b64 * T + tok64) * (Hk * G) + head, m_i + tl.math.log2(l_safe), mask=ok)
     if HAS_GATES:
-        gb = GATES + b64 * sgb + t64 * sgs + head * sgh
-        g0 = tl.load(gb, mask=g_ok, other=0.0).to(tl.float32)
-        g1 = tl.load(gb + sgc, mask=g_ok, other=0.0).to(tl.float32)
+        gb = GATES + b64 * sgb + tok64 * sgs + head * sgh
+        g0 = tl.load(gb, mask=ok, other=0.0).to(tl.float32)
+        g1 = tl.load(gb + sgc, mask=ok, other=0.0).to(tl.float32)
         part = g0[:, None] * oc + g1[:, None] * o
     else:
         part = (oc + o) * (1.0 / 3.0)
-    tl.store(PART + orow, part, mask=g_ok[:, None])
+    tl.store(PART + orow, part, mask=ok[:, None])
+
+
+@triton.jit
+def _slc_tile_kernel(Q, K, V, IDX, LIST, OC, GATES, PART, BO_C, BO_S, LSE,
+                     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, s_ib, s_it, s_ih,
+                     sgb, sgs, sgh, sgc,
+                     T, S, q_off, Hk, G, qk_scale, CAP,
+                     BS: tl.constexpr, BSP: tl.constexpr, NSEL: tl.constexpr, NSELP: tl.constexpr,
+                     NWP: tl.constexpr, HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
+                     HAS_GATES: tl.constexpr, SLC_STAGES: tl.constexpr, SAVE: tl.constexpr):
+    """Selected branch for a tile of BT tokens x the G query heads of one KV head (rows = BT * GP).
+
+    The tile visits the union of its tokens' selected blocks (ascending) and every row masks the blocks its own
+    token did not select, so each row computes exactly the per-token function of `_slc_kernel` (a block a row did
+    not select leaves its m, l and acc unchanged) while K/V loads are shared by the tile's tokens and the MMAs have
+    BT * GP rows. The union is built in the prologue: a bitmap of NWP 32-bit words over the blocks, then compacted
+    by popcounts into LIST (CAP int32 slots per program, global scratch read back after a CTA barrier)."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    b64 = b.to(tl.int64)
+    M: tl.constexpr = BT * GP
+    t0 = pid_t * BT
+    r = tl.arange(0, M)
+    tok = t0 + r // GP
+    g = r % GP
+    row_ok = (tok < T) & (g < G)
+    head = hk * G + g
+    qpos = tok + q_off
+    tok64 = tok.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BSP)
+    offs_s = tl.arange(0, NSELP)
+    s_ok = (offs_s < NSEL)[None, :]
+    q = tl.load(Q + b64 * sqb + (tok64 * sqs + head * sqh)[:, None] + offs_d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    ibase = IDX + b64 * s_ib + hk * s_ih
+    # Each row's selected blocks (its token's; -1 padding and rows past T match no block).
+    sel = tl.load(ibase + tok64[:, None] * s_it + offs_s[None, :], mask=(tok < T)[:, None] & s_ok, other=-1)
+    # Union of the tile's selections: bitmap words, then the set bits compacted in ascending order.
+    tt = t0 + tl.arange(0, BT)
+    trow = ibase + tt.to(tl.int64) * s_it
+    wi = tl.arange(0, NWP)
+    words = tl.zeros([NWP], tl.int32)
+    for si in tl.static_range(NSEL):   # one slot of every token at a time: [BT, NWP] live, not [BT * NSEL, NWP]
+        ent = tl.load(trow + si, mask=tt < T, other=-1)
+        hitw = tl.where((ent >= 0)[:, None] & ((ent >> 5)[:, None] == wi[None, :]), 1 << (ent & 31)[:, None], 0)
+        words = words | tl.reduce(hitw, 0, bit_or)
+    cnt_w = popc32(words)
+    n_u = tl.sum(cnt_w, 0)
+    lane = tl.arange(0, 32)
+    pos = (tl.cumsum(cnt_w, 0) - cnt_w)[:, None] + popc32(words[:, None] & ((1 << lane[None, :]) - 1))
+    lbase = LIST + (bh.to(tl.int64) * tl.num_programs(0) + pid_t) * CAP
+    tl.store(lbase + pos, wi[:, None] * 32 + lane[None, :], mask=((words[:, None] >> lane[None, :]) & 1) != 0)
+    tl.debug_barrier()   # the list is read back below by other threads of this program
+
+    kbase = K + b64 * skb + hk * skh
+    vbase = V + b64 * svb + hk * svh
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, HEAD_DIM], tl.float32)
+    for i in tl.range(0, n_u, num_stages=SLC_STAGES):
+        jb = tl.load(lbase + i)
+        key = jb * BS + offs_n
+        kv_ok = (offs_n < BS) & (key < S)
+        k = tl.load(kbase + key[:, None].to(tl.int64) * sks + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+        v = tl.load(vbase + key[:, None].to(tl.int64) * svs + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        mine = tl.max((sel == jb).to(tl.int32), 1) != 0
+        ok = mine[:, None] & kv_ok[None, :] & (key[None, :] <= qpos[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+    _slc_epilogue(acc, l_i, m_i, OC, GATES, PART, BO_C, BO_S, LSE, b64, tok64, head, row_ok, offs_d,
+                  sob, sos, soh, sgb, sgs, sgh, sgc, T, Hk, G, HAS_GATES, SAVE)
 
 
 @triton.jit
@@ -294,8 +379,16 @@ FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
 TILE_ROWS = 64
 CMP_BLOCK_N = 64
 SWA_BLOCK_N = 64
-NUM_WARPS = dict(cmp=4, swa=4, slc=4, topk=4)
-NUM_STAGES = dict(cmp=2, swa=2, slc=3)
+NUM_WARPS = dict(cmp=4, swa=4, slc=4, topk=4, slc_tile=8)
+NUM_STAGES = dict(cmp=2, swa=2, slc=3, slc_tile=3)
+# Selected branch: 0 = `_slc_kernel` (one program per token: rows = the G heads padded to 16, K/V loaded per
+# token); R > 0 = `_slc_tile_kernel` with R rows per program (R // next_pow2(G) tokens visit the union of their
+# selected blocks; same function). The tile kernel exists to share K/V loads and fill the MMA rows at small G
+# (per query head, G=4 / MHA took 2.4x / 7.8x the G=16 time with the per-token kernel; benchmarks/NOTES.md);
+# it has passed the interpreter tests only: the H100 A/B (`bench_nsa.py --slc-ab 0,64,128`) decides the default.
+# 8 warps: offline sm_90 builds (Triton 3.6, D=128, block 64, 16 selected) spill 136-352 B at 4 warps, none in the
+# loop at 8 (G=16 / G=4 / MHA at 64 rows: 255 / 231 / 255 registers, ~430-480 SASS instructions per visited block).
+SLC_TILE_ROWS = 0
 
 
 def supports_config(config) -> bool:
@@ -376,17 +469,29 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False):
         num_warps=NUM_WARPS["topk"])
     part = o_cmp  # g_cmp * o_cmp + g_slc * o_slc is written in place of o_cmp (each program reads its own rows)
     gt = gates if gates is not None else o_cmp
-    GP2 = max(16, GP)
-    _slc_kernel[(T, B * Hk)](
-        q, k, v, idx, o_cmp, gt, part, bo_c, bo_s, lse_s,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2),
-        idx.stride(0), idx.stride(1), idx.stride(2),
-        gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0,
-        T, S, q_off, Hk, G, qk_scale,
-        BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D, GP=GP2,
-        HAS_GATES=gates is not None, SLC_STAGES=NUM_STAGES["slc"], SAVE=save, num_warps=NUM_WARPS["slc"],
-        num_stages=NUM_STAGES["slc"])
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2),
+               idx.stride(0), idx.stride(1), idx.stride(2),
+               gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0)
+    common = dict(BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D,
+                  HAS_GATES=gates is not None, SAVE=save)
+    if SLC_TILE_ROWS:
+        if SLC_TILE_ROWS < 16 or SLC_TILE_ROWS & (SLC_TILE_ROWS - 1):
+            raise ValueError(f"nsa.SLC_TILE_ROWS must be 0 or a power of two >= 16, got {SLC_TILE_ROWS}")
+        bt = max(1, SLC_TILE_ROWS // GP)
+        n_tiles = triton.cdiv(T, bt)
+        cap = min(n_b, bt * nsel)        # the union of bt tokens' selections
+        union = torch.empty((B * Hk * n_tiles * cap,), dtype=torch.int32, device=dev)
+        _slc_tile_kernel[(n_tiles, B * Hk)](
+            q, k, v, idx, union, o_cmp, gt, part, bo_c, bo_s, lse_s, *strides, T, S, q_off, Hk, G, qk_scale, cap,
+            NSELP=triton.next_power_of_2(nsel), NWP=triton.next_power_of_2(triton.cdiv(n_b, 32)), GP=GP, BT=bt,
+            SLC_STAGES=NUM_STAGES["slc_tile"], num_warps=NUM_WARPS["slc_tile"], num_stages=NUM_STAGES["slc_tile"],
+            **common)
+    else:
+        _slc_kernel[(T, B * Hk)](
+            q, k, v, idx, o_cmp, gt, part, bo_c, bo_s, lse_s, *strides, T, S, q_off, Hk, G, qk_scale,
+            GP=max(16, GP), SLC_STAGES=NUM_STAGES["slc"], num_warps=NUM_WARPS["slc"], num_stages=NUM_STAGES["slc"],
+            **common)
     out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
     _swa_kernel[grid_tile](
         q, k, v, part, gt, out, bo_w, lse_w,

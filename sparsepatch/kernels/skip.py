@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import DescriptorArgs, current_stream, direct_launcher, empty_out_lse, head_major_desc, num_sms
+from ._triton_common import DescriptorArgs, bit_or, current_stream, direct_launcher, empty_out_lse, head_major_desc, \
+    num_sms, popc32
 from ._triton_common import interpret as _interpret
 from ._triton_common import set_tma_allocator
 from . import reference
@@ -74,11 +75,6 @@ SKIP_CONFIGS = {
 # ----------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _or(a, b):
-    return a | b
-
-
-@triton.jit
 def _clk(dep):
     """PROBE builds only: %clock64 once `dep` (an int32 scalar the phase produced) is known."""
     return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1)
@@ -101,16 +97,6 @@ def _prefetch_l2(ptrs):
     """PF_NEXT builds only (CUDA): prefetch.global.L2 of the line at each address (no result, no wait)."""
     return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                                      is_pure=False, pack=1)
-
-
-@triton.jit
-def _popc(x):
-    """Set bits of each int32 in x (SWAR; integer ops only, so it also runs under the interpreter)."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = u - ((u >> 1) & 0x55555555)
-    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
-    u = (u + (u >> 4)) & 0x0F0F0F0F
-    return ((u * 0x01010101) >> 24).to(tl.int32)
 
 
 @triton.jit
@@ -334,7 +320,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         if PROBE:
             pr_c2 = _clk(tl.sum(l_i, 0).to(tl.int32, bitcast=True))
         # One cross-row OR reduction for all tiles, then compact the kept indices into the next list.
-        words = tl.reduce(bits, 0, _or)
+        words = tl.reduce(bits, 0, bit_or)
         if PROBE:
             pr_c3 = _clk(tl.sum(words, 0))
         for c0 in range(0, n_plain, CHUNK):
@@ -354,8 +340,8 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
             if POPC and not HAS_FORCED:
                 # kept bits of this chunk; lane i goes to out_cnt + (kept bits below i)
                 wv = word & tl.where(c1 - c0 >= 32, -1, (1 << (c1 - c0)) - 1)
-                pos = out_cnt + _popc(wv & ((1 << offs_c) - 1))
-                nk = _popc(wv)
+                pos = out_cnt + popc32(wv & ((1 << offs_c) - 1))
+                nk = popc32(wv)
             else:
                 ki = keep.to(tl.int32)
                 pos = out_cnt + tl.cumsum(ki, 0) - ki
