@@ -38,14 +38,10 @@ FWD_SWEEP = {
 # Backward (materialised P / dS): _pds_kernel tile and pipeline depth, P / dS scratch budget (MiB). Runs 1-2 swept
 # stages 2 / BLOCK_D 32 x 4 stages / BLOCK_N 64 / 2 GiB at D 320, 512, 1024 (benchmarks/NOTES.md).
 BWD_SWEEP = {}
-# fp8 session 6 A/B (int8 Q K^T; e4m3 Q K^T misses cos 0.999 and is not timed): quant "old" (3 launches + torch
-# amax) vs "fused" (2 launches); pair (two 128-key blocks per loop iteration); block_m 64 (one warpgroup per
-# program, two programs per SM). Run 1 also timed pair with 2 stages and block_m 64 with maxnreg 168 (slower).
-_W4 = dict(block_m=64, num_warps=4, quant="fused")
-_FQ = dict(quant="fused")
-FP8_SWEEP = [dict(qk_format="int8", cfg=dict(quant="old")), dict(qk_format="int8", cfg=dict(_FQ)),
-             dict(qk_format="int8", cfg=dict(_FQ, pair=True)), dict(qk_format="int8", cfg=dict(_W4)),
-             dict(qk_format="int8", cfg=dict(_W4, num_stages=2))]
+# fp8 rows (int8 Q K^T; e4m3 Q K^T misses cos 0.999 and is not timed): the default (64-row programs, one warpgroup)
+# and the 128-row programs of two warpgroups (default before fp8 session 6). Session 6 also timed (deleted): the
+# old quantize path, two key blocks per iteration, 2 stages, maxnreg 168 (benchmarks/NOTES.md).
+FP8_SWEEP = [dict(qk_format="int8", cfg=dict()), dict(qk_format="int8", cfg=dict(block_m=128, num_warps=8))]
 
 
 def _gpu_name():
@@ -244,7 +240,7 @@ def _fp8_quant_bytes(B, S, H, D, with_q):
 
 def _fp8_rows(B, S, H, D=128, rounds=None):
     """fp8/int8 forward vs cuDNN bf16 at head dim D (B1 H48 by default, bf16, non-causal): the quantize pass alone
-    (old / fused, with and without q; ms and TB/s of its fewest bytes), then per FP8_SWEEP variant the end-to-end
+    (with and without q; ms and TB/s of its fewest bytes), then per FP8_SWEEP variant the end-to-end
     call and the kernel alone on the quantize outputs (the same path: fused q or q8), cos-sim vs cuDNN bf16.
     Every timer runs once per round, `rounds` rounds interleaved (the H100's clock drifts by a few % between
     back-to-back timings of one kernel: run 1 of fp8 session 6); rows give the median and the min / max."""
@@ -256,16 +252,14 @@ def _fp8_rows(B, S, H, D=128, rounds=None):
     rounds = rounds or (5 if S <= 16384 else 3)
     cud = _sdpa("cudnn")
     timers = {("cudnn_bf16", None): lambda: cud(q, k, v)}
-    for impl in ("old", "fused"):
-        for with_q in (False, True):
-            timers[("quant_" + impl, with_q)] = (
-                lambda impl=impl, with_q=with_q: dense.quantize_fp8(q, k, v, "int8", quantize_q=with_q, impl=impl))
+    for with_q in (False, True):
+        timers[("quant", with_q)] = lambda with_q=with_q: dense.quantize_fp8(q, k, v, "int8", quantize_q=with_q)
     prep = {}
     for i, v8 in enumerate(FP8_SWEEP):
         fmt, cfg = v8["qk_format"], v8["cfg"]
         c = dense._fp8_cfg(cfg)
         timers[("e2e", i)] = lambda fmt=fmt, cfg=cfg: dense.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg)
-        if c["fuse_q"] not in prep:  # one set of quantize outputs per q path (the impls give the same bits)
+        if c["fuse_q"] not in prep:  # one set of quantize outputs per q path
             prep[c["fuse_q"]] = dense.quantize_fp8(q, k, v, fmt, quantize_q=not c["fuse_q"])
         q8, qs, k8, ks, vt8, vs = prep[c["fuse_q"]]
         timers[("kernel", i)] = (lambda cfg=cfg, c=c, q8=q8, qs=qs, k8=k8, ks=ks, vt8=vt8, vs=vs: dense._fp8_launch(
@@ -285,16 +279,11 @@ def _fp8_rows(B, S, H, D=128, rounds=None):
     rows = [dict(S=S, D=D, impl="cudnn_bf16", ms=t_ref, tflops=round(fl / t_ref * 1e-9, 1), rounds=rounds,
                  **spread(("cudnn_bf16", None)))]
     print(json.dumps(rows[-1]), flush=True)
-    for impl in ("old", "fused"):
-        for with_q in (False, True):
-            t = med[("quant_" + impl, with_q)]
-            rows.append(dict(S=S, D=D, impl=f"quant_{impl}", with_q=with_q, ms=t, **spread(("quant_" + impl, with_q)),
-                             tb_s=round(_fp8_quant_bytes(B, S, H, D, with_q) / t * 1e-9, 2)))
-            print(json.dumps(rows[-1]), flush=True)
-    a = dense.quantize_fp8(q, k, v, "int8", impl="old")
-    b = dense.quantize_fp8(q, k, v, "int8", impl="fused")
-    rows[-1]["bitwise_same_as_old"] = [torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b)]
-    del a, b
+    for with_q in (False, True):
+        t = med[("quant", with_q)]
+        rows.append(dict(S=S, D=D, impl="quant", with_q=with_q, ms=t, **spread(("quant", with_q)),
+                         tb_s=round(_fp8_quant_bytes(B, S, H, D, with_q) / t * 1e-9, 2)))
+        print(json.dumps(rows[-1]), flush=True)
     with torch.no_grad():
         ref = cud(q, k, v).transpose(1, 2)
         refc = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -310,7 +299,7 @@ def _fp8_rows(B, S, H, D=128, rounds=None):
                          tflops=round(fl / t * 1e-9, 1), kernel_ms=tk,
                          kernel_spread=[round(x, 4) for x in spread(("kernel", i)).values()],
                          kernel_tflops=round(fl / tk * 1e-9, 1),
-                         quant_ms=med[("quant_" + c["quant"], not c["fuse_q"])],
+                         quant_ms=med[("quant", not c["fuse_q"])],
                          x_vs_cudnn=round(t_ref / t, 3), kernel_x_vs_cudnn=round(t_ref / tk, 3),
                          cos_vs_bf16=round(_cos(out, ref), 6), cos_vs_bf16_causal=round(_cos(outc, refc), 6),
                          rel_vs_bf16=float((out.float() - ref.float()).norm() / ref.float().norm()))
@@ -348,7 +337,7 @@ def _table(res):
         print("fp8", r.get("S"), r.get("impl"), cfg, round(ms, 4) if isinstance(ms, float) else ms,
               r.get("tb_s", r.get("tflops")), r.get("kernel_ms") and round(r["kernel_ms"], 4), r.get("kernel_tflops"),
               f"{r.get('x_vs_cudnn')} / {r.get('kernel_x_vs_cudnn')}" if "x_vs_cudnn" in r else "",
-              r.get("cos_vs_bf16"), r.get("cos_vs_bf16_causal"), r.get("bitwise_same_as_old", ""),
+              r.get("cos_vs_bf16"), r.get("cos_vs_bf16_causal"),
               r.get("error", "")[:80], sep=" | ")
 
 

@@ -953,14 +953,11 @@ FP8_MAX = 448.0
 FP8_BLOCK = 128  # rows per q/k scale; the kernel's BLOCK_N and default BLOCK_M
 FP8_LOG2_P_SCALE = 8.0  # P is cast to e4m3 as P * 2^8 (max 256 < 448)
 FP8_INV_MAX_C = tl.constexpr(float.fromhex("0x1.24924ap-9"))  # fp32(1 / 448), exactly representable
-# Launch settings (cfg of attention_fp8). Warp specialisation and fp16x2 exp2 were measured neutral or slower
-# (benchmarks/NOTES.md, fp8 runs 1-3) and deleted.
-# quantize_fp8's implementation: "fused" (2 launches, session 6) or "old" (a launch per q / k, torch amax, V^T pass).
-# Bit-identical outputs; "old" stays the default until a GPU run has timed both (benchmarks/NOTES.md, session 6).
-FP8_QUANT_IMPL = "old"
-# Session-6 kernel cfg keys under A/B: pair (two key blocks per loop iteration), block_m 64 (+ num_warps 4: one
-# warpgroup per program).
-FP8_CONFIG = dict(num_warps=8, num_stages=3, fuse_q=True, block_m=128, pair=False, quant=FP8_QUANT_IMPL)
+# Warp specialisation, fp16x2 exp2 (fp8 runs 1-3), a folded int8 conversion, two key blocks per iteration, a
+# register cap (session 6) were measured neutral or slower, or lost accuracy, and deleted (benchmarks/NOTES.md).
+# Launch settings (cfg of attention_fp8): 64-row programs of one warpgroup, two per SM (fp8 session 6: -4 to -12%
+# kernel time at 4K-8K vs 128-row programs of two warpgroups, which meet at a CTA barrier every k-block).
+FP8_CONFIG = dict(num_warps=4, num_stages=3, fuse_q=True, block_m=64)
 
 
 @triton.jit
@@ -980,16 +977,6 @@ def _fp8_quant_block(X, Y, SC, b, h, bh, blk, stride_b, stride_s, stride_h, S, n
     y = y.to(Y.dtype.element_ty)
     tl.store(Y + (bh.to(tl.int64) * S + rows[:, None]) * D + offs_d[None, :], y, mask=ok)
     tl.store(SC + bh.to(tl.int64) * n_blk + blk, sc)
-
-
-@triton.jit
-def _fp8_quant_rows_kernel(X, Y, SC, stride_b, stride_s, stride_h, S, H, n_blk,
-                           D: tl.constexpr, BLK: tl.constexpr, FMAX: tl.constexpr, INT8: tl.constexpr):
-    """(old path, A/B only) One (BLK rows, head) block of X per program (`_fp8_quant_block`)."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    _fp8_quant_block(X, Y, SC, (bh // H).to(tl.int64), bh % H, bh, pid, stride_b, stride_s, stride_h, S, n_blk,
-                     D, BLK, FMAX, INT8)
 
 
 @triton.jit
@@ -1025,14 +1012,13 @@ def _fp8_quant_kqv_kernel(K, V, Q, K8, KS, VAMAX, Q8, QS, stride_kb, stride_ks, 
 
 @triton.jit
 def _fp8_quant_vt_kernel(X, Y, SC, VAMAX, stride_b, stride_s, stride_h, S, S_pad, H, D: tl.constexpr,
-                         BS: tl.constexpr, FROM_AMAX: tl.constexpr):
+                         BS: tl.constexpr):
     """BS keys of one (batch, kv head) of V (B, S, H, D) -> e4m3 V^T rows Y[(bh * D + d) * S_pad + s] with the
-    per-channel scales SC (B, H, D). FROM_AMAX: the scales are computed here from the channel amax bits VAMAX
-    (max(amax, 1e-30) * fp32(1 / 448): torch's CUDA division by a scalar, which the old path used, multiplies by
-    the fp32 reciprocal, and an IEEE division differs in the last bit often enough to flip ~0.1% of the e4m3
-    roundings, GPU run 1) and program 0 of each head stores them to SC. The tile is
-    indexed (d, s) from the start: the load is vectorised along d, the store along s (16 keys per thread), and
-    the compiler's layout change between them goes through shared memory."""
+    per-channel scales SC (B, H, D), computed here from the channel amax bits VAMAX as max(amax, 1e-30) * fp32(1 /
+    448) (the bits of torch's CUDA `amax / 448.0`, which multiplies by the fp32 reciprocal: an IEEE division
+    differs in the last bit often enough to flip ~0.1% of the e4m3 roundings, fp8 session 6 run 1); program 0 of
+    each head stores them to SC. The tile is indexed (d, s) from the start: the load is vectorised along d, the
+    store along s (16 keys per thread), and the compiler's layout change between them goes through shared memory."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -1042,32 +1028,12 @@ def _fp8_quant_vt_kernel(X, Y, SC, VAMAX, stride_b, stride_s, stride_h, S, S_pad
     ok = rows < S
     x = tl.load(X + b * stride_b + h * stride_h + rows[None, :] * stride_s + offs_d[:, None], mask=ok[None, :],
                 other=0.0).to(tl.float32)
-    if FROM_AMAX:
-        amax = tl.load(VAMAX + bh.to(tl.int64) * D + offs_d).to(tl.float32, bitcast=True)
-        sc = tl.maximum(amax, 1e-30) * FP8_INV_MAX_C
-        if pid == 0:
-            tl.store(SC + bh.to(tl.int64) * D + offs_d, sc)
-    else:
-        sc = tl.load(SC + bh.to(tl.int64) * D + offs_d)
+    amax = tl.load(VAMAX + bh.to(tl.int64) * D + offs_d).to(tl.float32, bitcast=True)
+    sc = tl.maximum(amax, 1e-30) * FP8_INV_MAX_C
+    if pid == 0:
+        tl.store(SC + bh.to(tl.int64) * D + offs_d, sc)
     inv = 1.0 / sc
     y = (x * inv[:, None]).to(Y.dtype.element_ty)
-    tl.store(Y + (bh.to(tl.int64) * D + offs_d[:, None]) * S_pad + rows[None, :], y, mask=ok[None, :])
-
-
-@triton.jit
-def _fp8_quant_vt_old_kernel(X, Y, SC, stride_b, stride_s, stride_h, S, S_pad, H, D: tl.constexpr, BS: tl.constexpr):
-    """(old path, A/B only) the session-5 V^T pass: (BS, D) tile, tl.trans, scales from SC."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    offs_d = tl.arange(0, D)
-    rows = pid * BS + tl.arange(0, BS)
-    ok = rows < S
-    x = tl.load(X + b * stride_b + h * stride_h + rows[:, None] * stride_s + offs_d[None, :], mask=ok[:, None],
-                other=0.0).to(tl.float32)
-    inv = 1.0 / tl.load(SC + bh.to(tl.int64) * D + offs_d)
-    y = tl.trans((x * inv[None, :]).to(Y.dtype.element_ty))
     tl.store(Y + (bh.to(tl.int64) * D + offs_d[:, None]) * S_pad + rows[None, :], y, mask=ok[None, :])
 
 
@@ -1088,7 +1054,7 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
                     stride_qb, stride_qs, stride_qh,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     WRITE_LSE: tl.constexpr, LOG2_PS: tl.constexpr, QK_ACC: tl.constexpr, QFUSED: tl.constexpr,
-                    QMAX: tl.constexpr, PAIR: tl.constexpr, QBLK: tl.constexpr):
+                    QMAX: tl.constexpr, QBLK: tl.constexpr):
     """One (BLOCK_M rows, query head) tile. QFUSED: Q8 is the fp16/bf16 q (B, Sq, Hq, D) itself, quantized here
     (one scale per tile: the blocks of `quantize_fp8` when BLOCK_M = 128), saving the separate pass over q.
     Otherwise Q8 is q8 (B, Hq, Sq, D) with one scale per QBLK rows. BLOCK_M 64 (4 warps, one warpgroup): two
@@ -1127,44 +1093,20 @@ def _fp8_fwd_kernel(Q8, K8, VT8, QS, KS, VS, O, LSE, stride_ob, stride_os, strid
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     hi, hi_full = key_range(start_m, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
-    lo_tail = hi_full
-    if PAIR:
-        # two key blocks per iteration: one max / alpha / acc rescale per 256 keys (the rescale is 64 FMUL per
-        # thread and block, ~10% of the loop); a leftover full block goes through the masked loop below.
-        lo_tail = hi_full // (2 * BLOCK_N) * (2 * BLOCK_N)
-        for start_n in tl.range(0, lo_tail, 2 * BLOCK_N):
-            k0 = k_desc.load([start_n, 0])
-            k1 = k_desc.load([start_n + BLOCK_N, 0])
-            vt0 = v_desc.load([0, start_n])
-            vt1 = v_desc.load([0, start_n + BLOCK_N])
-            c0 = cq * tl.load(ks_base + start_n // BLOCK_N)
-            c1 = cq * tl.load(ks_base + start_n // BLOCK_N + 1)
-            s0 = _qk_scores(q, k0, QK_ACC)
-            s1 = _qk_scores(q, k1, QK_ACC)
-            m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, 1) * c0, tl.max(s1, 1) * c1))
-            p0 = tl.math.exp2(s0 * c0 - (m_new - LOG2_PS)[:, None])
-            p1 = tl.math.exp2(s1 * c1 - (m_new - LOG2_PS)[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + (tl.sum(p0, 1) + tl.sum(p1, 1))
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p0.to(vt0.dtype), tl.trans(vt0), acc)
-            acc = tl.dot(p1.to(vt1.dtype), tl.trans(vt1), acc)
-            m_i = m_new
-    else:
-        for start_n in tl.range(0, hi_full, BLOCK_N):
-            k = k_desc.load([start_n, 0])
-            vt = v_desc.load([0, start_n])
-            c = cq * tl.load(ks_base + start_n // BLOCK_N)
-            s = _qk_scores(q, k, QK_ACC)
-            m_new = tl.maximum(m_i, tl.max(s, 1) * c)
-            # P is produced already scaled by 2^LOG2_PS (exponent offset, no multiply); l carries the same factor.
-            p = tl.math.exp2(s * c - (m_new - LOG2_PS)[:, None])
-            l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(p, 1)
-            alpha = tl.math.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
-            m_i = m_new
-    for start_n in tl.range(lo_tail, hi, BLOCK_N, num_stages=1):
+    for start_n in tl.range(0, hi_full, BLOCK_N):
+        k = k_desc.load([start_n, 0])
+        vt = v_desc.load([0, start_n])
+        c = cq * tl.load(ks_base + start_n // BLOCK_N)
+        s = _qk_scores(q, k, QK_ACC)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * c)
+        # P is produced already scaled by 2^LOG2_PS (exponent offset, no multiply); l carries the same factor.
+        p = tl.math.exp2(s * c - (m_new - LOG2_PS)[:, None])
+        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(p, 1)
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
+        m_i = m_new
+    for start_n in tl.range(hi_full, hi, BLOCK_N, num_stages=1):
         k = k_desc.load([start_n, 0])
         vt = v_desc.load([0, start_n])
         c = cq * tl.load(ks_base + start_n // BLOCK_N)
@@ -1203,22 +1145,19 @@ QK_FORMATS = ("int8", "e4m3")
 _QMAX = {"int8": 127.0, "e4m3": FP8_MAX}
 
 
-def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True, impl: str | None = None):
+def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True):
     """Quantize for `attention_fp8`: -> (q8 (B, Hq, Sq, D), q_scale (B, Hq, ceil(Sq/128)), k8, k_scale (same for
     k), vt8 (B, Hk, D, Sk rounded up to 16), v_scale (B, Hk, D)); fp32 scales (dequant = x8 * scale). q8/k8 are
     int8 (qk_format "int8", scale amax/127) or e4m3 ("e4m3", amax/448); vt8 is always e4m3. quantize_q=False:
     q8 and q_scale are None (the kernel quantizes q itself).
 
-    impl (default FP8_QUANT_IMPL): "fused", two launches: k blocks + V's channel amax (atomic max) + q blocks,
-    then the V^T pass, which needs the amax of the whole sequence; "old": a launch per q / k, torch amax, V^T pass.
-    The two give bit-identical outputs."""
+    Two launches: k blocks + V's per-channel amax (atomic max) + q blocks, then the V^T pass, which needs the amax
+    over the whole sequence (fp8 session 6: 2.3-2.9 TB/s of the fewest bytes, 1.6x the four launches before, same
+    bits)."""
     B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, v)
     q, k, v = (_unit(t) for t in (q, k, v))
     if qk_format not in QK_FORMATS:
         raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
-    impl = FP8_QUANT_IMPL if impl is None else impl
-    if impl not in ("fused", "old"):
-        raise ValueError(f"impl must be 'fused' or 'old', got {impl!r}")
     dev, f8 = q.device, torch.float8_e4m3fn
     qk_dt = torch.int8 if qk_format == "int8" else f8
     fmax, int8 = _QMAX[qk_format], qk_format == "int8"
@@ -1229,14 +1168,6 @@ def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True, impl
     ks = torch.empty((B, Hk, nkb), dtype=torch.float32, device=dev)
     s_pad = -(-Sk // 16) * 16
     vt = torch.empty((B, Hk, D, s_pad), dtype=f8, device=dev)
-    if impl == "old":
-        for t, y, sc, S, H, nb in (((q, q8, qs, Sq, Hq, nqb),) if quantize_q else ()) + ((k, k8, ks, Sk, Hk, nkb),):
-            _fp8_quant_rows_kernel[(nb, B * H)](t, y, sc, t.stride(0), t.stride(1), t.stride(2), S, H, nb,
-                                                D=D, BLK=FP8_BLOCK, FMAX=fmax, INT8=int8, num_warps=8)
-        vs = (v.abs().amax(dim=1).float().clamp_min(1e-30) / FP8_MAX).contiguous()  # (B, Hk, D)
-        _fp8_quant_vt_old_kernel[(triton.cdiv(Sk, 64), B * Hk)](v, vt, vs, v.stride(0), v.stride(1), v.stride(2), Sk,
-                                                                s_pad, Hk, D=D, BS=64, num_warps=4)
-        return q8, qs, k8, ks, vt, vs
     vamax = torch.zeros((B, Hk, D), dtype=torch.int32, device=dev)
     vs = torch.empty((B, Hk, D), dtype=torch.float32, device=dev)
     n_k = nkb * B * Hk
@@ -1248,8 +1179,7 @@ def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True, impl
         qa.stride(0), qa.stride(1), qa.stride(2), Sk, Sq, Hk, Hq, nkb, nqb, n_k,
         D=D, BLK=FP8_BLOCK, FMAX=fmax, INT8=int8, num_warps=8)
     _fp8_quant_vt_kernel[(triton.cdiv(Sk, _VT_BS), B * Hk)](v, vt, vs, vamax, v.stride(0), v.stride(1), v.stride(2),
-                                                            Sk, s_pad, Hk, D=D, BS=_VT_BS, FROM_AMAX=True,
-                                                            num_warps=8)
+                                                            Sk, s_pad, Hk, D=D, BS=_VT_BS, num_warps=8)
     return q8, qs, k8, ks, vt, vs
 
 
@@ -1280,7 +1210,7 @@ def _fp8_launch(qa, qs, k8, ks, vt8, vs, *, B, Sq, Hq, Sk, causal, scale, return
         scale * LOG2E, Sk - Sq, *qstr,
         D=D, BLOCK_M=bm, BLOCK_N=FP8_BLOCK, CAUSAL=bool(causal), WRITE_LSE=bool(return_lse),
         LOG2_PS=FP8_LOG2_P_SCALE, QK_ACC=tl.int32 if int8 else tl.float32, QFUSED=bool(qfused),
-        QMAX=127.0 if int8 else FP8_MAX, PAIR=bool(cfg["pair"]), QBLK=FP8_BLOCK, num_warps=cfg["num_warps"],
+        QMAX=127.0 if int8 else FP8_MAX, QBLK=FP8_BLOCK, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return (out, lse) if return_lse else out
 
@@ -1310,9 +1240,8 @@ def attention_fp8(q, k, v, *, causal: bool = False, scale=None, return_lse: bool
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q/k/v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
     q, k, v = (_unit(t) for t in (q, k, v))  # the quantize kernels and the fused q load index D with stride 1
-    c = _fp8_cfg(cfg)
-    fuse = c["fuse_q"]
-    q8, qs, k8, ks, vt8, vs = quantize_fp8(q, k, v, qk_format, quantize_q=not fuse, impl=c["quant"])
+    fuse = _fp8_cfg(cfg)["fuse_q"]
+    q8, qs, k8, ks, vt8, vs = quantize_fp8(q, k, v, qk_format, quantize_q=not fuse)
     return _fp8_launch(q if fuse else q8, qs, k8, ks, vt8, vs, B=B, Sq=Sq, Hq=Hq, Sk=Sk, causal=causal,
                        scale=scale, return_lse=return_lse, out_dtype=q.dtype, cfg=cfg, qfused=fuse)
 
