@@ -143,6 +143,7 @@ def main(argv=None):
     ap.add_argument("--no-prewarm", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--fp8", default="", help="sequence lengths for the fp8 vs cuDNN bf16 rows at D128 (e.g. 8192)")
+    ap.add_argument("--fp8-rounds", type=int, default=0, help="interleaved timing rounds per fp8 S (default 5, 3 at 32K)")
     ap.add_argument("--prewarm-only", action="store_true")
     args = ap.parse_args(argv)
     from sparsepatch.kernels import dense
@@ -222,7 +223,7 @@ def main(argv=None):
         del q, k, v, do
         torch.cuda.empty_cache()
     for S8 in fp8_seqs:
-        res["fp8"] += _fp8_rows(B, S8, H)
+        res["fp8"] += _fp8_rows(B, S8, H, rounds=args.fp8_rounds or None)
         dump()
     _table(res)
     return res
