@@ -143,7 +143,8 @@ def main(argv=None):
     ap.add_argument("--no-prewarm", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--fp8", default="", help="sequence lengths for the fp8 vs cuDNN bf16 rows at D128 (e.g. 8192)")
-    ap.add_argument("--fp8-rounds", type=int, default=0, help="interleaved timing rounds per fp8 S (default 5, 3 at 32K)")
+    ap.add_argument("--fp8-rounds", type=int, default=0,
+                    help="interleaved timing rounds per fp8 S (default 5, 3 at 32K)")
     ap.add_argument("--prewarm-only", action="store_true")
     args = ap.parse_args(argv)
     from sparsepatch.kernels import dense
