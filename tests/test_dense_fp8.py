@@ -31,6 +31,8 @@ def test_quantize_model_error_budget():
         assert qd.shape == q.shape and vd.shape == v.shape
         assert rel(qd, q) <= qk_tol and rel(kd, k) <= qk_tol
         assert rel(vd[..., :3], v[..., :3]) <= 0.05
+        q64 = dense.quantize_fp8_reference(q, k, v, fmt, q_block=64)[0]  # attention_fp8's in-kernel q blocks
+        assert q64.shape == q.shape and rel(q64, q) <= qk_tol and not torch.equal(q64, qd)
         want = reference.attention(q, k, v, causal=True)
         got = reference.attention(qd, kd, vd, causal=True)
         assert cos(got, want) >= (0.999 if fmt == "int8" else 0.998)

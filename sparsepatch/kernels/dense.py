@@ -1229,7 +1229,8 @@ def attention_fp8(q, k, v, *, causal: bool = False, scale=None, return_lse: bool
     D in {64, 128} -> out (B, Sq, Hq, D) in q's dtype [, lse (B, Hq, Sq) fp32].
 
     Quantizes the inputs itself (part of the call's time): k and v in a pass before the kernel (`quantize_fp8`),
-    q inside the kernel (cfg fuse_q, default; same blocks). P @ V always in e4m3 (v per channel, transposed; P as
+    q inside the kernel (cfg fuse_q, default; one scale per program tile of block_m rows, 64 by default:
+    `quantize_fp8_reference(..., q_block=64)` models it). P @ V always in e4m3 (v per channel, transposed; P as
     P * 256); Q K^T in int8 (qk_format "int8", the default: per-block int8 has ~4x less rounding error than e4m3
     on Gaussian data at the same tensor-core rate) or e4m3 ("e4m3": all-fp8). Measured cos-sim vs bf16 attention
     on N(0, 1) inputs (benchmarks/NOTES.md): int8 ~0.9992, e4m3 ~0.9986."""
@@ -1246,26 +1247,27 @@ def attention_fp8(q, k, v, *, causal: bool = False, scale=None, return_lse: bool
                        scale=scale, return_lse=return_lse, out_dtype=q.dtype, cfg=cfg, qfused=fuse)
 
 
-def quantize_fp8_reference(q, k, v, qk_format: str = "int8"):
+def quantize_fp8_reference(q, k, v, qk_format: str = "int8", q_block: int = FP8_BLOCK):
     """Plain-PyTorch model of `quantize_fp8` + dequantization (any device, fp32 out): the values the kernel
-    multiplies, for tests and error budgets. Returns dequantized (q, k, v) in (B, S, H, D) layout."""
+    multiplies, for tests and error budgets. Returns dequantized (q, k, v) in (B, S, H, D) layout. q_block: rows
+    per q scale (`quantize_fp8`: 128; `attention_fp8` quantizes q per program tile, FP8_CONFIG["block_m"])."""
     f8 = torch.float8_e4m3fn
     if qk_format not in QK_FORMATS:
         raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
     qmax = _QMAX[qk_format]
 
-    def rows(x):
+    def rows(x, blk):
         B, S, H, D = x.shape
-        nb = -(-S // FP8_BLOCK)
-        xp = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, nb * FP8_BLOCK - S))
-        xb = xp.view(B, nb, FP8_BLOCK, H, D)
+        nb = -(-S // blk)
+        xp = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, nb * blk - S))
+        xb = xp.view(B, nb, blk, H, D)
         sc = xb.abs().amax(dim=(2, 4), keepdim=True).clamp_min(1e-30) / qmax
         y = xb * (1.0 / sc)
         y = torch.where(y >= 0, y + 0.5, y - 0.5).trunc() if qk_format == "int8" else y.to(f8).float()
-        return (y * sc).view(B, nb * FP8_BLOCK, H, D)[:, :S]
+        return (y * sc).view(B, nb * blk, H, D)[:, :S]
 
     sv = v.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / FP8_MAX
-    return rows(q), rows(k), (v.float() * (1.0 / sv)).to(f8).float() * sv
+    return rows(q, q_block), rows(k, FP8_BLOCK), (v.float() * (1.0 / sv)).to(f8).float() * sv
 
 
 __all__ += ["attention_fp8", "attention_fp8_quantized", "quantize_fp8", "quantize_fp8_reference", "fp8_supported",
