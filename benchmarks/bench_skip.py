@@ -1,7 +1,6 @@
 """Temporal skip-list attention forward: sparsepatch Triton vs SDPA (cuDNN, flash), FlexAttention, sageattention.
 
     python benchmarks/bench_skip.py [--quick] [--sweep] [--no-peers] [--out DIR]
-    python benchmarks/bench_skip.py --persistent   (dense mode: plain grid vs persistent kernel)
     python -m sparsepatch bench skip      (calls main(argv))
 
 One process, same inputs. Shapes (bf16, B1): H12 S32760 D128, H40 S32760 D128, H16 S4096 D128. Densities 1.0 /
@@ -413,47 +412,6 @@ def variants(log, shape=(1, 12, 32760, 128), names=None, rounds=2, only=None):
     return dict(dense_ms=t_dense, rows=rows, base_cfg=base_cfg)
 
 
-PERSISTENT_SHAPES = [(1, 8, 1024, 128), (1, 8, 2048, 128), (1, 16, 2048, 128), (1, 16, 4096, 128),
-                     (2, 16, 4096, 128), (1, 24, 4096, 64), (1, 12, 32760, 128)]
-
-
-def persistent(log, rounds=3, settings=(0, 1, 2)):
-    """Dense mode (`skip.attention`) on the plain grid (0) vs the persistent kernel with n programs per SM
-    (skip.DENSE_PERSISTENT = n), non-causal and causal, bf16, with cuDNN in the same process; interleaved rounds,
-    fastest kept; max |out difference| to the grid's output."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from sparsepatch.kernels import skip
-    rows, saved = [], skip.DENSE_PERSISTENT
-    try:
-        for B, H, S, D in PERSISTENT_SHAPES:
-            q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            for causal in (False, True):
-                row = dict(B=B, H=H, S=S, D=D, causal=causal, tiles=B * H * -(-S // 128), ms={}, max_diff={})
-                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    row["cudnn_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-                base = None
-                for _ in range(rounds):
-                    for n in settings:
-                        skip.DENSE_PERSISTENT = n
-                        ms = bench_ms(lambda: skip.attention(q, k, v, causal=causal))
-                        row["ms"][n] = min(ms, row["ms"].get(n, ms))
-                        if n not in row["max_diff"]:
-                            o = skip.attention(q, k, v, causal=causal)
-                            base = o if base is None else base
-                            row["max_diff"][n] = (o.float() - base.float()).abs().max().item()
-                row["x_vs_grid"] = {n: row["ms"][0] / t for n, t in row["ms"].items()}
-                rows.append(row)
-                log(f"persistent B{B} H{H} S{S} D{D} causal={causal}: " + ", ".join(
-                    f"{n}: {t:.4f} ms ({row['x_vs_grid'][n]:.3f}x)" for n, t in row["ms"].items())
-                    + f"; cuDNN {row['cudnn_ms']:.4f}")
-            del q, k, v
-    finally:
-        skip.DENSE_PERSISTENT = saved
-    return rows
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="first shape only")
@@ -467,9 +425,6 @@ def main(argv=None):
                     help="per-phase clocks (PROBE builds) for these variants (none = default), then exit")
     ap.add_argument("--host", action="store_true",
                     help="host us per call vs GPU time (do_bench and host-hidden), cProfile of the host path; exit")
-    ap.add_argument("--persistent", action="store_true",
-                    help="dense mode: plain grid vs persistent kernel (1 / 2 programs per SM) at small and large "
-                         "shapes, causal and not; exit")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -485,15 +440,6 @@ def main(argv=None):
     def log(msg):
         print(msg, flush=True)
         lines.append(msg)
-
-    if args.persistent:
-        res = dict(persistent=persistent(log), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                   triton=triton.__version__)
-        for d in filter(None, [args.out, os.environ.get("OUT")]):
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, f"{gpu_name()}-skip-persistent.json"), "w") as f:
-                json.dump(res, f, indent=1)
-        return 0
 
     if args.host:
         res = dict(host=host_check(log), parts=host_breakdown(log), gpu=torch.cuda.get_device_name(), torch=torch.__version__,

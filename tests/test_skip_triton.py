@@ -171,39 +171,6 @@ def test_dense_interp():
 
 
 @cpu_only
-def test_dense_persistent_interp(monkeypatch):
-    check_dense_persistent(monkeypatch, 1, "cpu", torch.float16, 130, 150, 64)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("programs_per_sm", [1, 2])
-@pytest.mark.parametrize("D", [64, 128])
-def test_dense_persistent_gpu(monkeypatch, programs_per_sm, D):
-    check_dense_persistent(monkeypatch, programs_per_sm, "cuda", torch.bfloat16, 1000, 1100, D)
-
-
-def check_dense_persistent(monkeypatch, programs_per_sm, dev, dtype, Sq, Sk, D):
-    """The persistent dense forward (skip.DENSE_PERSISTENT programs per SM walking the q-tiles) matches the
-    reference and the plain grid: GQA, partial q / k tiles, Sq != Sk, causal, LSE, a one-query decode."""
-    g = torch.Generator().manual_seed(8)
-    q = torch.randn(2, Sq, 4, D, generator=g).to(device=dev, dtype=dtype)
-    k = torch.randn(2, Sk, 2, D, generator=g).to(device=dev, dtype=dtype)
-    v = torch.randn(2, Sk, 2, D, generator=g).to(device=dev, dtype=dtype)
-    for causal in (False, True):
-        grid_out = skip.attention(q, k, v, causal=causal)
-        monkeypatch.setattr(skip, "DENSE_PERSISTENT", programs_per_sm)
-        out, lse = skip.attention(q, k, v, causal=causal, return_lse=True)
-        one = skip.attention(q[:, -1:], k, v, causal=True)
-        monkeypatch.setattr(skip, "DENSE_PERSISTENT", 0)
-        rout, rlse = reference.attention(q, k, v, causal=causal, return_lse=True)
-        assert_close(out, rout, dtype)
-        torch.testing.assert_close(lse, rlse, atol=2e-3, rtol=1e-4)
-        assert (out.float() - grid_out.float()).abs().max().item() < (2e-3 if dtype == torch.float16 else 1.6e-2)
-        assert_close(one, reference.attention(q[:, -1:], k, v, causal=True), dtype)
-
-
-@cpu_only
 def test_skip_step_interp():
     B, S, Hq, Hk, D, tile = 1, 200, 2, 1, 64, (64, 64)
     dtype = torch.float16

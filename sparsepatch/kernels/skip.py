@@ -36,7 +36,7 @@ import triton.language as tl
 from ._triton_common import DescriptorArgs, bit_or, current_stream, direct_launcher, empty_out_lse, head_major_desc, \
     num_sms, popc32
 from ._triton_common import interpret as _interpret
-from ._triton_common import key_range, set_tma_allocator
+from ._triton_common import set_tma_allocator
 from . import reference
 from .reference import LOG2E, check_qkv, check_threshold
 from .skiplist import DEFAULT_TILE, SkipList, check_tile, num_tiles
@@ -402,46 +402,6 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         tl.store(PRB + ((bh.to(tl.int64) * Tq + pid_m) * 16 + offs_p), vals)
 
 
-@triton.jit
-def _dense_persistent_kernel(Q, O, LSE, QD, OD, KD, VD, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
-                             stride_oh, Sq, Sk, Hq, n_rep, Tq, n_tiles, qk_scale, causal_off,
-                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, Q_DESC: tl.constexpr,
-                             O_DESC: tl.constexpr):
-    """Dense forward on a persistent grid: program p computes q-tiles p, p + P, p + 2P, ... of the (B * Hq * Tq)
-    tiles in the plain grid's order (head-major), each exactly as `_fwd_kernel` with SKIP off (host TMA descriptors
-    KD / VD over the (B, Hk, Sk, D) views of K / V; q / out through QD / OD or pointers)."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        bh = tile // Tq
-        pid_m = tile % Tq
-        b = bh // Hq
-        h = bh % Hq
-        hk = h // n_rep
-        b64 = b.to(tl.int64)
-        rows = pid_m * BLOCK_M + offs_m
-        row_ok = rows < Sq
-        if Q_DESC:
-            q = QD.load([b, h, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
-        else:
-            q = tl.load(Q + b64 * stride_qb + h * stride_qh + rows[:, None] * stride_qs + offs_d[None, :],
-                        mask=row_ok[:, None], other=0.0)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        hi, hi_full = key_range(pid_m * BLOCK_M, Sk, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
-        for start_n in tl.range(0, hi_full, BLOCK_N):
-            acc, l_i, m_i, _r = _block(acc, l_i, m_i, q, KD, VD, KD, VD, b, hk, start_n, offs_n, rows, Sk,
-                                       causal_off, qk_scale, 0, 0, BLOCK_N, False, False, 2)
-        for start_n in range(hi_full, hi, BLOCK_N):
-            acc, l_i, m_i, _r = _block(acc, l_i, m_i, q, KD, VD, KD, VD, b, hk, start_n, offs_n, rows, Sk,
-                                       causal_off, qk_scale, 0, 0, BLOCK_N, True, CAUSAL, 2)
-        _store_out(acc, l_i, m_i, O, LSE, OD, b, b64, h, pid_m, rows, row_ok, offs_d, stride_ob, stride_os,
-                   stride_oh, Sq, Hq, BLOCK_M, BLOCK_M, HEAD_DIM, WRITE_LSE, O_DESC)
-
-
 LN2_C = tl.constexpr(LN2)
 CHUNK = tl.constexpr(CHUNK)
 
@@ -699,42 +659,11 @@ def _dense_block_m(Sq):
     return 64 if Sq <= 64 else 128
 
 
-# Persistent dense forward (issue 7: "where it measures faster"): programs per SM, or 0 = the plain grid.
-DENSE_PERSISTENT = 0
-
-
-def _dense_persistent(q, k, v, out, lse, causal, scale, programs_per_sm):
-    """Launch `_dense_persistent_kernel` with min(tiles, programs_per_sm * SMs) programs; False (nothing launched)
-    where host TMA descriptors for K / V are unavailable (misaligned strides, no TensorDescriptor)."""
-    B, Sq, Hq, D = q.shape
-    Sk, Hk = k.shape[1], k.shape[2]
-    bm = _dense_block_m(Sq)
-    cfg = _config(D, bm)
-    kd, vd = head_major_desc(k, cfg["BLOCK_N"]), head_major_desc(v, cfg["BLOCK_N"])
-    if kd is None or vd is None:
-        return False
-    # out through pointers: with the outer tile loop nothing aliases the out-staging buffer of an O descriptor, and
-    # at D=128 it would take shared memory to 257 KB (sm_90 offline build; 225 KB without it)
-    qd, od = head_major_desc(q, bm), None
-    Tq = num_tiles(Sq, bm)
-    n_tiles = B * Hq * Tq
-    progs = n_tiles if _interpret() else min(n_tiles, programs_per_sm * num_sms(q.device))
-    _dense_persistent_kernel[(max(1, progs),)](
-        q, out, lse if lse is not None else out, out if qd is None else qd, out if od is None else od, kd, vd,
-        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        Sq, Sk, Hq, Hq // Hk, Tq, n_tiles, scale * LOG2E, Sk - Sq,
-        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal), WRITE_LSE=lse is not None,
-        Q_DESC=qd is not None, O_DESC=od is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return True
-
-
 def _dense_fwd_impl(q, k, v, causal, scale, return_lse):
     B, Sq, Hq, D = q.shape
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if return_lse else None
     bm = _dense_block_m(Sq)
-    if DENSE_PERSISTENT and _dense_persistent(q, k, v, out, lse, causal, scale, DENSE_PERSISTENT):
-        return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)
     _launch(q, k, v, out, lse, cnt_in=None, idx_in=None, cnt_out=None, idx_out=None, frow=None, fcol=None,
             step=None, Tq=num_tiles(Sq, bm), Tk=0, slot_cnt=0, slot_idx=0, warmup=0, scale=scale, threshold=-1.0,
             tm=bm, tn=_config(D, bm)["BLOCK_N"], skip=False, stateful=False, causal=causal, cfg=_config(D, bm))
