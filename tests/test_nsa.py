@@ -271,6 +271,9 @@ def test_triton_selected_tile_union_equals_per_token(G, Hk, T, rows, monkeypatch
     monkeypatch.setattr(nsa, "SLC_TILE_ROWS", 24)
     with pytest.raises(ValueError, match="SLC_TILE_ROWS"):
         nsa.nsa_attention(q, k, v, CFG)
+    monkeypatch.setattr(nsa, "SLC_TILE_ROWS", None)   # the measured rule: tiles for MHA / small G at short T
+    assert nsa.slc_tile_rows(1, 1024) == 128 and nsa.slc_tile_rows(4, 256) == 128
+    assert nsa.slc_tile_rows(4, 512) == 0 and nsa.slc_tile_rows(16, 128) == 0
 
 
 @needs_triton
@@ -303,12 +306,12 @@ def test_triton_grad_runs():
 
 
 @gpu
-@pytest.mark.parametrize("slc_rows", [0, 64])
+@pytest.mark.parametrize("slc_rows", [0, 128])
 @pytest.mark.parametrize("G, Hk", [(16, 2), (4, 4), (1, 8)])
 @pytest.mark.parametrize("T", [1000, 4096])
 def test_gpu_bf16_matches_reference(G, Hk, T, slc_rows, monkeypatch):
     from sparsepatch.kernels import nsa
-    monkeypatch.setattr(nsa, "SLC_TILE_ROWS", slc_rows)   # 0: per-token selected kernel, 64: token-tile union
+    monkeypatch.setattr(nsa, "SLC_TILE_ROWS", slc_rows)   # 0: per-token selected kernel, 128: token-tile union
     cfg = NSAConfig()
     q, k, v = rand(1, T, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=T + G, device="cuda")
     gates = torch.rand(1, T, G * Hk, 3, device="cuda")

@@ -381,14 +381,23 @@ CMP_BLOCK_N = 64
 SWA_BLOCK_N = 64
 NUM_WARPS = dict(cmp=4, swa=4, slc=4, topk=4, slc_tile=8)
 NUM_STAGES = dict(cmp=2, swa=2, slc=3, slc_tile=3)
-# Selected branch: 0 = `_slc_kernel` (one program per token: rows = the G heads padded to 16, K/V loaded per
-# token); R > 0 = `_slc_tile_kernel` with R rows per program (R // next_pow2(G) tokens visit the union of their
-# selected blocks; same function). The tile kernel exists to share K/V loads and fill the MMA rows at small G
-# (per query head, G=4 / MHA took 2.4x / 7.8x the G=16 time with the per-token kernel; benchmarks/NOTES.md);
-# it has passed the interpreter tests only: the H100 A/B (`bench_nsa.py --slc-ab 0,64,128`) decides the default.
-# 8 warps: offline sm_90 builds (Triton 3.6, D=128, block 64, 16 selected) spill 136-352 B at 4 warps, none in the
-# loop at 8 (G=16 / G=4 / MHA at 64 rows: 255 / 231 / 255 registers, ~430-480 SASS instructions per visited block).
-SLC_TILE_ROWS = 0
+# Selected branch: `_slc_kernel` (one program per token: rows = the G heads padded to 16, K/V loaded per token) or
+# `_slc_tile_kernel` (R rows per program: R // next_pow2(G) tokens visit the union of their selected blocks; the
+# same function). SLC_TILE_ROWS: None = choose by `slc_tile_rows` (measured rule), 0 = always per token, R = always
+# tiles of R rows. H100 A/B (`bench_nsa.py --slc-ab 0,64,128`, random inputs, results/h100-nsa-slc-ab-s6.json,
+# selected-kernel ms per-token / tile-128): MHA 8.8 / 1.1 (8K) ... 70.5 / 47.4 (64K); G=4 4.5 / 1.9 (8K), 8.9 / 7.3
+# (16K), 17.8 / 22.8 (32K); G=16 2.3 / 2.7 (8K) ... 18.3 / 37.7 (64K). On random inputs a tile's tokens select
+# nearly disjoint blocks, so the union grows with the blocks visible (benchmarks/NOTES.md, session 6).
+# 8 warps: offline sm_90 builds (Triton 3.6, D=128, block 64, 16 selected) spill at 4 warps, not in the loop at 8.
+SLC_TILE_ROWS = None
+
+
+def slc_tile_rows(G: int, n_b: int) -> int:
+    """Rows per selected-branch program (0 = the per-token kernel) for GQA group G and n_b selection blocks: token
+    tiles of 128 rows for MHA, and for G <= 4 up to 256 blocks (T <= 16K at block 64): where they measured faster."""
+    if SLC_TILE_ROWS is not None:
+        return SLC_TILE_ROWS
+    return 128 if G == 1 or (G <= 4 and n_b <= 256) else 0
 
 
 def supports_config(config) -> bool:
@@ -475,10 +484,11 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False):
                gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0)
     common = dict(BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D,
                   HAS_GATES=gates is not None, SAVE=save)
-    if SLC_TILE_ROWS:
-        if SLC_TILE_ROWS < 16 or SLC_TILE_ROWS & (SLC_TILE_ROWS - 1):
-            raise ValueError(f"nsa.SLC_TILE_ROWS must be 0 or a power of two >= 16, got {SLC_TILE_ROWS}")
-        bt = max(1, SLC_TILE_ROWS // GP)
+    rows = slc_tile_rows(G, n_b)
+    if rows:
+        if rows < 16 or rows & (rows - 1):
+            raise ValueError(f"nsa.SLC_TILE_ROWS must be None, 0 or a power of two >= 16, got {rows}")
+        bt = max(1, rows // GP)
         n_tiles = triton.cdiv(T, bt)
         cap = min(n_b, bt * nsel)        # the union of bt tokens' selections
         union = torch.empty((B * Hk * n_tiles * cap,), dtype=torch.int32, device=dev)
