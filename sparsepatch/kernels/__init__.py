@@ -79,7 +79,7 @@ def attention_fp8(q, k, v, *, causal: bool = False, scale=None, attn_mask=None, 
                            q.shape[-1], q.dtype, q.device.type, " with an attention mask" if attn_mask is not None
                            else "")
         return attention(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask, return_lse=return_lse)
-    qd, kd, vd = dense.quantize_fp8_reference(q, k, v)
+    qd, kd, vd = dense.quantize_fp8_reference(q, k, v, q_block=dense.FP8_CONFIG["block_m"])  # q per program tile
     res = reference.attention(qd, kd, vd, causal=causal, scale=scale, attn_mask=attn_mask, return_lse=return_lse)
     if return_lse:
         return res[0].to(q.dtype), res[1]
