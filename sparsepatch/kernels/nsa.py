@@ -60,25 +60,31 @@ def _online(acc, l_i, m_i, s, v):
 
 
 @triton.jit
+def _token_tile_rows(T, q_off, Hk, G, BT: tl.constexpr, GP: tl.constexpr):
+    """Rows of a (token tile, KV head) program (program_id 0: tile of BT tokens; 1: b * Hk + KV head): row r is
+    token t0 + r // GP with query head hk * G + r % GP (GP = G padded to a power of two; padded rows not ok).
+    -> (b64, hk, t0, tok, row_ok, head, qpos = the token's position among the keys)."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    hk = bh % Hk
+    b64 = (bh // Hk).to(tl.int64)
+    t0 = pid_t * BT
+    r = tl.arange(0, BT * GP)
+    tok = t0 + r // GP
+    g = r % GP
+    row_ok = (tok < T) & (g < G)
+    return b64, hk, t0, tok, row_ok, hk * G + g, tok + q_off
+
+
+@triton.jit
 def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE,
                 sqb, sqs, sqh, skb, sks, skh, sob, sos, soh,
                 T, n_c, q_off, Hq, Hk, G, NBP, qk_scale,
                 CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
                 HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
                 SELECT: tl.constexpr, SAVE: tl.constexpr):
-    pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hk
-    hk = bh % Hk
-    b64 = b.to(tl.int64)
+    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP)
     M: tl.constexpr = BT * GP
-    t0 = pid_t * BT
-    r = tl.arange(0, M)
-    tok = t0 + r // GP
-    g = r % GP
-    row_ok = (tok < T) & (g < G)
-    head = hk * G + g
-    qpos = tok + q_off
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     q = tl.load(Q + b64 * sqb + tok[:, None].to(tl.int64) * sqs + head[:, None] * sqh + offs_d[None, :],
@@ -252,19 +258,8 @@ def _slc_tile_kernel(Q, K, V, IDX, LIST, OC, GATES, PART, BO_C, BO_S, LSE,
     not select leaves its m, l and acc unchanged) while K/V loads are shared by the tile's tokens and the MMAs have
     BT * GP rows. The union is built in the prologue: a bitmap of NWP 32-bit words over the blocks, then compacted
     by popcounts into LIST (CAP int32 slots per program, global scratch read back after a CTA barrier)."""
-    pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hk
-    hk = bh % Hk
-    b64 = b.to(tl.int64)
+    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP)
     M: tl.constexpr = BT * GP
-    t0 = pid_t * BT
-    r = tl.arange(0, M)
-    tok = t0 + r // GP
-    g = r % GP
-    row_ok = (tok < T) & (g < G)
-    head = hk * G + g
-    qpos = tok + q_off
     tok64 = tok.to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BSP)
@@ -288,7 +283,7 @@ def _slc_tile_kernel(Q, K, V, IDX, LIST, OC, GATES, PART, BO_C, BO_S, LSE,
     n_u = tl.sum(cnt_w, 0)
     lane = tl.arange(0, 32)
     pos = (tl.cumsum(cnt_w, 0) - cnt_w)[:, None] + popc32(words[:, None] & ((1 << lane[None, :]) - 1))
-    lbase = LIST + (bh.to(tl.int64) * tl.num_programs(0) + pid_t) * CAP
+    lbase = LIST + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * CAP
     tl.store(lbase + pos, wi[:, None] * 32 + lane[None, :], mask=((words[:, None] >> lane[None, :]) & 1) != 0)
     tl.debug_barrier()   # the list is read back below by other threads of this program
 
@@ -318,19 +313,8 @@ def _swa_kernel(Q, K, V, PART, GATES, OUT, BO_W, LSE,
                 T, S, q_off, Hk, G, qk_scale, window,
                 HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_GATES: tl.constexpr, SAVE: tl.constexpr):
-    pid_t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hk
-    hk = bh % Hk
-    b64 = b.to(tl.int64)
+    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP)
     M: tl.constexpr = BT * GP
-    t0 = pid_t * BT
-    r = tl.arange(0, M)
-    tok = t0 + r // GP
-    g = r % GP
-    row_ok = (tok < T) & (g < G)
-    head = hk * G + g
-    qpos = tok + q_off
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     tok64 = tok[:, None].to(tl.int64)
