@@ -29,7 +29,7 @@ def _cos(a, b):
     return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
 
 
-DEFAULT_CONFIGS = '[{"stages": 3}, {"stages": 2}, {"ws": true}, {"ws": true, "stages": 2}]'
+DEFAULT_CONFIGS = '[{"stages": 3}, {"ws": true}, {"block_m": 64}, {"block_m": 64, "stages": 2}]'
 
 
 def rows_for(S, B=1, H=48, D=128, configs=({"stages": 3},)):
@@ -91,6 +91,8 @@ def offline_compile(configs):
     res = []
     for cfg in configs:
         ws = cfg.pop("WS", False)
+        if cfg.get("BM") == 64:
+            cfg["num_warps"] = 4
         k = fg._fp8_gluon_ws_kernel if ws else fg._fp8_gluon_fwd_kernel
         names = k.arg_names
         c = dict(D=128, BM=128, BN=128, STAGES=3, QFUSED=True, WRITE_LSE=False, LOG2_PS=8.0, num_warps=8)
@@ -127,7 +129,8 @@ def main():
     args = ap.parse_args()
     configs = json.loads(args.configs)
     if args.compile:
-        offline_compile([{"STAGES": c.get("stages", 3), "WS": c.get("ws", False)} for c in configs])
+        offline_compile([{"STAGES": c.get("stages", 3), "WS": c.get("ws", False), "BM": c.get("block_m", 128)}
+                         for c in configs])
         return
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, time=time.strftime("%F %T"),
                 B=1, H=args.heads, D=128, causal=False, flops="4*B*H*S*S*D")

@@ -47,7 +47,10 @@ MAGIC = 12582912.0  # 1.5 * 2^23: fp32 whose low mantissa bits hold a small int3
 MAGIC_BITS = 0x4B400000
 # ws: the warp-specialised kernel (2 consumer warpgroups + 1 producer warp, registers per worker partition by
 # setmaxnreg: consumer_regs for the second consumer warpgroup, producer_regs for the load warp)
-GLUON_FP8_CONFIG = dict(stages=3, num_warps=8, ws=False, consumer_regs=240, producer_regs=24)
+# block_m: q rows per program (lockstep kernel): 128 = two warpgroups in one CTA (1 CTA per SM at ~245 registers),
+# 64 = one warpgroup per CTA (2 CTAs per SM, which interleave: one's softmax under the other's MMAs); num_warps
+# is block_m // 16. ws needs block_m 128.
+GLUON_FP8_CONFIG = dict(stages=3, block_m=128, ws=False, consumer_regs=240, producer_regs=24)
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
 
@@ -79,9 +82,10 @@ if HAS_GLUON:
                               Sq, Sk, Sk_pad, Hq, Hk, n_rep, nqb, nkb, qk_scale,
                               D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                               QFUSED: gl.constexpr, WRITE_LSE: gl.constexpr, LOG2_PS: gl.constexpr,
-                              num_warps: gl.constexpr):
-        """One (BM q rows, query head) tile. Q: fp16/bf16 q (B, Sq, Hq, D) when QFUSED (quantized here, one int8
-        block = this tile) else int8 q8 with scales QS (B, Hq, nqb); strides in elements, (b, s, h) order.
+                              num_warps: gl.constexpr, QBLK: gl.constexpr = 128):
+        """One (BM q rows, query head) tile, BM = 16 * num_warps (64 or 128). Q: fp16/bf16 q (B, Sq, Hq, D) when
+        QFUSED (quantized here, one int8 block = this tile) else int8 q8 with scales QS (B, Hq, nqb) per QBLK rows;
+        strides in elements, (b, s, h) order.
         K8 int8 (B, Hk, Sk, D), KS (B, Hk, nkb); VT8 e4m3 (B, Hk, D, Sk_pad), VS (B, Hk, D);
         O (B, Sq, Hq, D) by its strides; LSE fp32 (B, Hq, Sq) natural log."""
         pid_m = gl.program_id(0)
@@ -137,7 +141,7 @@ if HAS_GLUON:
             q_smem.store(qy.to(gl.int8))
         else:
             q_smem.store(gl.load(q_ptrs, mask=q_ok, other=0))
-            sq = gl.load(QS + bh.to(gl.int64) * nqb + pid_m)
+            sq = gl.load(QS + bh.to(gl.int64) * nqb + start_m // QBLK)  # q8's scales are per 128 rows
         fence_async_shared()
         gl.thread_barrier()
         cq = sq * qk_scale
@@ -414,11 +418,14 @@ def attention_fp8_gluon_quantized(q, qs, k8, ks, vt8, vs, *, Sk, causal=False, s
                          "use dense.attention_fp8 for causal")
     if not HAS_GLUON:
         raise ValueError("attention_fp8_gluon needs Triton with Gluon (triton.experimental.gluon)")
-    B, Sq, Hq, Hk, D = _check(q, qs, k8, ks, vt8, vs, int(Sk))
     unknown = sorted(set(cfg or {}) - set(GLUON_FP8_CONFIG))
     if unknown:
         raise ValueError(f"cfg: unknown keys {unknown} (known: {sorted(GLUON_FP8_CONFIG)})")
     cfg = dict(GLUON_FP8_CONFIG, **(cfg or {}))
+    bm = int(cfg["block_m"])
+    if bm not in (64, 128) or (cfg["ws"] and bm != 128):
+        raise ValueError(f"cfg: block_m must be 64 or 128 (128 with ws=True), got {bm}")
+    B, Sq, Hq, Hk, D = _check(q, qs, k8, ks, vt8, vs, int(Sk))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dev = k8.device
     out = torch.empty((B, Sq, Hq, D), dtype=out_dtype, device=dev)
@@ -428,7 +435,7 @@ def attention_fp8_gluon_quantized(q, qs, k8, ks, vt8, vs, *, Sk, causal=False, s
     qstr = (q.stride(0), q.stride(1), q.stride(2)) if qfused else (q.stride(0), q.stride(2), q.stride(1))
     from ._triton_common import set_tma_allocator
     set_tma_allocator()
-    grid = (triton.cdiv(Sq, BLOCK), B * Hq)
+    grid = (triton.cdiv(Sq, BLOCK if cfg["ws"] else bm), B * Hq)
     args = (q, qs if qs is not None else ks, k8, ks, vt8, vs, out, lse, *qstr,
             out.stride(0), out.stride(1), out.stride(2),
             Sq, int(Sk), vt8.shape[-1], Hq, Hk, Hq // Hk, qs.shape[-1] if qs is not None else 1, ks.shape[-1],
@@ -439,7 +446,8 @@ def attention_fp8_gluon_quantized(q, qs, k8, ks, vt8, vs, *, Sk, causal=False, s
         _fp8_gluon_ws_kernel[grid](*args, **meta, CONSUMER_REGS=int(cfg["consumer_regs"]),
                                    PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4)
     else:
-        _fp8_gluon_fwd_kernel[grid](*args, **meta, num_warps=int(cfg["num_warps"]))
+        meta["BM"] = bm
+        _fp8_gluon_fwd_kernel[grid](*args, **meta, num_warps=bm // 16)
     return (out, lse) if return_lse else out
 
 
