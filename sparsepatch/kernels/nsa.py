@@ -13,7 +13,10 @@ Four kernels per call (plus mean/weighted pooling of k/v in PyTorch, `nsa_refere
    +inf, block 0 3e38, then num_selected arg-max rounds with ties to the lower index (as the reference); indices
    written ascending, -1 padded.
 3. `_slc_kernel`  selected-block attention, one program per (token, KV head), rows = the group's heads (padded
-   to >= 16 for tl.dot); causal mask in the local block; writes g_cmp * o_cmp + g_slc * o_slc (fp32).
+   to >= 16 for tl.dot); causal mask in the local block; writes g_cmp * o_cmp + g_slc * o_slc (fp32). For MHA and
+   small groups at short T (`slc_tile_rows`), `_slc_tile_kernel` instead: 128-row programs of 128 // G tokens
+   visiting the union of their selected blocks, each row masking the blocks its token did not select (the same
+   function; faster where the per-token kernel pads G to 16 rows).
 4. `_swa_kernel`  sliding-window attention on the same tiles as (1); adds g_swa * o_swa and stores the output.
 
 Supported (else `supports` is False and the dispatcher uses the reference): causal=True, head dim 16..256 power
