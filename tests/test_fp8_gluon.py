@@ -93,10 +93,13 @@ def test_gpu_gluon_fp8(case, sched):
     got, lse = fg.attention_fp8_gluon_quantized(q, None, k8, ks, vt8, vs, Sk=Sk, return_lse=True, cfg=cfg)
     for o in (got_q8, got):
         assert o.shape == q.shape and o.dtype == torch.bfloat16 and torch.isfinite(o).all()
-    r_t, r_q = rel(got_q8, want_t), rel(got, got_q8)
-    print(f"\nrel vs triton fp8 {r_t:.2e}, fused-q vs q8 {r_q:.2e}")
+    # fused q: the same blocks and rounding as q8 (block_m 128), or as the Triton kernel's fused q (64-row tiles:
+    # vs q8's 128-row scales the outputs differ by ~2e-2, measured in run 2)
+    want_f = dense.attention_fp8(q, k, v) if cfg.get("block_m") == 64 else got_q8
+    r_t, r_q = rel(got_q8, want_t), rel(got, want_f)
+    print(f"\nrel vs triton fp8 {r_t:.2e}, fused-q {r_q:.2e}")
     assert r_t <= 1e-2, r_t          # same quantized inputs: only P's e4m3 rounding may differ
-    assert r_q <= 1e-2, r_q          # = quantize_fp8's q quantization (bm64: per 64 rows instead of 128)
+    assert r_q <= 1e-2, r_q
     assert (lse_q8 - lse_t).abs().max().item() <= 1e-3
     want, wlse = reference.attention(q.float(), k.float(), v.float(), return_lse=True)
     c = cos(got, want)
@@ -106,7 +109,7 @@ def test_gpu_gluon_fp8(case, sched):
     # end to end (k/v quantized by dense.quantize_fp8, q in the kernel) is the same call
     e2e = fg.attention_fp8_gluon(q, k, v, cfg=cfg)
     assert rel(e2e, got) <= 1e-3  # same quantized inputs, another compiled variant (no lse)
-    if sched == "ws":  # the two schedules do the same operations per element (bitwise equal unless ptxas contracts differently)
+    if sched == "ws":  # both schedules do the same operations per element (equal unless ptxas contracts differently)
         assert rel(got, fg.attention_fp8_gluon_quantized(q, None, k8, ks, vt8, vs, Sk=Sk)) <= 1e-3
 
 

@@ -18,8 +18,12 @@ the int32 result reinterpreted as fp32 is exactly 1.5 * 2^23 + q.k (|q.k| < 2^21
 per-row bias of the one FFMA that scales and shifts the logits.
 
 cfg ws=True: the same step in a warp-specialised kernel (each 64-row warpgroup its own partition, a 1-warp TMA
-producer, per-slot `empty` mbarriers instead of CTA barriers). Both schedules compile for sm_90 with Triton 3.6
-without spills; as of session 6 neither has run on a GPU (benchmarks/NOTES.md, "fp8 Gluon forward").
+producer, per-slot `empty` mbarriers instead of CTA barriers). cfg block_m=64: the lockstep kernel with one
+warpgroup per CTA (2 CTAs per SM).
+
+Status (H100, session 6, benchmarks/NOTES.md "fp8 Gluon forward"): GPU tests pass (lockstep / ws, run 1); cos vs
+cuDNN 0.9992. SLOWER than `dense.attention_fp8` end to end at 8K / 16K / 32K (8K kernel: lockstep 2.61 ms, ws
+2.29, block_m 64 2.41 vs Triton 2.14): opt-in only, used by default nowhere.
 
 Public entry points: `attention_fp8_gluon_quantized` (on `dense.quantize_fp8` outputs, q either pre-quantized
 int8 or the fp16/bf16 q itself, quantized in the kernel per 128-row tile), `attention_fp8_gluon` (end to end),
