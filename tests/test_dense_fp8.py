@@ -85,6 +85,10 @@ def test_quant_vt_kernel_interpreter():
 
 
 def test_attention_fp8_rejects_bad_input():
+    with pytest.raises(ValueError, match="block_m"):
+        dense._fp8_cfg(dict(block_m=256))
+    with pytest.raises(ValueError, match="unknown keys"):
+        dense._fp8_cfg(dict(blockm=64))
     q = torch.randn(1, 8, 2, 128)
     assert not dense.fp8_supported(q)
     with pytest.raises(ValueError, match="attention_fp8"):

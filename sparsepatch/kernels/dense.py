@@ -1145,6 +1145,9 @@ QK_FORMATS = ("int8", "e4m3")
 _QMAX = {"int8": 127.0, "e4m3": FP8_MAX}
 
 
+_VT_BS = 128  # keys per V^T program: 128-byte rows of V^T per store
+
+
 def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True):
     """Quantize for `attention_fp8`: -> (q8 (B, Hq, Sq, D), q_scale (B, Hq, ceil(Sq/128)), k8, k_scale (same for
     k), vt8 (B, Hk, D, Sk rounded up to 16), v_scale (B, Hk, D)); fp32 scales (dequant = x8 * scale). q8/k8 are
@@ -1183,14 +1186,14 @@ def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True):
     return q8, qs, k8, ks, vt, vs
 
 
-_VT_BS = 128  # keys per V^T program: 128-byte rows of V^T per store
-
-
 def _fp8_cfg(cfg):
     unknown = sorted(set(cfg or {}) - set(FP8_CONFIG))
     if unknown:
         raise ValueError(f"cfg: unknown keys {unknown} (known: {sorted(FP8_CONFIG)})")
-    return dict(FP8_CONFIG, **(cfg or {}))
+    cfg = dict(FP8_CONFIG, **(cfg or {}))
+    if cfg["block_m"] not in (64, 128):  # a program must not span two q8 scale blocks (FP8_BLOCK rows)
+        raise ValueError(f"cfg['block_m'] must be 64 or 128, got {cfg['block_m']!r}")
+    return cfg
 
 
 def _fp8_launch(qa, qs, k8, ks, vt8, vs, *, B, Sq, Hq, Sk, causal, scale, return_lse, out_dtype, cfg, qfused):
