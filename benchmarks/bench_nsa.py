@@ -407,6 +407,9 @@ def main(argv=None):
     ap.add_argument("--slc-ab", metavar="R[,R...]",
                     help="only the selected-kernel A/B: forward with nsa.SLC_TILE_ROWS = each R (0 = per token) at "
                          "every head layout, T = 8K..64K (--quick: 8K, 16K); section slc_ab")
+    ap.add_argument("--selection", choices=("token", "tile", "both"), default="token",
+                    help="prefill rows: NSAConfig(selection=...) timed as ours_ms; both: tile also timed (tile_ms, "
+                         "same inputs, same process) with its breakdown at the largest T")
     ap.add_argument("--fla-only", action="store_true",
                     help="only the G=16 prefill rows (ours, cuDNN, fla without its window branch); no decode")
     args = ap.parse_args(argv)
@@ -414,7 +417,8 @@ def main(argv=None):
         with open(args.summary) as f:
             return summary(json.load(f))
     from sparsepatch.kernels import nsa
-    cfg = NSAConfig()
+    cfg = NSAConfig(selection="tile" if args.selection == "tile" else "token")
+    tile_cfg = NSAConfig(selection="tile") if args.selection == "both" else None
     dev = torch.cuda.get_device_name()
     gpu = "h100" if "H100" in dev else ("h200" if "H200" in dev else dev.split()[-1].lower())
     parallel_nsa, fla_err = load_fla()
@@ -476,6 +480,8 @@ def main(argv=None):
             row = dict(HQ=HQ, H=H, G=HQ // H, T=T)
             with torch.no_grad():
                 row["ours_ms"] = _bench(lambda: nsa.nsa_attention(q, k, v, cfg), rep=100)
+                if tile_cfg is not None:
+                    row["tile_ms"] = _bench(lambda: nsa.nsa_attention(q, k, v, tile_cfg), rep=100)
                 try:
                     row["cudnn_ms"] = _bench(cudnn_causal(q, k, v), rep=100)
                 except Exception as exc:  # noqa: BLE001
@@ -491,18 +497,24 @@ def main(argv=None):
                         row["ours_window_kernel_ms"] = breakdown(nsa, q, k, v, cfg)["_swa_kernel"]
                     except Exception as exc:  # noqa: BLE001
                         row["fla_error"] = _err(exc)
-            row["ours_ms_per_qhead"] = row["ours_ms"] / HQ
-            if "cudnn_ms" in row:
-                row["speedup_vs_cudnn"] = row["cudnn_ms"] / row["ours_ms"]
-            if "fla_no_window_ms" in row:
-                row["speedup_vs_fla"] = row["fla_no_window_ms"] / row["ours_ms"]
-                row["speedup_vs_fla_same_branches"] = row["fla_no_window_ms"] / (
-                    row["ours_ms"] - row["ours_window_kernel_ms"])
+            for key, name in (("ours_ms", ""), ("tile_ms", "tile_")):
+                if key not in row:
+                    continue
+                row[f"{name}ms_per_qhead" if name else "ours_ms_per_qhead"] = row[key] / HQ
+                if "cudnn_ms" in row:
+                    row[f"{name}speedup_vs_cudnn"] = row["cudnn_ms"] / row[key]
+                if "fla_no_window_ms" in row:
+                    row[f"{name}speedup_vs_fla"] = row["fla_no_window_ms"] / row[key]
+                    row[f"{name}speedup_vs_fla_same_branches"] = row["fla_no_window_ms"] / (
+                        row[key] - row["ours_window_kernel_ms"])
             res["prefill"].append(row)
             print({kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in row.items()}, flush=True)
             if T == max(ts):
                 res["breakdown"][f"HQ{HQ}_H{H}_T{T}"] = breakdown(nsa, q, k, v, cfg)
                 print("breakdown", res["breakdown"][f"HQ{HQ}_H{H}_T{T}"], flush=True)
+                if tile_cfg is not None:
+                    res["breakdown"][f"tile_HQ{HQ}_H{H}_T{T}"] = breakdown(nsa, q, k, v, tile_cfg)
+                    print("breakdown tile", res["breakdown"][f"tile_HQ{HQ}_H{H}_T{T}"], flush=True)
             del q, k, v
             torch.cuda.empty_cache()
 

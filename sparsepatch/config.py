@@ -66,7 +66,14 @@ class SkipConfig:
 
 @dataclass
 class NSAConfig:
-    """Native Sparse Attention (compressed + selected + sliding window, gated). Lands with issue 5."""
+    """Native Sparse Attention (compressed + selected + sliding window, gated).
+
+    selection: "token" (default) ranks blocks per query token; "tile" ranks them once per selection tile (the
+    `block_size` query positions of one selection block) from the importance of the tile's first position, and every
+    token of the tile attends to those blocks (causal: the first position precedes the rest; the per-token causal
+    mask inside the local block stays). "tile" lets a tile's tokens share K/V loads (fast for small GQA groups and
+    MHA) at a small quality cost (BENCHMARKS.md, selection granularity).
+    """
 
     block_size: int = 64
     num_selected: int = 16
@@ -74,6 +81,7 @@ class NSAConfig:
     compress_block: int = 32
     compress_stride: int = 16
     gates: str = "uniform"
+    selection: str = "token"
 
     def __post_init__(self):
         for name in ("block_size", "num_selected", "window", "compress_block", "compress_stride"):
@@ -82,6 +90,8 @@ class NSAConfig:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if self.gates not in ("uniform", "learned"):
             raise ValueError(f"gates must be 'uniform' or 'learned', got {self.gates!r}")
+        if self.selection not in ("token", "tile"):
+            raise ValueError(f"selection must be 'token' or 'tile', got {self.selection!r}")
 
 
 @dataclass

@@ -28,7 +28,8 @@ def rand(B, T, Hq, Hk, D, dtype=torch.float32, seed=0, S=None, device="cpu"):
 
 
 def naive(q, k, v, cfg, gates=None, scale=None, w=None):
-    """Token-by-token NSA in fp64, written independently of the vectorised reference (causal, S == T)."""
+    """Token-by-token NSA in fp64, written independently of the vectorised reference (causal, S == T).
+    cfg.selection == "tile": token t attends to the blocks chosen at its tile's first position (t // bs) * bs."""
     q, k, v = q.double(), k.double(), v.double()
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
@@ -45,6 +46,7 @@ def naive(q, k, v, cfg, gates=None, scale=None, w=None):
 
     for b in range(B):
         for hk in range(Hk):
+            chosen = {}
             kc = [(k[b, c * d:c * d + l, hk] * (1 / l if w is None else w[0, hk, :, None].double())).sum(0)
                   for c in range((T - l) // d + 1)] if T >= l else []
             vc = [(v[b, c * d:c * d + l, hk] * (1 / l if w is None else w[1, hk, :, None].double())).sum(0)
@@ -65,6 +67,8 @@ def naive(q, k, v, cfg, gates=None, scale=None, w=None):
                                 if ov > 0:
                                     imp[j] += float(p[c]) * ov
                 cand = sorted(range(nb), key=lambda j: (j != t // bs, j != 0, -imp[j], j))[:cfg.num_selected]
+                if cfg.selection == "tile":
+                    cand = chosen.setdefault(t // bs, cand)   # the tile's first position chose
                 keys = sorted(s for j in cand for s in range(j * bs, min((j + 1) * bs, t + 1)))
                 wk = list(range(max(0, t - cfg.window + 1), t + 1))
                 for h in range(hk * G, hk * G + G):
@@ -85,16 +89,58 @@ def test_reference_matches_naive_loop():
     assert (got.double() - want).abs().max().item() < 1e-5
 
 
-def test_causality_exact():
+@pytest.mark.parametrize("selection", ["token", "tile"])
+def test_causality_exact(selection):
+    cfg = NSAConfig(**{**CFG.__dict__, "selection": selection})
     q, k, v = rand(1, 90, 4, 2, 16, seed=3)
-    out = ref.nsa_attention(q, k, v, CFG)
+    out = ref.nsa_attention(q, k, v, cfg)
     for t in (0, 15, 23, 40, 71):
         q2, k2, v2 = q.clone(), k.clone(), v.clone()
         q2[:, t + 1:] = torch.randn_like(q2[:, t + 1:]) * 5
         k2[:, t + 1:] = torch.randn_like(k2[:, t + 1:]) * 5
         v2[:, t + 1:] = torch.randn_like(v2[:, t + 1:]) * 5
-        out2 = ref.nsa_attention(q2, k2, v2, CFG)
+        out2 = ref.nsa_attention(q2, k2, v2, cfg)
         assert torch.equal(out[:, :t + 1], out2[:, :t + 1]), t
+
+
+TILE = NSAConfig(**{**CFG.__dict__, "selection": "tile"})
+
+
+def test_tile_selection_matches_naive_and_first_token():
+    """selection="tile": every token of a tile uses the blocks the token-mode reference picks for the tile's first
+    position, and the output equals the independent loop."""
+    q, k, v = rand(1, 101, 4, 2, 8, seed=11)
+    gates = torch.rand(1, 101, 4, 3, generator=torch.Generator().manual_seed(12))
+    out, idx = ref.nsa_attention(q, k, v, TILE, gates=gates, scale=0.3, return_indices=True)
+    _, tok_idx = ref.nsa_attention(q, k, v, CFG, gates=gates, scale=0.3, return_indices=True)
+    first = torch.arange(101) // TILE.block_size * TILE.block_size
+    assert torch.equal(idx, tok_idx[:, first])
+    assert not torch.equal(idx, tok_idx)                        # the two modes do differ on these inputs
+    want = naive(q, k, v, TILE, gates, 0.3)
+    assert (out.double() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("store_kv", [True, False])
+def test_tile_decode_and_chunks_with_cache(store_kv):
+    """Prefill ending mid-tile, then decode steps across a tile boundary, equal the full forward; a call starting
+    mid-tile needs the cache that saw the tile's first position."""
+    q, k, v = rand(2, 70, 8, 2, 16, seed=15)
+    full = ref.nsa_attention(q, k, v, TILE)
+    cache = ref.NSACache(store_kv=store_kv)
+
+    def call(a, b):
+        kk, vv = (k[:, a:b], v[:, a:b]) if store_kv else (k[:, :b], v[:, :b])
+        return ref.nsa_attention(q[:, a:b], kk, vv, TILE, cache=cache)
+
+    torch.testing.assert_close(call(0, 60), full[:, :60], rtol=0, atol=1e-6)
+    assert cache.tile_selection[0] == 3                         # tile [48, 64) is open
+    for t in range(60, 67):
+        torch.testing.assert_close(call(t, t + 1)[:, 0], full[:, t], rtol=0, atol=1e-6)
+    torch.testing.assert_close(call(67, 70), full[:, 67:], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="selection='tile'"):
+        ref.nsa_attention(q[:, 60:], k, v, TILE)                  # queries start mid-tile, no cache
+    with pytest.raises(ValueError, match="selection='tile'"):
+        ref.nsa_attention(q[:, 60:61], k[:, :61], v[:, :61], TILE, cache=ref.NSACache(store_kv=False))
 
 
 def test_no_leak_from_incomplete_compressed_blocks():
@@ -277,6 +323,25 @@ def test_triton_selected_tile_union_equals_per_token(G, Hk, T, rows, monkeypatch
 
 
 @needs_triton
+@pytest.mark.parametrize("G, Hk", [(1, 2), (4, 1), (16, 1), (3, 1)])
+def test_triton_tile_selection_matches_reference(G, Hk):
+    """selection="tile" on the Triton kernels: prefill, a prefill ending mid-tile, decode steps across a tile
+    boundary (the tile's selection carried by the cache) and a chunk, against the reference."""
+    nsa = _tri()
+    dev = "cuda" if CUDA and not INTERPRET else "cpu"
+    q, k, v = rand(1, 70, G * Hk, Hk, 32, seed=50 + G, device=dev)
+    gates = torch.rand(1, 70, G * Hk, 3, generator=torch.Generator().manual_seed(G)).to(dev)
+    out, idx = nsa.nsa_attention(q, k, v, TILE, gates=gates, return_indices=True)
+    want, widx = ref.nsa_attention(q, k, v, TILE, gates=gates, return_indices=True)
+    _compare(out, idx, want, widx, 2e-5)
+    cache = ref.NSACache()
+    for a, b in ((0, 60), (60, 61), (61, 62), (62, 63), (63, 64), (64, 65), (65, 70)):
+        o, i = nsa.nsa_attention(q[:, a:b], k[:, a:b], v[:, a:b], TILE, gates=gates[:, a:b], cache=cache,
+                                 return_indices=True)
+        _compare(o, i, want[:, a:b], widx[:, a:b], 2e-5)
+
+
+@needs_triton
 def test_triton_decode_varlen_and_weights():
     nsa = _tri()
     dev = "cuda" if CUDA and not INTERPRET else "cpu"
@@ -322,6 +387,31 @@ def test_gpu_bf16_matches_reference(G, Hk, T, slc_rows, monkeypatch):
     rows = same.all(-1)[0]                                          # tokens whose every KV head agrees
     err = (out[0, rows].float() - want[0, rows].float()).abs().max().item()
     assert err < 2e-2, err
+
+
+@gpu
+@pytest.mark.parametrize("G, Hk", [(16, 2), (4, 4), (1, 8)])
+def test_gpu_bf16_tile_selection_matches_reference(G, Hk):
+    """selection="tile", bf16, NSAConfig() sizes: prefill of 4000 tokens, then a cache prefill of 3000 (mid-tile)
+    and decode steps 3000..3009 across the tile boundary at 3008, against the reference."""
+    from sparsepatch.kernels import nsa
+    cfg = NSAConfig(selection="tile")
+    q, k, v = rand(1, 4000, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=G, device="cuda")
+    gates = torch.rand(1, 4000, G * Hk, 3, device="cuda")
+    out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    same = (idx.long() == widx).all(-1)
+    assert same.float().mean().item() > 0.99                       # a flipped near-tie flips a whole tile
+    rows = same.all(-1)[0]
+    assert (out[0, rows].float() - want[0, rows].float()).abs().max().item() < 2e-2
+    cache = ref.NSACache()
+    nsa.nsa_attention(q[:, :3000], k[:, :3000], v[:, :3000], cfg, gates=gates[:, :3000], cache=cache)
+    for t in range(3000, 3010):
+        o, i = nsa.nsa_attention(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cfg, gates=gates[:, t:t + 1],
+                                 cache=cache, return_indices=True)
+        assert torch.equal(i[0, 0], idx[0, t]), t                   # the tile's blocks, carried by the cache
+        if rows[t]:
+            assert (o[0, 0].float() - want[0, t].float()).abs().max().item() < 2e-2, t
 
 
 @gpu

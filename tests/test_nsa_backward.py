@@ -102,6 +102,15 @@ def test_grads_uniform_gates_compress_weights_and_prefix():
 
 
 @needs_triton
+@pytest.mark.parametrize("G, S", [(4, 52), (1, 80)])
+def test_grads_tile_selection(G, S):
+    """selection="tile" (tokens of a selection tile share its first position's blocks); S=80: the last 32 of 80."""
+    cfg = NSAConfig(**{**CFG_A.__dict__, "selection": "tile"})
+    leaves, dout = _inputs(1, 52 if S == 52 else 32, G, 1, 16, S=S, seed=11 + G, gates=True)
+    _check(leaves, dout, cfg, 1e-5)
+
+
+@needs_triton
 def test_grads_varlen():
     lens = [29, 1, 34]
     cu = torch.tensor([0, 29, 30, 64], dtype=torch.int32, device=DEV)
@@ -125,7 +134,7 @@ def test_backward_without_saved_state_recomputes():
     k_cmp, v_cmp = ref.compress_kv(k, v, CFG_A)
     c = CFG_A
     out = torch.ops.sparsepatch.nsa_fwd(q, k, v, k_cmp, v_cmp, None, 0.25, c.block_size, c.num_selected, c.window,
-                                        c.compress_block, c.compress_stride, False)[0]
+                                        c.compress_block, c.compress_stride, False, None, False)[0]
     got = torch.autograd.grad(out, (q, k, v), dout)
     ref_leaves = {n: x.detach().clone().requires_grad_(True) for n, x in leaves.items()}
     want = torch.autograd.grad(ref.nsa_attention(*ref_leaves.values(), CFG_A, scale=0.25),

@@ -63,9 +63,10 @@ def _online(acc, l_i, m_i, s, v):
 
 
 @triton.jit
-def _token_tile_rows(T, q_off, Hk, G, BT: tl.constexpr, GP: tl.constexpr):
-    """Rows of a (token tile, KV head) program (program_id 0: tile of BT tokens; 1: b * Hk + KV head): row r is
-    token t0 + r // GP with query head hk * G + r % GP (GP = G padded to a power of two; padded rows not ok).
+def _token_tile_rows(T, q_off, Hk, G, BT: tl.constexpr, GP: tl.constexpr, tok0, TS: tl.constexpr):
+    """Rows of a (token tile, KV head) program (program_id 0: tile of BT row tokens; 1: b * Hk + KV head): row r
+    is row token i = t0 + r // GP (of T) with query head hk * G + r % GP (GP = G padded to a power of two; padded
+    rows not ok). Row token i is query token tok0 + i * TS (TS > 1: the first token of every selection tile).
     -> (b64, hk, t0, tok, row_ok, head, qpos = the token's position among the keys)."""
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
@@ -73,20 +74,23 @@ def _token_tile_rows(T, q_off, Hk, G, BT: tl.constexpr, GP: tl.constexpr):
     b64 = (bh // Hk).to(tl.int64)
     t0 = pid_t * BT
     r = tl.arange(0, BT * GP)
-    tok = t0 + r // GP
+    ri = t0 + r // GP
+    tok = tok0 + ri * TS
     g = r % GP
-    row_ok = (tok < T) & (g < G)
+    row_ok = (ri < T) & (g < G)
     return b64, hk, t0, tok, row_ok, hk * G + g, tok + q_off
 
 
 @triton.jit
 def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE,
                 sqb, sqs, sqh, skb, sks, skh, sob, sos, soh,
-                T, n_c, q_off, Hq, Hk, G, NBP, qk_scale,
+                T, n_c, q_off, Hq, Hk, G, NBP, qk_scale, tok0,
                 CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
                 HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
-                SELECT: tl.constexpr, SAVE: tl.constexpr):
-    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP)
+                SELECT: tl.constexpr, SAVE: tl.constexpr, STORE_O: tl.constexpr, TS: tl.constexpr):
+    """T row tokens (query tokens tok0 + i * TS, see `_token_tile_rows`). STORE_O: write o_cmp (and with SAVE the
+    LSE); SELECT: write the block importance of every row token to row i of IMP_A / IMP_B (B, Hk, T, NBP)."""
+    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP, tok0, TS)
     M: tl.constexpr = BT * GP
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
@@ -94,7 +98,7 @@ def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE,
                 mask=row_ok[:, None], other=0.0)
     nvis = tl.where(qpos + 1 >= CB, (qpos + 1 - CB) // CS + 1, 0)
     nvis = tl.minimum(nvis, n_c)
-    maxpos = tl.minimum(t0 + BT, T) - 1 + q_off
+    maxpos = tok0 + (tl.minimum(t0 + BT, T) - 1) * TS + q_off
     hi = tl.where(maxpos + 1 >= CB, (maxpos + 1 - CB) // CS + 1, 0)
     hi = tl.minimum(hi, n_c)
     kbase = KC + b64 * skb + hk * skh
@@ -112,11 +116,12 @@ def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE,
         s = tl.where(c[None, :] < nvis[:, None], s, float("-inf"))
         acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    tl.store(OC + b64 * sob + tok[:, None].to(tl.int64) * sos + head[:, None] * soh + offs_d[None, :], o,
-             mask=row_ok[:, None])
+    if STORE_O:
+        o = acc / l_safe[:, None]
+        tl.store(OC + b64 * sob + tok[:, None].to(tl.int64) * sos + head[:, None] * soh + offs_d[None, :], o,
+                 mask=row_ok[:, None])
     lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(l_safe))   # log2 units; +inf: p = 0 for empty rows
-    if SAVE:   # for the backward: LSE (B, T, Hq) fp32 of this branch
+    if SAVE and STORE_O:   # for the backward: LSE (B, T, Hq) fp32 of this branch
         tl.store(LSE + (b64 * T + tok.to(tl.int64)) * Hq + head, lse, mask=row_ok)
 
     if SELECT:
@@ -146,14 +151,15 @@ def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE,
 
 
 @triton.jit
-def _topk_kernel(IMPA, IMPB, IDX, T, Hk, NBP, n_b, q_off, s_ib, s_it, s_ih,
-                 BS: tl.constexpr, NSEL: tl.constexpr, NBLK: tl.constexpr, NSELP: tl.constexpr):
+def _topk_kernel(IMPA, IMPB, IDX, T, Hk, NBP, n_b, q_off, s_ib, s_it, s_ih, tok0,
+                 BS: tl.constexpr, NSEL: tl.constexpr, NBLK: tl.constexpr, NSELP: tl.constexpr, TS: tl.constexpr):
+    """Row t of T (query token tok0 + t * TS, as `_cmp_kernel`'s rows): its selected blocks -> IDX row t."""
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
     hk = bh % Hk
     b64 = b.to(tl.int64)
-    cur = (t + q_off) // BS
+    cur = (tok0 + t * TS + q_off) // BS
     cur = tl.minimum(cur, n_b - 1)
     j = tl.arange(0, NBLK)
     row = ((b64 * Hk + hk) * T + t) * NBP
@@ -261,7 +267,7 @@ def _slc_tile_kernel(Q, K, V, IDX, LIST, OC, GATES, PART, BO_C, BO_S, LSE,
     not select leaves its m, l and acc unchanged) while K/V loads are shared by the tile's tokens and the MMAs have
     BT * GP rows. The union is built in the prologue: a bitmap of NWP 32-bit words over the blocks, then compacted
     by popcounts into LIST (CAP int32 slots per program, global scratch read back after a CTA barrier)."""
-    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP)
+    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP, 0, 1)
     M: tl.constexpr = BT * GP
     tok64 = tok.to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -316,7 +322,7 @@ def _swa_kernel(Q, K, V, PART, GATES, OUT, BO_W, LSE,
                 T, S, q_off, Hk, G, qk_scale, window,
                 HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_GATES: tl.constexpr, SAVE: tl.constexpr):
-    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP)
+    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP, 0, 1)
     M: tl.constexpr = BT * GP
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
@@ -377,13 +383,20 @@ NUM_STAGES = dict(cmp=2, swa=2, slc=3, slc_tile=3)
 # nearly disjoint blocks, so the union grows with the blocks visible (benchmarks/NOTES.md, session 6).
 # 8 warps: offline sm_90 builds (Triton 3.6, D=128, block 64, 16 selected) spill at 4 warps, not in the loop at 8.
 SLC_TILE_ROWS = None
+# selection="tile" decode steps that continue a tile: True = `nsa_decode` with the tile's blocks given (no scoring);
+# False = the prefill kernels with the tile's selection (correct, slow at long contexts: no split-K)
+_DECODE_GIVEN = "indices" in nsa_decode.nsa_decode.__code__.co_varnames
 
 
-def slc_tile_rows(G: int, n_b: int) -> int:
-    """Rows per selected-branch program (0 = the per-token kernel) for GQA group G and n_b selection blocks: token
-    tiles of 128 rows for MHA, and for G <= 4 up to 256 blocks (T <= 16K at block 64): where they measured faster."""
+def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
+    """Rows per selected-branch program (0 = the per-token kernel) for GQA group G and n_b selection blocks.
+    selection="token" (tile_block=0): token tiles of 128 rows for MHA, and for G <= 4 up to 256 blocks (T <= 16K at
+    block 64): where they measured faster. selection="tile" (tile_block = block_size): tiles of up to 128 rows whose
+    tokens lie in one selection tile, so a program visits exactly one selection (no union, no padded rows)."""
     if SLC_TILE_ROWS is not None:
         return SLC_TILE_ROWS
+    if tile_block:
+        return min(128, max(16, tile_block * triton.next_power_of_2(G)))
     return 128 if G == 1 or (G <= 4 and n_b <= 256) else 0
 
 
@@ -415,8 +428,10 @@ def _tiles(G):
     return GP, BT
 
 
-def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False):
+def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, prior=None):
     """Triton forward for one batch of equal-length sequences; queries are the last T of S positions.
+    selection="tile": `prior` (B, Hk, num_selected) is the selection of the tile containing the first query when
+    that tile starts before it (`nsa_reference.tile_prior`), else None.
 
     Returns (out (B, T, Hq, D) q.dtype, idx int32 (B, T, Hk, num_selected), lse, branch_out). With save=True
     (a gradient is needed): lse (3, B, T, Hq) fp32 = per-branch (cmp, slc, swa) log2-sum-exp2 of the scaled
@@ -440,8 +455,7 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False):
     if n_c == 0:
         k_cmp = v_cmp = q.new_zeros((B, 1, Hk, D))
     o_cmp = torch.empty((B, T, Hq, D), dtype=torch.float32, device=dev)
-    imp_a = torch.empty((B, Hk, T, NBP), dtype=torch.float32, device=dev)
-    imp_b = torch.empty((B, Hk, T, NBP), dtype=torch.float32, device=dev)
+    tile = config.selection == "tile"
     if save:
         lse = torch.empty((3, B, T, Hq), dtype=torch.float32, device=dev)
         bo = torch.empty((3, B, T, Hq, D), dtype=q.dtype, device=dev)
@@ -451,18 +465,49 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False):
     lse_c, lse_s, lse_w = (lse[0], lse[1], lse[2]) if save else (lse, lse, lse)
     bo_c, bo_s, bo_w = (bo[0], bo[1], bo[2]) if save else (bo, bo, bo)
     grid_tile = (triton.cdiv(T, BT), B * Hk)
-    _cmp_kernel[grid_tile](
-        q, k_cmp, v_cmp, o_cmp, imp_a, imp_b, lse_c,
-        q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
-        o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2),
-        T, n_c, q_off, Hq, Hk, G, NBP, qk_scale,
-        CB=l, CS=d, BS=bs, R=bs // d, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=CMP_BLOCK_N, SELECT=True, SAVE=save,
-        num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
-    idx = torch.empty((B, T, Hk, nsel), dtype=torch.int32, device=dev)
-    _topk_kernel[(T, B * Hk)](
-        imp_a, imp_b, idx, T, Hk, NBP, n_b, q_off, idx.stride(0), idx.stride(1), idx.stride(2),
-        BS=bs, NSEL=nsel, NBLK=max(16, triton.next_power_of_2(n_b)), NSELP=max(16, triton.next_power_of_2(nsel)),
-        num_warps=NUM_WARPS["topk"])
+    cmp_args = (q, k_cmp, v_cmp, o_cmp)
+    cmp_strides = (q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
+                   o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2))
+    cmp_meta = dict(CB=l, CS=d, BS=bs, R=bs // d, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=CMP_BLOCK_N,
+                    num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
+    topk_meta = dict(BS=bs, NSEL=nsel, NBLK=max(16, triton.next_power_of_2(n_b)),
+                     NSELP=max(16, triton.next_power_of_2(nsel)), num_warps=NUM_WARPS["topk"])
+
+    def select(n_rows, tok0, ts, store_o):
+        """Importance and top-k of n_rows row tokens (query tokens tok0 + i * ts) -> idx (B, n_rows, Hk, nsel);
+        store_o: the same launch writes o_cmp (and the LSE) of every query token (ts == 1, n_rows == T)."""
+        imp_a = torch.empty((B, Hk, n_rows, NBP), dtype=torch.float32, device=dev)
+        imp_b = torch.empty((B, Hk, n_rows, NBP), dtype=torch.float32, device=dev)
+        _cmp_kernel[(triton.cdiv(n_rows, BT), B * Hk)](
+            *cmp_args, imp_a, imp_b, lse_c, *cmp_strides, n_rows, n_c, q_off, Hq, Hk, G, NBP, qk_scale, tok0,
+            SELECT=True, SAVE=save and store_o, STORE_O=store_o, TS=ts, **cmp_meta)
+        sel = torch.empty((B, n_rows, Hk, nsel), dtype=torch.int32, device=dev)
+        _topk_kernel[(n_rows, B * Hk)](
+            imp_a, imp_b, sel, n_rows, Hk, NBP, n_b, q_off, sel.stride(0), sel.stride(1), sel.stride(2), tok0,
+            TS=ts, **topk_meta)
+        return sel
+
+    if not tile:
+        idx = select(T, 0, 1, True)
+    else:
+        # o_cmp of every token; the importance and top-k only at the selection tiles' first tokens, whose selection
+        # every token of the tile then uses
+        _cmp_kernel[grid_tile](
+            *cmp_args, o_cmp, o_cmp, lse_c, *cmp_strides, T, n_c, q_off, Hq, Hk, G, NBP, qk_scale, 0,
+            SELECT=False, SAVE=save, STORE_O=True, TS=1, **cmp_meta)
+        first = -(-q_off // bs)                       # first selection tile starting at or after the first query
+        tok0 = first * bs - q_off
+        n_tiles = max(0, triton.cdiv(T - tok0, bs))
+        sel = select(n_tiles, tok0, bs, False) if n_tiles else torch.empty((B, 0, Hk, nsel), dtype=torch.int32,
+                                                                                device=dev)
+        rows = torch.arange(T, device=dev).add_(q_off).div_(bs, rounding_mode="floor").sub_(first)
+        if tok0:   # the first tok0 queries continue a tile that started before this call
+            if prior is None:
+                raise ValueError("selection='tile': the first query continues a selection tile started before it: "
+                                 "pass its selection (nsa_reference.tile_prior)")
+            sel = torch.cat([prior.to(torch.int32).reshape(B, 1, Hk, nsel), sel], 1)
+            rows += 1
+        idx = sel.index_select(1, rows)
     part = o_cmp  # g_cmp * o_cmp + g_slc * o_slc is written in place of o_cmp (each program reads its own rows)
     gt = gates if gates is not None else o_cmp
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -471,7 +516,7 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False):
                gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0)
     common = dict(BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D,
                   HAS_GATES=gates is not None, SAVE=save)
-    rows = slc_tile_rows(G, n_b)
+    rows = slc_tile_rows(G, n_b, bs if tile else 0)
     if rows:
         if rows < 16 or rows & (rows - 1):
             raise ValueError(f"nsa.SLC_TILE_ROWS must be None, 0 or a power of two >= 16, got {rows}")
@@ -506,17 +551,19 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False):
 @torch.library.custom_op("sparsepatch::nsa_fwd", mutates_args=())
 def _nsa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
              gates: torch.Tensor | None, scale: float, block_size: int, num_selected: int, window: int,
-             compress_block: int, compress_stride: int,
+             compress_block: int, compress_stride: int, tile: bool = False, prior: torch.Tensor | None = None,
              save: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, idx, lse, branch_out) of `_forward`; lse/branch_out are empty unless save (see `_forward`)."""
+    """(out, idx, lse, branch_out) of `_forward`; lse/branch_out are empty unless save (see `_forward`).
+    tile: selection="tile", with `prior` as in `_forward`."""
     from ..config import NSAConfig
-    cfg = NSAConfig(block_size, num_selected, window, compress_block, compress_stride)
-    return _forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save)
+    cfg = NSAConfig(block_size, num_selected, window, compress_block, compress_stride,
+                    selection="tile" if tile else "token")
+    return _forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save, prior)
 
 
 @_nsa_fwd.register_fake
 def _(q, k, v, k_cmp, v_cmp, gates, scale, block_size, num_selected, window, compress_block, compress_stride,
-      save=False):
+      tile=False, prior=None, save=False):
     B, T, Hq, D = q.shape
     out = q.new_empty((B, T, Hq, D))
     idx = q.new_empty((B, T, k.shape[2], num_selected), dtype=torch.int32)
@@ -526,36 +573,39 @@ def _(q, k, v, k_cmp, v_cmp, gates, scale, block_size, num_selected, window, com
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, k_cmp, v_cmp, gates, scale, *ints, save = inputs
+    q, k, v, k_cmp, v_cmp, gates, scale, *ints, tile, prior, save = inputs
     _out, idx, lse, bo = output
-    ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, bo)
-    ctx.params = (float(scale), tuple(int(x) for x in ints), bool(save))
+    ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, bo, prior)
+    ctx.params = (float(scale), tuple(int(x) for x in ints), bool(tile), bool(save))
 
 
 def _backward(ctx, dout, _didx, _dlse, _dbo):
     """Autograd of `sparsepatch::nsa_fwd`: the Triton backward of `nsa_backward.py` (selection is constant)."""
-    q, k, v, k_cmp, v_cmp, gates, idx, lse, bo = ctx.saved_tensors
-    scale, ints, saved = ctx.params
+    q, k, v, k_cmp, v_cmp, gates, idx, lse, bo, prior = ctx.saved_tensors
+    scale, ints, tile, saved = ctx.params
     if not saved:   # forward ran without saving the branch LSEs / outputs: run it again with save=True
-        _, idx, lse, bo = torch.ops.sparsepatch.nsa_fwd(q, k, v, k_cmp, v_cmp, gates, scale, *ints, True)
+        _, idx, lse, bo = torch.ops.sparsepatch.nsa_fwd(q, k, v, k_cmp, v_cmp, gates, scale, *ints, tile, prior,
+                                                        True)
     if dout is None:
         dout = torch.zeros_like(q)
     dq, dk, dv, dkc, dvc, dg = torch.ops.sparsepatch.nsa_bwd(q, k, v, k_cmp, v_cmp, gates, idx, lse, bo, dout,
                                                              scale, *ints)
-    return dq, dk, dv, dkc, dvc, (dg if gates is not None else None), None, None, None, None, None, None, None
+    return (dq, dk, dv, dkc, dvc, (dg if gates is not None else None), None, None, None, None, None, None, None,
+            None, None)
 
 
 torch.library.register_autograd("sparsepatch::nsa_fwd", _backward, setup_context=_setup_context)
 
 
-def _run(q, k, v, k_cmp, v_cmp, gates, scale, cfg, needs_grad: bool = False):
+def _run(q, k, v, k_cmp, v_cmp, gates, scale, cfg, needs_grad: bool = False, prior=None):
     """(out, idx). Compiled graphs and calls needing a gradient go through the op (autograd attached to it and
     the branch LSEs / outputs saved); eager inference skips the op dispatch."""
     if torch.compiler.is_compiling() or needs_grad:
         out, idx, _, _ = _nsa_fwd(q, k, v, k_cmp, v_cmp, gates, scale, cfg.block_size, cfg.num_selected,
-                                  cfg.window, cfg.compress_block, cfg.compress_stride, bool(needs_grad))
+                                  cfg.window, cfg.compress_block, cfg.compress_stride, cfg.selection == "tile",
+                                  prior, bool(needs_grad))
         return out, idx
-    out, idx, _, _ = _forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg)
+    out, idx, _, _ = _forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, prior=prior)
     return out, idx
 
 
@@ -588,17 +638,28 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
         gates = gates.to(torch.float32) if gates.dtype not in (torch.float16, torch.bfloat16, torch.float32) \
             else gates
     decode = nsa_decode.applies(q, k, cache, needs_grad, offs)   # one token per sequence: split-K decode path
+    prior = None
     if cache is not None:
         k, v, k_cmp, v_cmp = cache.update(k, v, config, compress_weights,
                                           restart=(k.shape[1] == q.shape[1] and not cache.store_kv))
         if k.shape[1] < q.shape[1]:
             raise ValueError(f"cache holds {k.shape[1]} tokens, fewer than the {q.shape[1]} queries")
+        prior = ref.tile_prior(config, k.shape[1] - q.shape[1], cache)
     elif offs is None:
+        prior = ref.tile_prior(config, k.shape[1] - q.shape[1])
         k_cmp, v_cmp = compress_kv(k, v, config, compress_weights)
-    if decode:
-        out, idx = nsa_decode.nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices)
+    if decode and prior is None:
+        # token selection, or the first token of a selection tile: the decode step selects (and returns the blocks
+        # the tile's later tokens reuse)
+        out, idx = nsa_decode.nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config,
+                                         return_indices or config.selection == "tile")
+    elif decode and _DECODE_GIVEN:
+        out, idx = nsa_decode.nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices,
+                                         indices=prior.to(torch.int32))
+        if idx is None:
+            idx = prior.reshape(q.shape[0], 1, *prior.shape[1:])
     elif offs is None:
-        out, idx = _run(q, k, v, k_cmp, v_cmp, gates, scale, config, needs_grad)
+        out, idx = _run(q, k, v, k_cmp, v_cmp, gates, scale, config, needs_grad, prior)
     else:
         outs, idxs = [], []
         for a, b in zip(offs, offs[1:]):
@@ -611,4 +672,6 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
             outs.append(o)
             idxs.append(i)
         out, idx = torch.cat(outs, 1), torch.cat(idxs, 1)
+    if cache is not None:
+        cache.keep_tile_selection(config, k.shape[1], idx)
     return (out, idx) if return_indices else out

@@ -15,10 +15,14 @@ Three branches, combined as out = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa:
    and KV head h: sum over the G query heads of h and over compressed blocks c of p_cmp[t, head, c] * w(c, j),
    where w(c, j) = |[c*d, c*d+l) ∩ [j*b, (j+1)*b)| (tokens of overlap). When l and b are multiples of d this is
    the paper's Eq. 9 (weights (1, 2, ..., 2, 1) * d) with each compressed block counted for the selection blocks
-   it actually overlaps. Selection is PER QUERY TOKEN and per KV head (shared by the group's heads): the top
-   `num_selected` visible blocks (causal: j <= t // b) by importance, ties to the lower index; the local block
-   (t // b) always wins first, block 0 second. Inside selected blocks the causal mask applies (keys <= t).
-   Per-query-tile selection (one set for a tile of queries, as some kernels do) is NOT what this computes.
+   it actually overlaps. Selection is per KV head (shared by the group's heads): the top `num_selected` visible
+   blocks (causal: j <= t // b) by importance, ties to the lower index; the local block (t // b) always wins first,
+   block 0 second. Inside selected blocks the causal mask applies (keys <= t).
+   config.selection = "token" (default): ranked per query token t. "tile": ranked once per selection tile, the b
+   positions of one selection block ([u*b, (u+1)*b)), from the importance of its first position u*b; every token
+   of the tile uses that set (it is causal: u*b <= t; the local block and the visible blocks are the same for the
+   whole tile). A tile whose first position precedes this call's queries (decode, chunked prefill) takes the set
+   from the cache (`NSACache` keeps the last tile's); without one that is an error.
 3. Sliding window: causal keys (t - window, t]; non-causal keys [t - window // 2, t - window // 2 + window).
 
 causal=False (DiT self-attention, S == T): every complete compressed block and every selection block is visible,
@@ -38,8 +42,8 @@ import torch
 
 from .reference import check_qkv
 
-__all__ = ["nsa_attention", "NSACache", "compress_kv", "select_blocks", "num_compressed", "nsa_density",
-           "check_config", "check_gates", "check_cu_seqlens", "check_compress_weights", "FORCE_LOCAL",
+__all__ = ["nsa_attention", "NSACache", "compress_kv", "select_blocks", "select_tiles", "num_compressed", "nsa_density",
+           "check_config", "check_gates", "check_cu_seqlens", "check_compress_weights", "tile_prior", "FORCE_LOCAL",
            "FORCE_FIRST"]
 
 FORCE_LOCAL = float("inf")   # selection score of the local block (always picked first)
@@ -156,6 +160,25 @@ def overlap_weights(n_c: int, n_b: int, config, device) -> torch.Tensor:
     return (torch.minimum(c0 + l, j0 + b) - torch.maximum(c0, j0)).clamp(min=0)
 
 
+def select_tiles(importance: torch.Tensor, qpos: torch.Tensor, config, causal: bool, prior=None) -> torch.Tensor:
+    """selection="tile": importance (B, Hk, T, n_b) of T consecutive query positions qpos -> int64 (B, T, Hk,
+    num_selected): each query takes the selection of its tile's first position (see `select_blocks`); a tile that
+    starts before qpos[0] takes `prior` (B, Hk, num_selected), the selection made when that tile started."""
+    bs = config.block_size
+    start = torch.div(qpos, bs, rounding_mode="floor") * bs
+    i0 = start - qpos[0]
+    idx = select_blocks(importance[:, :, i0.clamp(min=0)], start, config, causal)
+    early = i0 < 0
+    if bool(early.any()):
+        if prior is None:
+            raise ValueError(f"selection='tile': position {int(qpos[0])} is inside the selection tile starting at "
+                             f"{int(start[0])}, whose query is not in this call; start queries at a multiple of "
+                             f"block_size={bs} or pass the NSACache that saw that position")
+        p = prior.to(idx.dtype).reshape(idx.shape[0], 1, *idx.shape[2:])
+        idx = torch.where(early[None, :, None, None], p, idx)
+    return idx
+
+
 def select_blocks(importance: torch.Tensor, qpos: torch.Tensor, config, causal: bool) -> torch.Tensor:
     """importance (B, Hk, T, n_b) -> int64 (B, T, Hk, num_selected) selected block indices, ascending, -1 padded.
 
@@ -199,7 +222,7 @@ def _expand(x, G):
     return x.repeat_interleave(G, dim=1) if G > 1 else x
 
 
-def _core(q, k, v, k_cmp, v_cmp, config, gates, causal, scale, return_indices=False):
+def _core(q, k, v, k_cmp, v_cmp, config, gates, causal, scale, return_indices=False, prior=None):
     """One batch of equal-length sequences; q positions are the last T of S (causal)."""
     B, T, Hq, D = q.shape
     S, Hk = k.shape[1], k.shape[2]
@@ -227,7 +250,11 @@ def _core(q, k, v, k_cmp, v_cmp, config, gates, causal, scale, return_indices=Fa
         w = overlap_weights(n_c, n_b, config, dev).to(compute)
         imp = torch.matmul(p_c.detach(), w)                                # (B, Hq, T, n_b)
         imp = imp.reshape(B, Hk, G, T, n_b).sum(2)
-        idx = select_blocks(imp, qpos if causal else torch.arange(T, device=dev), config, causal)
+        spos = qpos if causal else torch.arange(T, device=dev)
+        if config.selection == "tile":
+            idx = select_tiles(imp, spos, config, causal, prior)
+        else:
+            idx = select_blocks(imp, spos, config, causal)
         chosen = torch.zeros(B, T, Hk, n_b + 1, dtype=torch.bool, device=dev)
         chosen.scatter_(-1, torch.where(idx < 0, n_b, idx), True)
         chosen = chosen[..., :n_b].permute(0, 2, 1, 3)                     # (B, Hk, T, n_b)
@@ -276,6 +303,12 @@ class NSACache:
         self.k_cmp = self.v_cmp = None
         self.length = 0
         self._bufs = {}
+        self.tile_selection = None   # selection="tile": (tile number, (B, Hk, num_selected) blocks) of the last tile
+
+    def keep_tile_selection(self, config, S: int, idx):
+        """After a call over S keys: remember the last tile's selection (idx (B, T, Hk, num_selected), last row)."""
+        if config.selection == "tile":
+            self.tile_selection = ((S - 1) // config.block_size, idx[:, -1].detach())
 
     def _append(self, name, cur, new):
         """cur + new along dim 1. Without autograd, into a buffer of doubling capacity whose prefix view `cur` is (no
@@ -311,6 +344,7 @@ class NSACache:
                     self.k_cmp.shape[0] != k.shape[0] or self.k_cmp.shape[2:] != k.shape[2:]
                     or self.k_cmp.dtype != k.dtype)):
                 self.k_cmp = self.v_cmp = None
+                self.tile_selection = None
         have = 0 if self.k_cmp is None else self.k_cmp.shape[1]
         if self.k_cmp is None or num_compressed(k_full.shape[1], config) > have:   # else nothing new to pool
             new_k, new_v = compress_kv(k_full, v_full, config, compress_weights, start=have)
@@ -323,6 +357,22 @@ class NSACache:
                 self.v_cmp = self._append("v_cmp", self.v_cmp, new_v)
         self.length = k_full.shape[1]
         return k_full, v_full, self.k_cmp, self.v_cmp
+
+
+def tile_prior(config, first_pos: int, cache=None):
+    """selection="tile": the selection (B, Hk, num_selected) of the tile containing query position `first_pos`
+    when that tile started before it, from `cache` (None when `first_pos` starts a tile, or for selection="token").
+    A ValueError when no cache saw the tile's first position."""
+    bs = config.block_size
+    if config.selection != "tile" or first_pos % bs == 0:
+        return None
+    kept = None if cache is None else cache.tile_selection
+    if kept is None or kept[0] != first_pos // bs:
+        raise ValueError(f"selection='tile': the first query (position {first_pos}) continues the selection tile "
+                         f"starting at {first_pos // bs * bs}, whose selection "
+                         f"{'this cache did not see' if cache is not None else 'needs a cache'}: start the queries "
+                         f"at a multiple of block_size={bs}, or prefill from position 0 with the same NSACache")
+    return kept[1]
 
 
 # ---------------------------------------------------------------------------------------------------- entry
@@ -341,8 +391,12 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
                                                                                    and not cache.store_kv))
         if k.shape[1] < q.shape[1]:
             raise ValueError(f"cache holds {k.shape[1]} tokens, fewer than the {q.shape[1]} queries")
-        return _core(q, k, v, k_cmp, v_cmp, config, gates, causal, scale, return_indices)
+        prior = tile_prior(config, k.shape[1] - q.shape[1], cache)
+        out, idx = _core(q, k, v, k_cmp, v_cmp, config, gates, causal, scale, True, prior)
+        cache.keep_tile_selection(config, k.shape[1], idx)
+        return (out, idx) if return_indices else out
     if offs is None:
+        tile_prior(config, k.shape[1] - q.shape[1])
         k_cmp, v_cmp = compress_kv(k, v, config, compress_weights)
         return _core(q, k, v, k_cmp, v_cmp, config, gates, causal, scale, return_indices)
     outs, idxs = [], []
