@@ -6,6 +6,10 @@ replay time of the whole step, HQ64/H4 D128 bf16 B=1, at a few context lengths.
     python benchmarks/profile_nsa_decode.py --s 65536 8192 16384 32768 --ab new old [--ab-full 1]
         # old/new A/B (AB_VARIANTS) timed as bench_nsa.py's graph row, timelines warm and L2-flushed;
         # JSON <gpu>-nsa-decode-ab.json
+    python benchmarks/profile_nsa_decode.py --s 8192 16384 32768 65536 --given
+        # the step with a given selection (selection="tile": the 63 of 64 steps that reuse the tile's selection;
+        # nsa_decode(..., indices=)) against the normal step and SDPA decode, then its timelines at the largest S;
+        # JSON <gpu>-nsa-decode-given.json
 
 The difference between the replay time and the sum of kernel durations is launch/dependency latency between the
 graph's kernels (with PDL the selection kernel's duration includes its wait for the compressed kernel, so the gap
@@ -117,11 +121,13 @@ PROBE_SLOTS = {2: "gdc_wait done", 3: "chunk score+rank done", 5: "window progs:
                8: "selected partial stored", 10: "wait 3 done (merge)", 11: "output stored"}
 
 
-def probe(S, var=None, reps=20, cold=False):
+def probe(S, var=None, reps=20, cold=False, given=False):
     """Timeline of one captured step (nsa_decode.PROBE builds: %globaltimer at each program's entry and exit,
     %clock64 at the phase ends, converted with the clock rate measured on the compressed programs): us after the
-    first compressed program started, median and max over the programs that pass each point."""
+    first compressed program started, median and max over the programs that pass each point. given: the step with
+    the normal step's selection given (indices=)."""
     q, k, v, kc, vc, scale, cfg = inputs(S)
+    idx = nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg, True)[1] if given else None
     buf = {}
     saved = {n: (dict(getattr(nsa_decode, n)) if isinstance(getattr(nsa_decode, n), dict) else getattr(nsa_decode, n))
              for n in (var or {})}
@@ -132,7 +138,7 @@ def probe(S, var=None, reps=20, cold=False):
             else:
                 setattr(nsa_decode, n, val)
         nsa_decode.PROBE = buf
-        g = common.graph_replay(lambda: nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg))
+        g = common.graph_replay(lambda: nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg, indices=idx))
     finally:
         nsa_decode.PROBE = None
         for n, val in saved.items():
@@ -162,10 +168,11 @@ def probe(S, var=None, reps=20, cold=False):
         m = b[:, :, sl] != 0
         put(f"B {name}", torch.where(m, entry + (b[:, :, sl] - b[:, :, 1]) / ghz / 1e3, torch.tensor(-1e9)).flatten())
     put("B exit", ((b[:, :, 12] - t0) / 1e3).flatten())
-    print(f"probe {var or {}} cold={cold} (clock {ghz:.3f} GHz; us: median, max, programs):", flush=True)
+    print(f"probe {var or {}} given={given} cold={cold} (clock {ghz:.3f} GHz; us: median, max, programs):", flush=True)
     for n_, v_ in line.items():
         print(f"   {n_:28s} {v_[0]:7.2f} {v_[1]:7.2f} {v_[2]:5d}")
-    return dict(variant=repr(var or {}), cold=cold, ghz=ghz, plan=pl, timeline=line, raw_a=buf["a"].tolist(),
+    return dict(variant=repr(var or {}), given=given, cold=cold, ghz=ghz, plan=pl, timeline=line,
+                raw_a=buf["a"].tolist(),
                 raw_b=buf["b"].tolist())
 
 
@@ -245,6 +252,57 @@ def ab(ss, names, rounds=2, full=2, save=None):
     return rows
 
 
+def given_ab(ss, rounds=3, save=None):
+    """The decode step with a given selection (nsa_decode(..., indices=): selection="tile" reuses the tile's first
+    selection for its other block_size - 1 steps) against the normal step (which scores and ranks) and SDPA decode
+    (enable_gqa, default backend), in one process, each one captured call timed as the rows above: triton do_bench
+    median of a graph replay, L2 flushed; the variants alternate `rounds` times, best round kept. given = the default
+    structure (GIVEN_EARLY: selected blocks before griddepcontrol.wait, one merge of the three branches),
+    given_late = GIVEN_EARLY off. The given steps get the normal step's own selection, so their outputs must equal
+    it up to rounding (max_diff) and return the same indices."""
+    import torch.nn.functional as F
+    names = ("normal", "given", "given_late")
+    rows = []
+    for S in ss:
+        q, k, v, kc, vc, scale, cfg = inputs(S)
+        row = {"S": S}
+        with torch.no_grad():
+            o, idx = nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg, True)
+            graphs = {"normal": common.graph_replay(lambda: nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale,
+                                                                                      cfg))}
+            for name, early in (("given", True), ("given_late", False)):
+                saved = _set({"GIVEN_EARLY": early})
+                try:            # the flag is read on the host: the captured graph keeps its kernels
+                    og, ig = nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg, True, indices=idx)
+                    row[f"{name}_same_idx"] = bool(torch.equal(ig, idx))
+                    row[f"{name}_max_diff_vs_normal"] = (og.float() - o.float()).abs().max().item()
+                    row[f"{name}_finite"] = bool(torch.isfinite(og).all())
+                    graphs[name] = common.graph_replay(lambda: nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale,
+                                                                                        cfg, indices=idx))
+                finally:
+                    _set(saved)
+            qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            graphs["sdpa"] = common.graph_replay(lambda: F.scaled_dot_product_attention(qh, kh, vh,
+                                                                                          enable_gqa=True))
+            for _ in range(rounds):
+                for name, g in graphs.items():
+                    row.setdefault(f"{name}_us", []).append(dobench_us(g))
+        for kk in list(row):
+            if isinstance(row[kk], list):
+                row[f"{kk}_rounds"] = row[kk]
+                row[kk] = min(row[kk])
+        for name in names:
+            row[f"{name}_x_sdpa"] = row["sdpa_us"] / row[f"{name}_us"]
+        rows.append(row)
+        if save is not None:
+            save(rows)
+        print("given", {kk: (round(vv, 2) if isinstance(vv, float) else vv) for kk, vv in row.items()
+                        if not kk.endswith("_rounds")}, flush=True)
+        del graphs
+        torch.cuda.empty_cache()
+    return rows
+
+
 def g_sdpa_other(S, F):
     q, k, v, *_ = inputs(S)
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -296,6 +354,8 @@ def main(argv=None):
     ap.add_argument("--s", type=int, nargs="+", default=[8192, 65536])
     ap.add_argument("--sweep", action="store_true", help="also replay launch-setting variants at the largest S")
     ap.add_argument("--ab-full", type=int, default=2, help="--ab: variants timed at every S (the rest: largest S)")
+    ap.add_argument("--given", action="store_true", help="only the given-selection step vs the normal step and SDPA "
+                    "at --s, then its timelines at the largest S; JSON <gpu>-nsa-decode-given.json")
     ap.add_argument("--ab", nargs="*", metavar="VARIANT",
                     help=f"only the old/new A/B at --s (variants of AB_VARIANTS: {', '.join(AB_VARIANTS)}; default "
                          "old new), then timelines (warm and L2-flushed) at the largest S; JSON "
@@ -303,6 +363,26 @@ def main(argv=None):
     args = ap.parse_args(argv)
     rows = []
     res = {"device": torch.cuda.get_device_name(), "rows": rows}
+    if args.given:
+        fname = f"{common.gpu_name()}-nsa-decode-given.json"
+
+        def save_g(rows_):
+            res["given"] = rows_
+            common.save_results(res, fname, args.out)
+        res["given"] = given_ab(args.s, save=save_g)
+        res["probe"] = []
+        for cold in (True, False):
+            res["probe"].append(probe(max(args.s), cold=cold, given=True))
+            common.save_results(res, fname, args.out)
+        names = ("normal", "given", "given_late")
+        print(f"{'S':>6} " + " ".join(f"{n + ' us':>14}" for n in names) + f" {'sdpa us':>9} "
+              + " ".join(f"{n + ' x':>12}" for n in names) + "  (graph replay, do_bench median, L2 flushed)")
+        for r in res["given"]:
+            print(f"{r['S']:>6} " + " ".join(f"{r[n + '_us']:14.2f}" for n in names) + f" {r['sdpa_us']:9.2f} "
+                  + " ".join(f"{r[n + '_x_sdpa']:12.2f}" for n in names)
+                  + " idx " + " ".join(str(r[n + "_same_idx"]) for n in names[1:])
+                  + " diff " + " ".join(f"{r[n + '_max_diff_vs_normal']:.1e}" for n in names[1:]))
+        return res
     if args.ab is not None:
         names = args.ab or ["old", "new"]
         fname = f"{common.gpu_name()}-nsa-decode-ab.json"

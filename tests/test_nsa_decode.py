@@ -184,6 +184,109 @@ def test_decode_not_taken_with_grad(count_decode):
     assert not count_decode and q.grad is not None
 
 
+# ------------------------------------------------------------------------------- given selection (selection="tile")
+def _given_reference(q, k, v, kc, vc, gates, cfg, idx, scale):
+    """Decode step at position S - 1 with the selected blocks `idx` (B, Hk, nsel; -1 = none) given: fp64 PyTorch
+    (compressed and window branches as in nsa_reference, the selected branch over exactly the given blocks)."""
+    B, _, Hq, D = q.shape
+    S, Hk = k.shape[1], k.shape[2]
+    G = Hq // Hk
+    qd = q[:, 0].double()                                            # (B, Hq, D)
+
+    def attend(keys, vals, mask):                                    # keys (B, N, Hk, D), mask (B, Hk, N)
+        s = torch.einsum("bhd,bnhd->bhn", qd, keys.double().repeat_interleave(G, 2)) * scale
+        p = ref._softmax(s.masked_fill(~mask.repeat_interleave(G, 1), float("-inf")))
+        return torch.einsum("bhn,bnhd->bhd", p, vals.double().repeat_interleave(G, 2))
+    pos = torch.arange(S, device=q.device)
+    o_cmp = attend(kc, vc, torch.ones(B, Hk, kc.shape[1], dtype=torch.bool, device=q.device))   # all complete
+    o_swa = attend(k, v, (pos > S - 1 - cfg.window).expand(B, Hk, S))                            # blocks visible
+    sel = ((pos // cfg.block_size)[None, None, :, None] == idx.long()[:, :, None, :]).any(-1)      # (B, Hk, S)
+    o_slc = attend(k, v, sel)
+    g = gates[:, 0].double() if gates is not None else torch.full((B, Hq, 3), 1 / 3, dtype=torch.float64,
+                                                                   device=q.device)
+    out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_swa
+    return out[:, None].to(q.dtype)
+
+
+def _given_case(case, seed_gates=1):
+    S, bs, l, d, W, nsel, D, Hq, Hk, B, has_gates, dtype = case
+    cfg = NSAConfig(block_size=bs, num_selected=nsel, window=W, compress_block=l, compress_stride=d)
+    q, k, v = rand(B, 1, Hq, Hk, D, S, dtype=dtype, seed=S, device=DEV)
+    gates = (torch.rand(B, 1, Hq, 3, generator=torch.Generator().manual_seed(seed_gates)).to(DEV).to(dtype)
+             if has_gates else None)
+    kc, vc = ref.compress_kv(k, v, cfg)
+    return cfg, q, k, v, kc, vc, gates, 1.0 / math.sqrt(D)
+
+
+GIVEN_CASES = [CASES[1], CASES[2], CASES[5]]          # G 4 fp32 gates, MHA fp16, num_selected > visible blocks
+
+
+@needs_triton
+@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
+@pytest.mark.parametrize("case", GIVEN_CASES, ids=["G4-f32", "MHA-f16", "nsel40"])
+def test_decode_given_indices_equal_normal_step(monkeypatch, case, early):
+    """indices = the normal step's own selection -> the same output (the selected partials are merged in another
+    order: fp32 rounding) and the same indices back; both given-step structures (GIVEN_EARLY)."""
+    _, dec = _mods()
+    monkeypatch.setattr(dec, "GIVEN_EARLY", early)
+    cfg, q, k, v, kc, vc, gates, scale = _given_case(case)
+    out, idx = dec.nsa_decode(q, k, v, kc, vc, gates, scale, cfg, True)
+    for form in (idx, idx[:, 0]):                     # (B, 1, Hk, nsel) and (B, Hk, nsel)
+        got, gidx = dec.nsa_decode(q, k, v, kc, vc, gates, scale, cfg, True, indices=form)
+        assert gidx.shape == idx.shape and gidx.dtype == torch.int32 and torch.equal(gidx, idx)
+        tol = 1e-5 if q.dtype == torch.float32 else 2e-3
+        assert (got.float() - out.float()).abs().max().item() < tol
+    assert dec.nsa_decode(q, k, v, kc, vc, gates, scale, cfg, indices=idx)[1] is None
+
+
+@needs_triton
+@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
+@pytest.mark.parametrize("case", GIVEN_CASES, ids=["G4-f32", "MHA-f16", "nsel40"])
+def test_decode_given_random_indices(monkeypatch, case, early):
+    """Arbitrary selections (random ascending blocks, -1 padded, one (b, kv head) with none) -> the PyTorch
+    reference over exactly those blocks."""
+    _, dec = _mods()
+    monkeypatch.setattr(dec, "GIVEN_EARLY", early)
+    cfg, q, k, v, kc, vc, gates, scale = _given_case(case)
+    B, S, Hk, nsel = q.shape[0], k.shape[1], k.shape[2], cfg.num_selected
+    n_b = -(-S // cfg.block_size)
+    # the helper itself against nsa_reference, with the reference's own selection
+    want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    mine = _given_reference(q, k, v, kc, vc, gates, cfg, widx[:, 0], scale)
+    assert (mine.float() - want.float()).abs().max().item() < _tol(q.dtype)
+    g = torch.Generator().manual_seed(S)
+    idx = torch.full((B, Hk, nsel), -1, dtype=torch.int32)
+    for b in range(B):
+        for h in range(Hk):
+            n = int(torch.randint(1, min(nsel, n_b) + 1, (1,), generator=g))
+            idx[b, h, :n] = torch.randperm(n_b, generator=g)[:n].sort().values.int()
+    idx[-1, -1] = -1                                   # a (b, kv head) with no selected block: o_slc = 0
+    idx = idx.to(DEV)
+    got, gidx = dec.nsa_decode(q, k, v, kc, vc, gates, scale, cfg, True, indices=idx)
+    assert torch.equal(gidx[:, 0], idx)
+    want = _given_reference(q, k, v, kc, vc, gates, cfg, idx, scale)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err < _tol(q.dtype), err
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (lambda i: i.long(), "int32"),
+    (lambda i: i[..., :-1], "shape"),
+    (lambda i: i[:, :, None], "shape"),
+    (lambda i: i.to("meta"), "device"),
+    (lambda i: i.tolist(), "torch.Tensor"),
+], ids=["int64", "short", "axis", "device", "list"])
+def test_decode_given_indices_checked(bad, msg):
+    _, dec = _mods()
+    cfg = NSAConfig(block_size=16, num_selected=3, window=32, compress_block=16, compress_stride=8)
+    q, k, v = rand(1, 1, 4, 2, 16, 80)
+    kc, vc = ref.compress_kv(k, v, cfg)
+    idx = torch.zeros(1, 2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="indices") as e:
+        dec.nsa_decode(q, k, v, kc, vc, None, 0.25, cfg, indices=bad(idx))
+    assert msg in str(e.value)
+
+
 # ------------------------------------------------------------------------------------------------------------ GPU
 def _gpu_case(B, S, seed, gates=True):
     q, k, v = rand(B, 1, 64, 4, 128, S, dtype=torch.bfloat16, seed=seed, device="cuda")
@@ -282,3 +385,86 @@ def test_gpu_decode_barrier_timeout_poisons(monkeypatch, stall, old):
     monkeypatch.setattr(dec, "SPIN_LIMIT", spin)
     again, idx = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
     assert torch.equal(again, want) and torch.equal(idx, widx)
+
+
+@gpu
+@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
+def test_gpu_decode_given_bf16_8k(monkeypatch, early):
+    """8K bf16 HQ64/H4, B=2: the given-selection step equals the normal step when given its selection, and the
+    PyTorch reference over random given blocks."""
+    _, dec = _mods()
+    monkeypatch.setattr(dec, "GIVEN_EARLY", early)
+    cfg = NSAConfig()
+    q, k, v, g = _gpu_case(2, 8192 - 5, 31)
+    kc, vc = ref.compress_kv(k, v, cfg)
+    scale = 1.0 / math.sqrt(128)
+    out, idx = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
+    got, gidx = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True, indices=idx)
+    assert torch.isfinite(got).all() and torch.equal(gidx, idx)
+    assert (got.float() - out.float()).abs().max().item() < 1e-2
+    n_b = -(-k.shape[1] // cfg.block_size)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rnd = torch.rand(2, 4, n_b, generator=gen, device="cuda").topk(cfg.num_selected, -1).indices.sort(-1).values
+    rnd = rnd.int()
+    rnd[0, 1, 10:] = -1
+    got = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, indices=rnd)[0]
+    want = _given_reference(q, k, v, kc, vc, g, cfg, rnd, scale)
+    assert torch.isfinite(got).all()
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
+
+
+@gpu
+def test_gpu_decode_given_graph():
+    """A captured given-selection step (the tile-reuse steps of a decode loop): replays equal the eager step, and
+    new indices copied into the captured buffer take effect at the next replay."""
+    _, dec = _mods()
+    cfg = NSAConfig()
+    q, k, v, g = _gpu_case(1, 8192 + 17, 41)
+    kc, vc = ref.compress_kv(k, v, cfg)
+    scale = 1.0 / math.sqrt(128)
+    _, idx = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
+    buf = idx.clone()
+
+    def step():
+        return dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, indices=buf)[0]
+    eager = step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(static_out).all() and torch.equal(static_out, eager)
+    buf.copy_(torch.flip(torch.arange(cfg.num_selected, device="cuda", dtype=torch.int32) * 7, [0]).sort().values
+              .expand_as(buf))
+    graph.replay()
+    again = step()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, again) and not torch.equal(static_out, eager)
+    want = _given_reference(q, k, v, kc, vc, g, cfg, buf[:, 0], scale)
+    assert (again.float() - want.float()).abs().max().item() < 2e-2
+
+
+@gpu
+@pytest.mark.parametrize("stall", [3, 4], ids=["merge", "window"])
+def test_gpu_decode_given_timeout_poisons(monkeypatch, stall):
+    """The given-selection step keeps the timeout poison: a merge or window wait that gives up -> NaN output."""
+    _, dec = _mods()
+    cfg = NSAConfig()
+    q, k, v, g = _gpu_case(1, 8192, 9)
+    kc, vc = ref.compress_kv(k, v, cfg)
+    scale = 1.0 / math.sqrt(128)
+    want, idx = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
+    monkeypatch.setattr(dec, "SPIN_LIMIT", 1 << 10)
+    monkeypatch.setattr(dec, "_STALL", stall)
+    bad = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, indices=idx)[0]
+    torch.cuda.synchronize()
+    assert torch.isnan(bad).all(), torch.isnan(bad).float().mean().item()
+    monkeypatch.setattr(dec, "_STALL", 0)
+    again = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, indices=idx)[0]
+    assert torch.isfinite(again).all() and (again.float() - want.float()).abs().max().item() < 1e-2

@@ -32,6 +32,15 @@ query heads of one KV head (padded to GP >= 16 for tl.dot). Work per (b, kv head
    sets a per-(b, kv head) flag that reaches the merge through the later arrivals, and the merge then writes NaN
    for that (b, kv head): a broken co-residency assumption shows as NaN output, never as a hang or a wrong number.
 
+Given selection (`indices=`, selection="tile": a step whose tile started earlier reuses the tile's selection, 63 of
+64 steps at block 64): the compressed kernel is built without the importance work (IMP off: no tile maxima, IMP_A/B,
+slots or candidate keys), the selection kernel without the score and rank phases (GIVEN), and by default (GIVEN_EARLY)
+program p < num_selected attends to the given block p before griddepcontrol.wait, as the window programs do, so the
+selected branch overlaps the compressed kernel; after the wait the merge programs wait for the window and selected
+partials (two counters, the same bounded waits and NaN poison) and merge all three branches themselves: one launch
+when co-resident, else two (partials, then the merge). GIVEN_EARLY off: the normal structure minus score and rank (the
+selected programs read their block after the wait; the window programs pre-merge as before).
+
 Host work: no sync, no .item(); a step allocates its fp32 scratch and its output from PyTorch's caching allocator
 (no process-wide buffer, so concurrent streams and several captured graphs are safe). The step is CUDA-graph
 capturable for a fixed context length. Supported inputs: those of `nsa.supports` (same config constraints).
@@ -73,6 +82,8 @@ EARLY_LOADS = True        # tile maxima stored per selection block (the score ph
 PROBE = None              # a dict: the next calls record per-program phase clocks into it (benchmarks only)
 SPIN_LIMIT = 1 << 22      # polls before a barrier wait gives up (a safety net against a hung device, never hit);
                           # a wait that gives up makes the step's output NaN for that (b, kv head) (see _dec_sel_kernel)
+GIVEN_EARLY = True        # given indices: selected blocks before griddepcontrol.wait, one merge of all three branches
+                          # (False: the normal step's structure without score and rank; NOTES session 7)
 _STALL = 0                # tests only: 1..4 makes one in-kernel wait unsatisfiable (rank, selected, merge, window)
 KEY_UNSET = -(1 << 63)    # candidate key not written yet (the key of score -0.0, which no block has)
 SLOT_UNSET = -2           # selected-block slot not written yet (-1 = written, no block)
@@ -128,7 +139,9 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia
                     CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
                     HEAD_DIM: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, CNTW: tl.constexpr,
                     NSELP: tl.constexpr, MP: tl.constexpr, KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr,
-                    MTB: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr):
+                    MTB: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr, IMP: tl.constexpr):
+    # IMP False (the step was given its selected blocks): no block importance, tile maxima, slots or candidate keys,
+    # only the compressed branch's partials and the counter reset
     sp = tl.program_id(0)
     ts = TS + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + sp) * 4
     if PROBE:
@@ -140,13 +153,14 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia
     if sp == 0:        # the selection kernel's barrier counters, selected-block slots and candidate keys (it reads
         c8 = tl.arange(0, 8)   # them only after its griddepcontrol.wait, i.e. after this kernel): 8 counters (+5: the
         tl.store(CNT + bh64 * CNTW + c8, tl.zeros([8], tl.int32))       # timeout flag), NSELP slots
-        sl = tl.arange(0, NSELP)
-        if SLOT_POLL:  # ranks < MP are written by the final rank (SLOT_UNSET until then), the others stay empty (-1)
-            tl.store(CNT + bh64 * CNTW + 8 + sl, tl.where(sl < MP, SLOT_UNSET_C, -1))
-        else:
-            tl.store(CNT + bh64 * CNTW + 8 + sl, tl.full([NSELP], -1, tl.int32))
-        if KEY_POLL:
-            tl.store(CAND + bh64 * MP + tl.arange(0, MP), tl.full([MP], KEY_UNSET_C, tl.int64))
+        if IMP:
+            sl = tl.arange(0, NSELP)
+            if SLOT_POLL:  # ranks < MP are written by the final rank (SLOT_UNSET until then), the others stay empty
+                tl.store(CNT + bh64 * CNTW + 8 + sl, tl.where(sl < MP, SLOT_UNSET_C, -1))
+            else:
+                tl.store(CNT + bh64 * CNTW + 8 + sl, tl.full([NSELP], -1, tl.int32))
+            if KEY_POLL:
+                tl.store(CAND + bh64 * MP + tl.arange(0, MP), tl.full([MP], KEY_UNSET_C, tl.int64))
     offs_n = tl.arange(0, BLOCK_N)
     kbase = KC + b64 * skb + hk * skh
     vbase = VC + b64 * svb + hk * svh
@@ -171,16 +185,17 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia
         s = tl.where(ok[None, :], s, float("-inf"))
         mt = tl.max(s, 1)                                  # finite: a launched tile holds >= 1 compressed key
         pt = tl.math.exp2(s - mt[:, None])
-        a = tl.sum(tl.reshape(pt * w1[None, :], (GP, NB, R)), 2)
-        sb = tl.sum(tl.reshape(pt * w2[None, :], (GP, NB, R)), 2)
-        j = t * NB + jj
-        tl.store(ia_row + j[None, :], a, mask=g_ok[:, None])
-        tl.store(ib_row + (j + 1)[None, :], sb, mask=g_ok[:, None])
-        if MTB:            # per selection block (same [G, blocks] layout as IMP_A / IMP_B)
-            tl.store(WS + o_mt + (bh64 * GP + g[:, None]) * NBW + j[None, :], mt[:, None] + tl.zeros([GP, NB],
-                     tl.float32), mask=g_ok[:, None])
-        else:
-            tl.store(WS + o_mt + (bh64 * n_tiles + t) * GP + g, mt, mask=g_ok)
+        if IMP:
+            a = tl.sum(tl.reshape(pt * w1[None, :], (GP, NB, R)), 2)
+            sb = tl.sum(tl.reshape(pt * w2[None, :], (GP, NB, R)), 2)
+            j = t * NB + jj
+            tl.store(ia_row + j[None, :], a, mask=g_ok[:, None])
+            tl.store(ib_row + (j + 1)[None, :], sb, mask=g_ok[:, None])
+            if MTB:            # per selection block (same [G, blocks] layout as IMP_A / IMP_B)
+                tl.store(WS + o_mt + (bh64 * GP + g[:, None]) * NBW + j[None, :], mt[:, None] + tl.zeros([GP, NB],
+                         tl.float32), mask=g_ok[:, None])
+            else:
+                tl.store(WS + o_mt + (bh64 * n_tiles + t) * GP + g, mt, mask=g_ok)
         m_new = tl.maximum(m_i, mt)
         alpha = tl.math.exp2(m_i - m_new)
         p = pt * tl.math.exp2(mt - m_new)[:, None]
@@ -299,7 +314,12 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     HAS_GATES: tl.constexpr, DO_SCORE: tl.constexpr, DO_RANK: tl.constexpr, DO_ATTN: tl.constexpr,
                     DO_MERGE: tl.constexpr, SYNC: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr,
                     KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr, MTB: tl.constexpr, SPIN: tl.constexpr,
-                    STALL_R: tl.constexpr, STALL_A: tl.constexpr, STALL_M: tl.constexpr, STALL_W: tl.constexpr):
+                    STALL_R: tl.constexpr, STALL_A: tl.constexpr, STALL_M: tl.constexpr, STALL_W: tl.constexpr,
+                    GIVEN: tl.constexpr, EARLY: tl.constexpr):
+    # GIVEN: the selected blocks come from IDX (B, Hk, NSEL) instead of the score + rank phases (compiled out).
+    # EARLY (with GIVEN): program p < NSEL attends to its block before griddepcontrol.wait (it needs only q, k, v and
+    # IDX, like the window chunks), and the merge programs merge all three branches themselves (host: DO_RANK and
+    # DO_ATTN off); else the selected programs read IDX where they polled their slot.
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
@@ -324,6 +344,17 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                                          offs_d, BLK)
             _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + NSEL + w) * GP + g, m, l_w, acc_w, g_ok,
                            offs_d, HEAD_DIM)
+        if EARLY:
+            if pid < NSEL:     # ---- given selected block, before the wait: overlaps the compressed kernel
+                jb = tl.load(IDX + bh64 * NSEL + pid)
+                start = tl.maximum(jb, 0) * BS
+                hi = tl.where(jb >= 0, start + BS, 0)      # exclusive; -1 (or any negative): nothing
+                m, l_s, acc_s = _attend_keys(q, K, V, b64, hk, start, hi, S, skb, sks, skh, svb, svs, svh, qk_scale,
+                                             offs_d, BLK)
+                _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + pid) * GP + g, m, l_s, acc_s, g_ok, offs_d,
+                               HEAD_DIM)
+                if PROBE:
+                    _stamp(ts, 8, tl.sum(l_s, 0).to(tl.int32, bitcast=True))
     if USE_PDL:        # everything below reads what _dec_cmp_kernel wrote (or the counters it zeroed)
         gdc_wait()
     if PROBE:
@@ -332,101 +363,106 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
         if SYNC:
             if (w >= 0) & (w < n_win):
                 _arrive(cnt + 3)
-        if pid < n_chunks:
-            # ---- top-k, first stage: block scores of chunk pid, its best CW blocks as candidates
-            j = pid * CH + tl.arange(0, CH)
-            cur = n_b - 1                                   # the query is the last token: its block is the last one
-            n_w = n_tiles * NB                              # IMP_A written for j < n_w, IMP_B for 1 <= j <= n_w
-            ok_a = (j < n_w) & (j <= cur)
-            ok_b = (j >= 1) & (j <= n_w) & (j <= cur)
-            sp = tl.arange(0, NSPLITP)
-            gg = tl.arange(0, GP)
-            gok = gg < G
-            pidx = (bh64 * n_split + sp[:, None]) * GP + gg[None, :]
-            pmask = (sp < n_split)[:, None] & gok[None, :]
-            pm = tl.load(WS + o_pm + pidx, mask=pmask, other=float("-inf"))
-            pl = tl.load(WS + o_pl + pidx, mask=pmask, other=0.0)
-            ma = gok[:, None] & ok_a[None, :]
-            mb = gok[:, None] & ok_b[None, :]
-            ia = tl.load(WS + o_ia + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=ma, other=0.0)
-            ib = tl.load(WS + o_ib + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=mb, other=0.0)
-            if MTB:
-                mrow = WS + o_mt + (bh64 * GP + gg[:, None]) * NBW + j[None, :]
-                mta = tl.load(mrow, mask=ma, other=0.0)
-                mtb = tl.load(mrow - 1, mask=mb, other=0.0)
-            else:
-                mrow = WS + o_mt + bh64 * n_tiles * GP + gg[:, None]
-                mta = tl.load(mrow + (j // NB)[None, :] * GP, mask=ma, other=0.0)
-                mtb = tl.load(mrow + (tl.maximum(j - 1, 0) // NB)[None, :] * GP, mask=mb, other=0.0)
-            mx = tl.max(pm, 0)
-            mx = tl.where(mx == float("-inf"), 0.0, mx)
-            tot = tl.sum(pl * tl.math.exp2(pm - mx[None, :]), 0)
-            lse = tl.where(tot > 0.0, mx + tl.math.log2(tl.where(tot > 0.0, tot, 1.0)), float("inf"))   # (GP,)
-            fa = tl.where(ma, tl.math.exp2(mta - lse[:, None]), 0.0)
-            fb = tl.where(mb, tl.math.exp2(mtb - lse[:, None]), 0.0)
-            score = tl.sum(ia * fa + ib * fb, 0)
-            score = tl.where(j == 0, FORCE_FIRST_C, score)
-            score = tl.where(j == cur, float("inf"), score)
-            score = tl.where(j <= cur, score, float("-inf"))
-            # The chunk's best CW blocks are the only ones that can be in the global top NSEL (CW >= NSEL or
-            # CW == CH): written to candidate slots by rank
-            key = _rank_keys(score, j, NBLK)
-            rank = _rank(key)
-            tl.store(CAND + bh64 * MP + pid * CW + rank, key, mask=rank < CW)
-            if PROBE:
-                _stamp(ts, 3, tl.max(rank, 0))
-            if SYNC:
-                if KEY_POLL:      # the keys are their own flags (KEY_UNSET until stored); the bar.sync makes this
-                    tl.debug_barrier()   # program's own keys visible to all its threads before it reads them back
+            if EARLY:
+                if pid < NSEL:
+                    _arrive(cnt + 2)
+        if not GIVEN:      # (given indices: nothing is scored or ranked)
+            if pid < n_chunks:
+                # ---- top-k, first stage: block scores of chunk pid, its best CW blocks as candidates
+                j = pid * CH + tl.arange(0, CH)
+                cur = n_b - 1                                   # the query is the last token: its block is the last one
+                n_w = n_tiles * NB                              # IMP_A written for j < n_w, IMP_B for 1 <= j <= n_w
+                ok_a = (j < n_w) & (j <= cur)
+                ok_b = (j >= 1) & (j <= n_w) & (j <= cur)
+                sp = tl.arange(0, NSPLITP)
+                gg = tl.arange(0, GP)
+                gok = gg < G
+                pidx = (bh64 * n_split + sp[:, None]) * GP + gg[None, :]
+                pmask = (sp < n_split)[:, None] & gok[None, :]
+                pm = tl.load(WS + o_pm + pidx, mask=pmask, other=float("-inf"))
+                pl = tl.load(WS + o_pl + pidx, mask=pmask, other=0.0)
+                ma = gok[:, None] & ok_a[None, :]
+                mb = gok[:, None] & ok_b[None, :]
+                ia = tl.load(WS + o_ia + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=ma, other=0.0)
+                ib = tl.load(WS + o_ib + (bh64 * GP + gg[:, None]) * NBW + j[None, :], mask=mb, other=0.0)
+                if MTB:
+                    mrow = WS + o_mt + (bh64 * GP + gg[:, None]) * NBW + j[None, :]
+                    mta = tl.load(mrow, mask=ma, other=0.0)
+                    mtb = tl.load(mrow - 1, mask=mb, other=0.0)
                 else:
-                    _arrive(cnt)
+                    mrow = WS + o_mt + bh64 * n_tiles * GP + gg[:, None]
+                    mta = tl.load(mrow + (j // NB)[None, :] * GP, mask=ma, other=0.0)
+                    mtb = tl.load(mrow + (tl.maximum(j - 1, 0) // NB)[None, :] * GP, mask=mb, other=0.0)
+                mx = tl.max(pm, 0)
+                mx = tl.where(mx == float("-inf"), 0.0, mx)
+                tot = tl.sum(pl * tl.math.exp2(pm - mx[None, :]), 0)
+                lse = tl.where(tot > 0.0, mx + tl.math.log2(tl.where(tot > 0.0, tot, 1.0)), float("inf"))   # (GP,)
+                fa = tl.where(ma, tl.math.exp2(mta - lse[:, None]), 0.0)
+                fb = tl.where(mb, tl.math.exp2(mtb - lse[:, None]), 0.0)
+                score = tl.sum(ia * fa + ib * fb, 0)
+                score = tl.where(j == 0, FORCE_FIRST_C, score)
+                score = tl.where(j == cur, float("inf"), score)
+                score = tl.where(j <= cur, score, float("-inf"))
+                # The chunk's best CW blocks are the only ones that can be in the global top NSEL (CW >= NSEL or
+                # CW == CH): written to candidate slots by rank
+                key = _rank_keys(score, j, NBLK)
+                rank = _rank(key)
+                tl.store(CAND + bh64 * MP + pid * CW + rank, key, mask=rank < CW)
+                if PROBE:
+                    _stamp(ts, 3, tl.max(rank, 0))
+                if SYNC:
+                    if KEY_POLL:      # the keys are their own flags (KEY_UNSET until stored); the bar.sync makes this
+                        tl.debug_barrier()   # program's own keys visible to all its threads before it reads them back
+                    else:
+                        _arrive(cnt)
     if DO_RANK:
-        if pid < n_chunks:
-            # ---- top-k, second stage: global rank of this chunk's CW candidates among all MP (exact for the top
-            # NSEL: every key above a top-NSEL key is a candidate too); selected ones (rank < NSEL, score > -inf)
-            # go to slot[rank]
-            cbase = CAND + bh64 * MP
-            if SYNC and KEY_POLL:
-                # wait by polling the keys: no arrival (bar.sync + release fence + atomic) on the writers' side
-                allk = tl.load(cbase + tl.arange(0, MP), volatile=True)
-                mine = tl.load(cbase + pid * CW + tl.arange(0, CW), volatile=True)
-                left = tl.sum((allk == KEY_UNSET_C).to(tl.int32), 0) + tl.sum((mine == KEY_UNSET_C).to(tl.int32), 0)
-                left += STALL_R
-                n = 0
-                while (left > 0) & (n < SPIN):
+        if not GIVEN:
+            if pid < n_chunks:
+                # ---- top-k, second stage: global rank of this chunk's CW candidates among all MP (exact for the top
+                # NSEL: every key above a top-NSEL key is a candidate too); selected ones (rank < NSEL, score > -inf)
+                # go to slot[rank]
+                cbase = CAND + bh64 * MP
+                if SYNC and KEY_POLL:
+                    # wait by polling the keys: no arrival (bar.sync + release fence + atomic) on the writers' side
                     allk = tl.load(cbase + tl.arange(0, MP), volatile=True)
                     mine = tl.load(cbase + pid * CW + tl.arange(0, CW), volatile=True)
-                    left = (tl.sum((allk == KEY_UNSET_C).to(tl.int32), 0)
-                            + tl.sum((mine == KEY_UNSET_C).to(tl.int32), 0) + STALL_R)
-                    n += 1
-                if left > 0:
-                    tl.atomic_xchg(flag, 1, sem="relaxed", scope="gpu")
-                c1 = n
-            else:
-                c1 = 0
-                if SYNC:
-                    c1 = _wait_count(cnt, n_chunks + STALL_R, flag, SPIN)
-                allk = tl.load(cbase + tl.arange(0, MP), cache_modifier=".cg")
-                mine = tl.load(cbase + pid * CW + tl.arange(0, CW), cache_modifier=".cg")
-            if PROBE:
-                _stamp(ts, 6, c1)
-            r = tl.sum((allk[None, :] > mine[:, None]).to(tl.int32), 1)
-            cj = NBLK - 1 - (mine & 0xFFFFFFFF).to(tl.int32)
-            if SLOT_POLL:     # every rank < min(NSEL, MP) is written (-1: score -inf), so a reader can poll its slot;
-                val = tl.where(mine >= 0, cj, -1)          # -3 after a timed-out key wait: the reader poisons its part
-                if SYNC and KEY_POLL:
-                    val = tl.where(left > 0, -3, val)
-                tl.atomic_xchg(slot + r, val, mask=r < NSEL, sem="relaxed", scope="gpu")
-            else:
-                tl.store(slot + r, cj, mask=(r < NSEL) & (mine >= 0))
-            if PROBE:
-                _stamp(ts, 7, tl.max(r, 0))
-            if SYNC:
-                if SLOT_POLL:
-                    if pid >= NSEL:       # the others arrive after their selected block (off their critical path)
-                        _arrive(cnt + 1)
+                    left = tl.sum((allk == KEY_UNSET_C).to(tl.int32), 0) + tl.sum((mine == KEY_UNSET_C).to(tl.int32), 0)
+                    left += STALL_R
+                    n = 0
+                    while (left > 0) & (n < SPIN):
+                        allk = tl.load(cbase + tl.arange(0, MP), volatile=True)
+                        mine = tl.load(cbase + pid * CW + tl.arange(0, CW), volatile=True)
+                        left = (tl.sum((allk == KEY_UNSET_C).to(tl.int32), 0)
+                                + tl.sum((mine == KEY_UNSET_C).to(tl.int32), 0) + STALL_R)
+                        n += 1
+                    if left > 0:
+                        tl.atomic_xchg(flag, 1, sem="relaxed", scope="gpu")
+                    c1 = n
                 else:
-                    _arrive(cnt + 1)
+                    c1 = 0
+                    if SYNC:
+                        c1 = _wait_count(cnt, n_chunks + STALL_R, flag, SPIN)
+                    allk = tl.load(cbase + tl.arange(0, MP), cache_modifier=".cg")
+                    mine = tl.load(cbase + pid * CW + tl.arange(0, CW), cache_modifier=".cg")
+                if PROBE:
+                    _stamp(ts, 6, c1)
+                r = tl.sum((allk[None, :] > mine[:, None]).to(tl.int32), 1)
+                cj = NBLK - 1 - (mine & 0xFFFFFFFF).to(tl.int32)
+                if SLOT_POLL:     # every rank < min(NSEL, MP) is written (-1: score -inf), so a reader can poll its
+                    val = tl.where(mine >= 0, cj, -1)  # slot; -3 (a key wait timed out) poisons the reader
+                    if SYNC and KEY_POLL:
+                        val = tl.where(left > 0, -3, val)
+                    tl.atomic_xchg(slot + r, val, mask=r < NSEL, sem="relaxed", scope="gpu")
+                else:
+                    tl.store(slot + r, cj, mask=(r < NSEL) & (mine >= 0))
+                if PROBE:
+                    _stamp(ts, 7, tl.max(r, 0))
+                if SYNC:
+                    if SLOT_POLL:
+                        if pid >= NSEL:       # the others arrive after their selected block (off their critical path)
+                            _arrive(cnt + 1)
+                    else:
+                        _arrive(cnt + 1)
         if w >= 0:
             # ---- window programs, off the critical path: compressed and window branches merged and gated per
             # head, pre = g0 * o_cmp + g2 * o_swa, for heads w, w + n_wp, ...
@@ -449,7 +485,9 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                 _arrive(cnt + 4)
     if DO_ATTN:
         if pid < NSEL:
-            if SYNC and SLOT_POLL:
+            if GIVEN:
+                jb = tl.load(IDX + bh64 * NSEL + pid)
+            elif SYNC and SLOT_POLL:
                 jb = _wait_slot(slot + pid, flag, STALL_A, SPIN)
                 if PROBE:
                     _stamp(ts, 9, jb)
@@ -481,14 +519,15 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
             hi = tl.where(jb >= 0, start + BS, 0)                 # exclusive; empty slot (-1): nothing
             m, l_s, acc_s = _attend_keys(q, K, V, b64, hk, start, hi, S, skb, sks, skh, svb, svs, svh, qk_scale,
                                          offs_d, BLK)
-            m = tl.where(jb < -1, float("nan"), m)      # slot wait gave up (-2) or a poisoned slot (-3): NaN part
+            if not GIVEN:
+                m = tl.where(jb < -1, float("nan"), m)  # slot wait gave up (-2) or a poisoned slot (-3): NaN part
             _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + pid) * GP + g, m, l_s, acc_s, g_ok, offs_d,
                            HEAD_DIM)
             if PROBE:
                 _stamp(ts, 8, tl.sum(l_s, 0).to(tl.int32, bitcast=True))
             if SYNC:
                 _arrive(cnt + 2)
-                if SLOT_POLL:
+                if SLOT_POLL and not GIVEN:
                     if pid < n_chunks:    # its chunk's final rank (and any timeout flag it set) is done too
                         tl.atomic_add(cnt + 1, 1, sem="release", scope="gpu")
     if DO_MERGE:
@@ -500,7 +539,28 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                 g_slc = tl.load(GATES + b.to(tl.int64) * sgb + h * sgh + sgc).to(tl.float32)
             else:
                 g_slc = 1.0 / 3.0
-            if SYNC:
+            if EARLY:
+                # ---- all three branches merged here: the window and selected partials were computed before
+                # griddepcontrol.wait, the compressed ones by the compressed kernel
+                if HAS_GATES:
+                    gbp = GATES + b.to(tl.int64) * sgb + h * sgh
+                    g_cmp = tl.load(gbp).to(tl.float32)
+                    g_swa = tl.load(gbp + 2 * sgc).to(tl.float32)
+                if SYNC:
+                    c3 = _wait_count(cnt + 3, n_win + STALL_W, flag, SPIN)
+                    c2 = _wait_count(cnt + 2, NSEL + STALL_M, flag, SPIN)
+                    bad = (c2 < NSEL + STALL_M) | (c3 < n_win + STALL_W) | (tl.load(flag, volatile=True) != 0)
+                    if PROBE:
+                        _stamp(ts, 10, c2 + c3)
+                o_cmp = _merge(WS, o_pm, o_pl, o_pacc, bh64 * n_split, 0, n_split, pid, offs_d, NSPLITP, GP,
+                               HEAD_DIM)
+                o_swa = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, NSEL, n_part, pid, offs_d, NPARTP, GP,
+                               HEAD_DIM)
+                if HAS_GATES:
+                    pre = g_cmp * o_cmp + g_swa * o_swa
+                else:
+                    pre = (o_cmp + o_swa) * (1.0 / 3.0)
+            elif SYNC:
                 if MTB:   # the window programs' merges are long done: their part is loaded before the last wait
                     c4 = _wait_count(cnt + 4, tl.num_programs(0) - n_prog, flag, SPIN)
                     pre = tl.load(prow, cache_modifier=".cg")
@@ -510,7 +570,7 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     c4 = _wait_count(cnt + 4, tl.num_programs(0) - n_prog, flag, SPIN)
                     pre = tl.load(prow, cache_modifier=".cg")
                 bad = (c3 < NSEL + STALL_M) | (c4 < tl.num_programs(0) - n_prog)
-                if SLOT_POLL:
+                if SLOT_POLL and not GIVEN:
                     c5 = _wait_count(cnt + 1, n_chunks, flag, SPIN)
                     bad = bad | (c5 < n_chunks)
                 # any wait of this (b, kv head) that gave up set the flag before its program's next arrival, which
@@ -558,15 +618,41 @@ def _plan(B, Hk, G, S, n_c, config):
     return R, NB, n_tiles, tps, n_split, GP, BLK, n_win
 
 
-def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool = False):
+def _check_indices(indices, B, Hk, nsel, device):
+    """`indices` (B, Hk, nsel) or (B, 1, Hk, nsel) int32 on q's device -> contiguous (B, Hk, nsel)."""
+    if not isinstance(indices, torch.Tensor):
+        raise ValueError(f"indices must be a torch.Tensor or None, got {type(indices).__name__}")
+    if indices.dtype != torch.int32:
+        raise ValueError(f"indices must be int32 (selected block indices, -1 padded), got {indices.dtype}")
+    if indices.device != device:
+        raise ValueError(f"indices must be on q's device {device}, got {indices.device}")
+    shape = tuple(indices.shape)
+    if shape not in ((B, Hk, nsel), (B, 1, Hk, nsel)):
+        raise ValueError(f"indices must have shape (B, Hk, num_selected) = {(B, Hk, nsel)} or (B, 1, Hk, "
+                         f"num_selected), got {shape}")
+    return indices.reshape(B, Hk, nsel).contiguous()
+
+
+def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool = False, indices=None):
     """One decode step: q (B, 1, Hq, D) at position S - 1 of k/v (B, S, Hk, D); k_cmp/v_cmp (B, n_c, Hk, D) the
     compressed blocks of k/v (any strides with a unit last one). Returns (out (B, 1, Hq, D) q.dtype,
-    idx int32 (B, 1, Hk, num_selected) or None unless return_indices)."""
+    idx int32 (B, 1, Hk, num_selected) or None unless return_indices).
+
+    indices: None (the step ranks the blocks itself) or the selected blocks to use, int32 (B, Hk, num_selected) or
+    (B, 1, Hk, num_selected) on q's device, ascending, -1 padded (the layout of the returned idx; selection="tile"
+    reuses the tile's first selection). The step then scores and ranks nothing; inside each given block the causal
+    mask still applies (keys <= S - 1), and a negative entry or one past the last block contributes nothing (values
+    are not checked on the host: that would need a sync). With return_indices the given indices come back as
+    (B, 1, Hk, num_selected) (a view of them when they are contiguous)."""
     B, T, Hq, D = q.shape
     S, Hk = k.shape[1], k.shape[2]
     G = Hq // Hk
     BH = B * Hk
     bs, nsel = config.block_size, config.num_selected
+    given = indices is not None
+    if given:
+        indices = _check_indices(indices, B, Hk, nsel, q.device)
+    early = given and GIVEN_EARLY
     n_c = k_cmp.shape[1]
     dev = q.device
     R, NB, n_tiles, tps, n_split, GP, BLK, n_win = _plan(B, Hk, G, S, n_c, config)
@@ -586,9 +672,10 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     CNTW = 8 + NSELP
     # fp32 workspace: cmp partials (m, l, acc), tile maxima, per-head importance (A, B), slc/swa partials,
     # pre-merged cmp + swa output per head; int32: 8 barrier counters + NSELP selected-block slots per (b, kv head)
-    sizes = [BH * n_split * GP, BH * n_split * GP, BH * n_split * GP * D, BH * max(n_tiles * GP, GP * NBW),
-             BH * GP * NBW, BH * GP * NBW, BH * n_part * GP, BH * n_part * GP, BH * n_part * GP * D, BH * GP * D,
-             BH * CNTW]
+    n_imp = 0 if given else 1            # given indices: no tile maxima / importance
+    sizes = [BH * n_split * GP, BH * n_split * GP, BH * n_split * GP * D, n_imp * BH * max(n_tiles * GP, GP * NBW),
+             n_imp * BH * GP * NBW, n_imp * BH * GP * NBW, BH * n_part * GP, BH * n_part * GP, BH * n_part * GP * D,
+             BH * GP * D, BH * CNTW]
     offs, tot = [], 0
     for n in sizes:
         offs.append(tot)
@@ -597,13 +684,16 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc, o_pre, o_cnt = offs
     cnt = ws[o_cnt:o_cnt + BH * CNTW].view(torch.int32)
     # without return_indices the attention phase stores no indices (RET_IDX=False): ws stands in for the argument
-    idx = torch.empty((B, 1, Hk, nsel), dtype=torch.int32, device=dev) if return_indices else ws
+    if given:      # the selection kernel reads them (RET_IDX off)
+        idx = indices
+    else:
+        idx = torch.empty((B, 1, Hk, nsel), dtype=torch.int32, device=dev) if return_indices else ws
     qk_scale = scale * LOG2E
     # Selection kernel: n_prog programs per (b, kv head) for chunk scores / final rank / selected blocks / merge,
     # then n_win window programs. One launch with in-kernel barriers when all its programs can be resident at once
     # (they spin on each other); else (and in the interpreter, which runs programs one after another) one launch per
     # phase, same code.
-    n_prog = max(n_chunks, nsel, G)
+    n_prog = max(nsel, G) if given else max(n_chunks, nsel, G)
     n_prog_b = n_prog + n_win
     on_gpu = dev.type == "cuda"
     sync = FUSE and on_gpu and n_prog_b * BH <= num_sms(dev)
@@ -616,7 +706,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     else:
         tsa = tsb = ws
     MP = n_chunks * CW
-    cand = _workspace(BH * MP, torch.int64, dev)
+    cand = ws if given else _workspace(BH * MP, torch.int64, dev)
     _dec_cmp_kernel[(n_split, BH)](
         q, k_cmp, v_cmp, ws, cnt, cand, tsa, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
         q.stride(0), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
@@ -624,7 +714,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
         n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
         CB=config.compress_block, CS=config.compress_stride, BS=bs, R=R, HEAD_DIM=D, GP=GP, BLOCK_N=CMP_BLOCK_N,
         CNTW=CNTW, NSELP=NSELP, MP=MP, KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, USE_PDL=pdl,
-        PROBE=probe, num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
+        PROBE=probe, IMP=not given, num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
     out = torch.empty((B, 1, Hq, D), dtype=q.dtype, device=dev)
     gt = gates if gates is not None else out
     args = (q, k, v, idx, ws, cand, cnt, gt, out, tsb, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
@@ -634,12 +724,17 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
             qk_scale)
     meta = dict(NB=NB, CH=CH, CW=CW, NBLK=NBLK, NSPLITP=max(2, triton.next_power_of_2(n_split)), NSEL=nsel, BS=bs,
                 BLK=BLK, HEAD_DIM=D, GP=GP, MP=MP, NSELP=NSELP, NPARTP=triton.next_power_of_2(n_part),
-                CNTW=CNTW, RET_IDX=return_indices, HAS_GATES=gates is not None, USE_PDL=pdl, PROBE=probe,
+                CNTW=CNTW, RET_IDX=return_indices and not given, HAS_GATES=gates is not None, USE_PDL=pdl, PROBE=probe,
                 KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, SPIN=SPIN_LIMIT, STALL_R=int(_STALL == 1),
-                STALL_A=int(_STALL == 2), STALL_M=int(_STALL == 3), STALL_W=int(_STALL == 4),
+                STALL_A=int(_STALL == 2), STALL_M=int(_STALL == 3), STALL_W=int(_STALL == 4), GIVEN=given, EARLY=early,
                 num_warps=NUM_WARPS["sel"], **(dict(launch_pdl=True) if pdl else {}))
-    phases = [(1, 1, 1, 1)] if sync else [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)]
+    if early:      # window + selected partials, then the merge
+        phases = [(1, 0, 0, 1)] if sync else [(1, 0, 0, 0), (0, 0, 0, 1)]
+    else:
+        phases = [(1, 1, 1, 1)] if sync else [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)]
     for ph in phases:
         _dec_sel_kernel[(n_prog_b, BH)](*args, DO_SCORE=bool(ph[0]), DO_RANK=bool(ph[1]), DO_ATTN=bool(ph[2]),
                                         DO_MERGE=bool(ph[3]), SYNC=sync, **meta)
+    if given:
+        return out, (indices.view(B, 1, Hk, nsel) if return_indices else None)
     return out, (idx if return_indices else None)
