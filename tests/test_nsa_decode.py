@@ -460,11 +460,13 @@ def test_gpu_decode_given_timeout_poisons(monkeypatch, stall):
     kc, vc = ref.compress_kv(k, v, cfg)
     scale = 1.0 / math.sqrt(128)
     want, idx = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
+    spin = dec.SPIN_LIMIT
     monkeypatch.setattr(dec, "SPIN_LIMIT", 1 << 10)
     monkeypatch.setattr(dec, "_STALL", stall)
     bad = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, indices=idx)[0]
     torch.cuda.synchronize()
     assert torch.isnan(bad).all(), torch.isnan(bad).float().mean().item()
     monkeypatch.setattr(dec, "_STALL", 0)
+    monkeypatch.setattr(dec, "SPIN_LIMIT", spin)
     again = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, indices=idx)[0]
     assert torch.isfinite(again).all() and (again.float() - want.float()).abs().max().item() < 1e-2
