@@ -252,16 +252,20 @@ def ab(ss, names, rounds=2, full=2, save=None):
     return rows
 
 
-def given_ab(ss, rounds=3, save=None):
+# given-selection step variants (module flags): the default, GIVEN_EARLY off, and the session-7 run-1 merge
+GIVEN_VARIANTS = {"given": {}, "given_late": {"GIVEN_EARLY": False}, "given_r1": {"GIVEN_CMP_FIRST": False}}
+
+
+def given_ab(ss, variants=("given", "given_late"), rounds=3, save=None):
     """The decode step with a given selection (nsa_decode(..., indices=): selection="tile" reuses the tile's first
     selection for its other block_size - 1 steps) against the normal step (which scores and ranks) and SDPA decode
     (enable_gqa, default backend), in one process, each one captured call timed as the rows above: triton do_bench
-    median of a graph replay, L2 flushed; the variants alternate `rounds` times, best round kept. given = the default
-    structure (GIVEN_EARLY: selected blocks before griddepcontrol.wait, one merge of the three branches),
-    given_late = GIVEN_EARLY off. The given steps get the normal step's own selection, so their outputs must equal
-    it up to rounding (max_diff) and return the same indices."""
+    median of a graph replay, L2 flushed; the variants alternate `rounds` times, best round kept. Variants of
+    GIVEN_VARIANTS: given = the default structure (GIVEN_EARLY: selected blocks before griddepcontrol.wait, one merge
+    of the three branches), given_late = GIVEN_EARLY off, given_r1 = run 1's merge. The given steps get the normal
+    step's own selection, so their outputs must equal it up to rounding (max_diff) and return the same indices."""
     import torch.nn.functional as F
-    names = ("normal", "given", "given_late")
+    names = ("normal",) + tuple(variants)
     rows = []
     for S in ss:
         q, k, v, kc, vc, scale, cfg = inputs(S)
@@ -270,8 +274,8 @@ def given_ab(ss, rounds=3, save=None):
             o, idx = nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg, True)
             graphs = {"normal": common.graph_replay(lambda: nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale,
                                                                                       cfg))}
-            for name, early in (("given", True), ("given_late", False)):
-                saved = _set({"GIVEN_EARLY": early})
+            for name in variants:
+                saved = _set(GIVEN_VARIANTS[name])
                 try:            # the flag is read on the host: the captured graph keeps its kernels
                     og, ig = nsa_decode.nsa_decode(q, k, v, kc, vc, None, scale, cfg, True, indices=idx)
                     row[f"{name}_same_idx"] = bool(torch.equal(ig, idx))
@@ -354,8 +358,9 @@ def main(argv=None):
     ap.add_argument("--s", type=int, nargs="+", default=[8192, 65536])
     ap.add_argument("--sweep", action="store_true", help="also replay launch-setting variants at the largest S")
     ap.add_argument("--ab-full", type=int, default=2, help="--ab: variants timed at every S (the rest: largest S)")
-    ap.add_argument("--given", action="store_true", help="only the given-selection step vs the normal step and SDPA "
-                    "at --s, then its timelines at the largest S; JSON <gpu>-nsa-decode-given.json")
+    ap.add_argument("--given", nargs="*", metavar="VARIANT", help="only the given-selection step (variants of "
+                    f"GIVEN_VARIANTS: {', '.join(GIVEN_VARIANTS)}; default given given_late) vs the normal step and "
+                    "SDPA at --s, then its timelines at the largest S; JSON <gpu>-nsa-decode-given.json")
     ap.add_argument("--ab", nargs="*", metavar="VARIANT",
                     help=f"only the old/new A/B at --s (variants of AB_VARIANTS: {', '.join(AB_VARIANTS)}; default "
                          "old new), then timelines (warm and L2-flushed) at the largest S; JSON "
@@ -363,18 +368,19 @@ def main(argv=None):
     args = ap.parse_args(argv)
     rows = []
     res = {"device": torch.cuda.get_device_name(), "rows": rows}
-    if args.given:
+    if args.given is not None:
+        variants = tuple(args.given or ("given", "given_late"))
         fname = f"{common.gpu_name()}-nsa-decode-given.json"
 
         def save_g(rows_):
             res["given"] = rows_
             common.save_results(res, fname, args.out)
-        res["given"] = given_ab(args.s, save=save_g)
+        res["given"] = given_ab(args.s, variants, save=save_g)
         res["probe"] = []
         for cold in (True, False):
             res["probe"].append(probe(max(args.s), cold=cold, given=True))
             common.save_results(res, fname, args.out)
-        names = ("normal", "given", "given_late")
+        names = ("normal",) + variants
         print(f"{'S':>6} " + " ".join(f"{n + ' us':>14}" for n in names) + f" {'sdpa us':>9} "
               + " ".join(f"{n + ' x':>12}" for n in names) + "  (graph replay, do_bench median, L2 flushed)")
         for r in res["given"]:
