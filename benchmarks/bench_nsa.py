@@ -346,10 +346,12 @@ def breakdown(nsa, q, k, v, cfg):
 
 def slc_ab(nsa, cfg, settings, ts, write=None):
     """Forward with each selected-branch kernel setting (nsa.SLC_TILE_ROWS: 0 = per token, R = token tiles of R
-    rows visiting the union of their blocks) at every head layout, same inputs, interleaved; cuDNN causal alongside.
+    rows visiting the union of their blocks; "Ru": R with nsa.SLC_SHARED off, i.e. the union path even where
+    selection="tile" programs share one selection) at every head layout, same inputs, interleaved; cuDNN causal
+    alongside.
     Each row: ms per setting (best of 2 rounds), the selected kernel's ms (CUDA events), and per setting whether
     the indices equal setting settings[0]'s and the max |out difference| to it."""
-    rows, saved = [], nsa.SLC_TILE_ROWS
+    rows, saved = [], (nsa.SLC_TILE_ROWS, nsa.SLC_SHARED)
     try:
         for HQ, H in HEADS:
             for T in ts:
@@ -362,14 +364,15 @@ def slc_ab(nsa, cfg, settings, ts, write=None):
                     base = None
                     for rnd in range(2):
                         for r in settings:
-                            nsa.SLC_TILE_ROWS = r
+                            # "R": SLC_TILE_ROWS = R; "Ru": and the union path also for selection="tile"
+                            nsa.SLC_TILE_ROWS, nsa.SLC_SHARED = int(str(r).rstrip("u")), not str(r).endswith("u")
                             ms = _bench(lambda: nsa.nsa_attention(q, k, v, cfg), rep=100)
                             row["ms"][r] = min(ms, row["ms"].get(r, ms))
                             if rnd:
                                 continue
                             out, idx = nsa.nsa_attention(q, k, v, cfg, return_indices=True)
                             bd = breakdown(nsa, q, k, v, cfg)
-                            row["slc_kernel_ms"][r] = bd.get("_slc_tile_kernel" if r else "_slc_kernel")
+                            row["slc_kernel_ms"][r] = bd.get("_slc_tile_kernel" if nsa.SLC_TILE_ROWS else "_slc_kernel")
                             if base is None:
                                 base = (out, idx)
                             row["same_idx"][r] = bool(torch.equal(idx, base[1]))
@@ -382,7 +385,7 @@ def slc_ab(nsa, cfg, settings, ts, write=None):
                 del q, k, v
                 torch.cuda.empty_cache()
     finally:
-        nsa.SLC_TILE_ROWS = saved
+        nsa.SLC_TILE_ROWS, nsa.SLC_SHARED = saved
     return rows
 
 
@@ -405,11 +408,13 @@ def main(argv=None):
     ap.add_argument("--decode-only", action="store_true",
                     help="only the decode section (JSON <gpu>-nsa-decode.json unless --tag is given)")
     ap.add_argument("--slc-ab", metavar="R[,R...]",
-                    help="only the selected-kernel A/B: forward with nsa.SLC_TILE_ROWS = each R (0 = per token) at "
+                    help="only the selected-kernel A/B: forward with nsa.SLC_TILE_ROWS = each R (0 = per token; Ru: "
+                         "and nsa.SLC_SHARED off) at "
                          "every head layout, T = 8K..64K (--quick: 8K, 16K); section slc_ab")
-    ap.add_argument("--selection", choices=("token", "tile", "both"), default="token",
-                    help="prefill rows: NSAConfig(selection=...) timed as ours_ms; both: tile also timed (tile_ms, "
-                         "same inputs, same process) with its breakdown at the largest T")
+    ap.add_argument("--selection", choices=("token", "tile", "both"), default="both",
+                    help="prefill rows: NSAConfig(selection=...) timed as ours_ms; both (default): ours_ms = token, "
+                         "and tile also timed (tile_ms, same inputs, same process) with its breakdown at the largest "
+                         "T; the other sections use token, or tile with --selection tile")
     ap.add_argument("--fla-only", action="store_true",
                     help="only the G=16 prefill rows (ours, cuDNN, fla without its window branch); no decode")
     args = ap.parse_args(argv)
@@ -435,7 +440,7 @@ def main(argv=None):
     def write(*_):
         _write(res, args.out, gpu, args.tag, quiet=True)
     if args.slc_ab:
-        res["slc_ab"] = slc_ab(nsa, cfg, [int(x) for x in args.slc_ab.split(",")], ts,
+        res["slc_ab"] = slc_ab(nsa, cfg, args.slc_ab.split(","), ts,
                                write=lambda rows: (res.__setitem__("slc_ab", rows), write()))
         return _write(res, args.out, gpu, args.tag)
     if args.bwd_tune:

@@ -320,13 +320,15 @@ def test_triton_selected_tile_union_equals_per_token(G, Hk, T, rows, monkeypatch
     monkeypatch.setattr(nsa, "SLC_TILE_ROWS", None)   # the measured rule: tiles for MHA / small G at short T
     assert nsa.slc_tile_rows(1, 1024) == 128 and nsa.slc_tile_rows(4, 256) == 128
     assert nsa.slc_tile_rows(4, 512) == 0 and nsa.slc_tile_rows(16, 128) == 0
+    assert nsa.slc_tile_rows(16, 1024, 64) == 64 and nsa.slc_tile_rows(1, 1024, 64) == 64   # selection="tile"
 
 
 @needs_triton
 @pytest.mark.parametrize("G, Hk", [(1, 2), (4, 1), (16, 1), (3, 1)])
-def test_triton_tile_selection_matches_reference(G, Hk):
-    """selection="tile" on the Triton kernels: prefill, a prefill ending mid-tile, decode steps across a tile
-    boundary (the tile's selection carried by the cache) and a chunk, against the reference."""
+def test_triton_tile_selection_matches_reference(G, Hk, monkeypatch):
+    """selection="tile" on the Triton kernels: prefill (programs sharing one selection, and the union path), a
+    prefill ending mid-tile, decode steps across a tile boundary (the tile's selection carried by the cache) and a
+    chunk, against the reference."""
     nsa = _tri()
     dev = "cuda" if CUDA and not INTERPRET else "cpu"
     q, k, v = rand(1, 70, G * Hk, Hk, 32, seed=50 + G, device=dev)
@@ -334,6 +336,9 @@ def test_triton_tile_selection_matches_reference(G, Hk):
     out, idx = nsa.nsa_attention(q, k, v, TILE, gates=gates, return_indices=True)
     want, widx = ref.nsa_attention(q, k, v, TILE, gates=gates, return_indices=True)
     _compare(out, idx, want, widx, 2e-5)
+    monkeypatch.setattr(nsa, "SLC_SHARED", False)
+    out_u, idx_u = nsa.nsa_attention(q, k, v, TILE, gates=gates, return_indices=True)
+    assert torch.equal(idx_u, idx) and (out_u - out).abs().max().item() < 2e-6
     cache = ref.NSACache()
     for a, b in ((0, 60), (60, 61), (61, 62), (62, 63), (63, 64), (64, 65), (65, 70)):
         o, i = nsa.nsa_attention(q[:, a:b], k[:, a:b], v[:, a:b], TILE, gates=gates[:, a:b], cache=cache,

@@ -259,14 +259,16 @@ def _slc_tile_kernel(Q, K, V, IDX, LIST, OC, GATES, PART, BO_C, BO_S, LSE,
                      T, S, q_off, Hk, G, qk_scale, CAP,
                      BS: tl.constexpr, BSP: tl.constexpr, NSEL: tl.constexpr, NSELP: tl.constexpr,
                      NWP: tl.constexpr, HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
-                     HAS_GATES: tl.constexpr, SLC_STAGES: tl.constexpr, SAVE: tl.constexpr):
+                     HAS_GATES: tl.constexpr, SLC_STAGES: tl.constexpr, SAVE: tl.constexpr, SHARED: tl.constexpr):
     """Selected branch for a tile of BT tokens x the G query heads of one KV head (rows = BT * GP).
 
     The tile visits the union of its tokens' selected blocks (ascending) and every row masks the blocks its own
     token did not select, so each row computes exactly the per-token function of `_slc_kernel` (a block a row did
     not select leaves its m, l and acc unchanged) while K/V loads are shared by the tile's tokens and the MMAs have
     BT * GP rows. The union is built in the prologue: a bitmap of NWP 32-bit words over the blocks, then compacted
-    by popcounts into LIST (CAP int32 slots per program, global scratch read back after a CTA barrier)."""
+    by popcounts into LIST (CAP int32 slots per program, global scratch read back after a CTA barrier).
+    SHARED (selection="tile", the host checked that every program's tokens lie in one selection tile): all rows
+    share the first token's selection, so there is no union and no per-row block mask (only the causal one)."""
     b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP, 0, 1)
     M: tl.constexpr = BT * GP
     tok64 = tok.to(tl.int64)
@@ -277,24 +279,30 @@ def _slc_tile_kernel(Q, K, V, IDX, LIST, OC, GATES, PART, BO_C, BO_S, LSE,
     q = tl.load(Q + b64 * sqb + (tok64 * sqs + head * sqh)[:, None] + offs_d[None, :], mask=row_ok[:, None],
                 other=0.0)
     ibase = IDX + b64 * s_ib + hk * s_ih
-    # Each row's selected blocks (its token's; -1 padding and rows past T match no block).
-    sel = tl.load(ibase + tok64[:, None] * s_it + offs_s[None, :], mask=(tok < T)[:, None] & s_ok, other=-1)
-    # Union of the tile's selections: bitmap words, then the set bits compacted in ascending order.
-    tt = t0 + tl.arange(0, BT)
-    trow = ibase + tt.to(tl.int64) * s_it
-    wi = tl.arange(0, NWP)
-    words = tl.zeros([NWP], tl.int32)
-    for si in tl.static_range(NSEL):   # one slot of every token at a time: [BT, NWP] live, not [BT * NSEL, NWP]
-        ent = tl.load(trow + si, mask=tt < T, other=-1)
-        hitw = tl.where((ent >= 0)[:, None] & ((ent >> 5)[:, None] == wi[None, :]), 1 << (ent & 31)[:, None], 0)
-        words = words | tl.reduce(hitw, 0, bit_or)
-    cnt_w = popc32(words)
-    n_u = tl.sum(cnt_w, 0)
-    lane = tl.arange(0, 32)
-    pos = (tl.cumsum(cnt_w, 0) - cnt_w)[:, None] + popc32(words[:, None] & ((1 << lane[None, :]) - 1))
-    lbase = LIST + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * CAP
-    tl.store(lbase + pos, wi[:, None] * 32 + lane[None, :], mask=((words[:, None] >> lane[None, :]) & 1) != 0)
-    tl.debug_barrier()   # the list is read back below by other threads of this program
+    if SHARED:   # the first token's selection is every row's: ascending, -1 padding last
+        lbase = ibase + t0.to(tl.int64) * s_it
+        n_u = tl.sum((tl.load(lbase + offs_s, mask=offs_s < NSEL, other=-1) >= 0).to(tl.int32), 0)
+        sel = offs_s[None, :]   # unused
+    else:
+        # Each row's selected blocks (its token's; -1 padding and rows past T match no block).
+        sel = tl.load(ibase + tok64[:, None] * s_it + offs_s[None, :], mask=(tok < T)[:, None] & s_ok, other=-1)
+        # Union of the tile's selections: bitmap words, then the set bits compacted in ascending order.
+        tt = t0 + tl.arange(0, BT)
+        trow = ibase + tt.to(tl.int64) * s_it
+        wi = tl.arange(0, NWP)
+        words = tl.zeros([NWP], tl.int32)
+        for si in tl.static_range(NSEL):   # one slot of every token at a time: [BT, NWP] live, not [BT * NSEL, NWP]
+            ent = tl.load(trow + si, mask=tt < T, other=-1)
+            hitw = tl.where((ent >= 0)[:, None] & ((ent >> 5)[:, None] == wi[None, :]), 1 << (ent & 31)[:, None],
+                            0)
+            words = words | tl.reduce(hitw, 0, bit_or)
+        cnt_w = popc32(words)
+        n_u = tl.sum(cnt_w, 0)
+        lane = tl.arange(0, 32)
+        pos = (tl.cumsum(cnt_w, 0) - cnt_w)[:, None] + popc32(words[:, None] & ((1 << lane[None, :]) - 1))
+        lbase = LIST + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * CAP
+        tl.store(lbase + pos, wi[:, None] * 32 + lane[None, :], mask=((words[:, None] >> lane[None, :]) & 1) != 0)
+        tl.debug_barrier()   # the list is read back below by other threads of this program
 
     kbase = K + b64 * skb + hk * skh
     vbase = V + b64 * svb + hk * svh
@@ -308,8 +316,9 @@ def _slc_tile_kernel(Q, K, V, IDX, LIST, OC, GATES, PART, BO_C, BO_S, LSE,
         k = tl.load(kbase + key[:, None].to(tl.int64) * sks + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
         v = tl.load(vbase + key[:, None].to(tl.int64) * svs + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        mine = tl.max((sel == jb).to(tl.int32), 1) != 0
-        ok = mine[:, None] & kv_ok[None, :] & (key[None, :] <= qpos[:, None])
+        ok = kv_ok[None, :] & (key[None, :] <= qpos[:, None])
+        if not SHARED:
+            ok = ok & (tl.max((sel == jb).to(tl.int32), 1) != 0)[:, None]
         s = tl.where(ok, s, float("-inf"))
         acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
     _slc_epilogue(acc, l_i, m_i, OC, GATES, PART, BO_C, BO_S, LSE, b64, tok64, head, row_ok, offs_d,
@@ -372,7 +381,7 @@ FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
 TILE_ROWS = 64
 CMP_BLOCK_N = 64
 SWA_BLOCK_N = 64
-NUM_WARPS = dict(cmp=4, swa=4, slc=4, topk=4, slc_tile=8)
+NUM_WARPS = dict(cmp=4, swa=4, slc=4, topk=4, slc_tile=8, slc_tile_64=4)   # slc_tile_64: SHARED programs of <= 64 rows
 NUM_STAGES = dict(cmp=2, swa=2, slc=3, slc_tile=3)
 # Selected branch: `_slc_kernel` (one program per token: rows = the G heads padded to 16, K/V loaded per token) or
 # `_slc_tile_kernel` (R rows per program: R // next_pow2(G) tokens visit the union of their selected blocks; the
@@ -383,6 +392,8 @@ NUM_STAGES = dict(cmp=2, swa=2, slc=3, slc_tile=3)
 # nearly disjoint blocks, so the union grows with the blocks visible (benchmarks/NOTES.md, session 6).
 # 8 warps: offline sm_90 builds (Triton 3.6, D=128, block 64, 16 selected) spill at 4 warps, not in the loop at 8.
 SLC_TILE_ROWS = None
+# selection="tile": programs whose tokens lie in one selection tile skip the union and the per-row block masks
+SLC_SHARED = True
 # selection="tile" decode steps that continue a tile: True = `nsa_decode` with the tile's blocks given (no scoring);
 # False = the prefill kernels with the tile's selection (correct, slow at long contexts: no split-K)
 _DECODE_GIVEN = "indices" in nsa_decode.nsa_decode.__code__.co_varnames
@@ -391,12 +402,13 @@ _DECODE_GIVEN = "indices" in nsa_decode.nsa_decode.__code__.co_varnames
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
     """Rows per selected-branch program (0 = the per-token kernel) for GQA group G and n_b selection blocks.
     selection="token" (tile_block=0): token tiles of 128 rows for MHA, and for G <= 4 up to 256 blocks (T <= 16K at
-    block 64): where they measured faster. selection="tile" (tile_block = block_size): tiles of up to 128 rows whose
-    tokens lie in one selection tile, so a program visits exactly one selection (no union, no padded rows)."""
+    block 64): where they measured faster. selection="tile" (tile_block = block_size): 64-row programs whose tokens
+    lie in one selection tile, so a program visits exactly one selection (no union, no padded rows); 64 rows on 4
+    warps measured faster than 128 on 8 for G = 4 / MHA and equal for G = 16 (results/h100-nsa-tile-ab-s7r2.json)."""
     if SLC_TILE_ROWS is not None:
         return SLC_TILE_ROWS
     if tile_block:
-        return min(128, max(16, tile_block * triton.next_power_of_2(G)))
+        return min(64, max(16, tile_block * triton.next_power_of_2(G)))
     return 128 if G == 1 or (G <= 4 and n_b <= 256) else 0
 
 
@@ -522,13 +534,15 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
             raise ValueError(f"nsa.SLC_TILE_ROWS must be None, 0 or a power of two >= 16, got {rows}")
         bt = max(1, rows // GP)
         n_tiles = triton.cdiv(T, bt)
-        cap = min(n_b, bt * nsel)        # the union of bt tokens' selections
+        shared = tile and SLC_SHARED and q_off % bs == 0 and bs % bt == 0   # each program inside one tile
+        cap = 1 if shared else min(n_b, bt * nsel)        # the union of bt tokens' selections
         union = torch.empty((B * Hk * n_tiles * cap,), dtype=torch.int32, device=dev)
         _slc_tile_kernel[(n_tiles, B * Hk)](
             q, k, v, idx, union, o_cmp, gt, part, bo_c, bo_s, lse_s, *strides, T, S, q_off, Hk, G, qk_scale, cap,
             NSELP=triton.next_power_of_2(nsel), NWP=triton.next_power_of_2(triton.cdiv(n_b, 32)), GP=GP, BT=bt,
-            SLC_STAGES=NUM_STAGES["slc_tile"], num_warps=NUM_WARPS["slc_tile"], num_stages=NUM_STAGES["slc_tile"],
-            **common)
+            SLC_STAGES=NUM_STAGES["slc_tile"], SHARED=shared,
+            num_warps=NUM_WARPS["slc_tile_64"] if shared and rows <= 64 else NUM_WARPS["slc_tile"],
+            num_stages=NUM_STAGES["slc_tile"], **common)
     else:
         _slc_kernel[(T, B * Hk)](
             q, k, v, idx, o_cmp, gt, part, bo_c, bo_s, lse_s, *strides, T, S, q_off, Hk, G, qk_scale,

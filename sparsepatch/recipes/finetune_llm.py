@@ -42,6 +42,10 @@ CONFIGS = ("dense", "none", "nsa")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sparsepatch.recipes.finetune_llm", description=__doc__.split("\n")[0])
     p.add_argument("--config", choices=CONFIGS, default="dense")
+    p.add_argument("--nsa-selection", choices=("token", "tile"), default="token",
+                   help="--config nsa: NSAConfig.selection (per query token, or per selection tile)")
+    p.add_argument("--nsa-selected", type=int, default=2,
+                   help="--config nsa: NSAConfig.num_selected (2 = just the forced first and local blocks)")
     p.add_argument("--max-steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=4, help="sequences per process per step")
     p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
@@ -79,17 +83,18 @@ def build_model(size: str = "tiny", model_path: str | None = None, seq_len: int 
     return model.train()
 
 
-def sparse_config(name: str, seq_len: int = 128):
+def sparse_config(name: str, seq_len: int = 128, nsa_selection: str = "token", nsa_selected: int = 2):
     """The sparsepatch config for --config (None for 'none').
 
     nsa: NSA scaled to the recipe's short sequences (the NSAConfig defaults are for 32K+ contexts, where a 512-token
-    window alone would cover these sequences): 16-token selection blocks, 2 selected, a seq_len/4 window,
-    compression blocks of 16 every 8 tokens, learned gates (trainable parameters added to each attention module).
+    window alone would cover these sequences): 16-token selection blocks, `nsa_selected` selected (default 2: the
+    forced first and local blocks), a seq_len/4 window, compression blocks of 16 every 8 tokens, learned gates
+    (trainable parameters added to each attention module), selection per query token or per tile.
     """
     import sparsepatch as sp
     if name == "nsa":
-        return sp.NSAConfig(block_size=16, num_selected=2, window=max(16, seq_len // 4), compress_block=16,
-                            compress_stride=8, gates="learned")
+        return sp.NSAConfig(block_size=16, num_selected=nsa_selected, window=max(16, seq_len // 4), compress_block=16,
+                            compress_stride=8, gates="learned", selection=nsa_selection)
     return {"dense": sp.DenseConfig, "none": lambda: None}[name]()
 
 
@@ -109,7 +114,7 @@ def main(argv=None) -> dict:
     set_seed(args.seed)
     model = build_model(args.model_size, args.model_path, args.seq_len)
     handle = None
-    config = sparse_config(args.config, args.seq_len)
+    config = sparse_config(args.config, args.seq_len, args.nsa_selection, args.nsa_selected)
     if config is not None:
         try:
             handle = sp.patch(model, config)
