@@ -2,6 +2,7 @@
 trained tiny byte-level Llama (CPU, the reference implementation; no GPU needed).
 
     PYTHONPATH=. python benchmarks/nsa_selection_granularity.py [--tile 64] [--seq-len 1024] [--out DIR]
+    (JSON cpu-nsa-selection-granularity-<seq-len>[-tile<N> unless N = 64].json)
 
 Per query: each token ranks the selection blocks by its own importance (compressed-branch probabilities summed
 over the GQA group), plus block 0 and its local block, causally. Per tile: the tokens of a tile of `--tile`
@@ -10,6 +11,9 @@ consecutive queries share one ranking (the per-token forced blocks and the causa
   queries of LATER tokens of its tile: not causal (information flows backwards within a tile).
 - "tile-first": the importance of the tile's first token only. Causal, but later tokens of the tile select with a
   stale query.
+- "selection='tile'": what `NSAConfig(selection="tile")` computes (the library's own path, no patching of the
+  reference): tile-first with tiles = the selection blocks (block_size tokens, aligned), so the forced blocks are
+  the tile's too. With --tile equal to block_size it must equal "tile-first" (the script checks).
 Reported per NSAConfig: held-out loss (nats/byte) over 8 windows of --seq-len bytes, the gap to per query, logit
 cos-sim vs dense over the last 256 positions, and the mean fraction of a token's per-query selected blocks that the
 tile variant also selects. Gates uniform (untrained), no sparse fine-tune, as in the LLM notebook.
@@ -108,18 +112,20 @@ def main(argv=None) -> dict:
     for kwargs in CONFIGS:
         cfg = sp.NSAConfig(**kwargs)
         name = f"bs{cfg.block_size} sel{cfg.num_selected} win{cfg.window}"
-        sp.patch(model, cfg)
-        try:
-            runs = {}
-            for mode in (None, "sum", "first"):
-                with Selection(mode, args.tile) as sel:
+        runs = {}
+        for mode in (None, "sum", "first", "builtin"):
+            sp.patch(model, sp.NSAConfig(**kwargs, selection="tile") if mode == "builtin" else cfg)
+            try:
+                with Selection(None if mode == "builtin" else mode, args.tile) as sel:
                     loss, logits = evaluate()
-                runs[mode] = (loss, logits, sel.picked)
-        finally:
-            sp.unpatch(model)
+            finally:
+                sp.unpatch(model)
+            runs[mode] = (loss, logits, sel.picked)
+        if args.tile == cfg.block_size and not torch.equal(runs["first"][1], runs["builtin"][1]):
+            raise AssertionError("selection='tile' differs from tile-first with tiles of block_size tokens")
         q_loss = runs[None][0]
         for mode, label in ((None, "per query"), ("sum", f"tile-sum ({args.tile})"),
-                            ("first", f"tile-first ({args.tile})")):
+                            ("first", f"tile-first ({args.tile})"), ("builtin", "selection='tile'")):
             loss, logits, picked = runs[mode]
             rows.append(dict(config=name, selection=label, loss=loss, gap_vs_per_query=loss - q_loss,
                              gap_vs_dense=loss - dense_loss,
@@ -134,7 +140,8 @@ def main(argv=None) -> dict:
               f"{r['gap_vs_dense']:+.4f} | {r['logit_cos_vs_dense']:.5f} | {r['blocks_shared_with_per_query']:.3f} |")
     res = dict(tile=args.tile, seq_len=SEQ_LEN, windows=BATCH * NUM_BATCHES, dense_loss=dense_loss, rows=rows)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"cpu-nsa-selection-granularity-{SEQ_LEN}.json"), "w") as f:
+    tag = "" if args.tile == 64 else f"-tile{args.tile}"
+    with open(os.path.join(args.out, f"cpu-nsa-selection-granularity-{SEQ_LEN}{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
     return res
 

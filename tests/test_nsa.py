@@ -454,9 +454,11 @@ def _patch(model, config):
     return h
 
 
-def test_llama_nsa_generate_matches_full_forward():
+@pytest.mark.parametrize("selection", ["token", "tile"])
+def test_llama_nsa_generate_matches_full_forward(selection):
     model = tiny_llama()
-    h = _patch(model, LLM_CFG)
+    # 3 selected of 4 blocks: one chosen by importance (2 = only the forced first and local blocks)
+    h = _patch(model, NSAConfig(**{**LLM_CFG.__dict__, "selection": selection, "num_selected": 3}))
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         seq = model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)

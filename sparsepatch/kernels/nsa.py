@@ -394,9 +394,6 @@ NUM_STAGES = dict(cmp=2, swa=2, slc=3, slc_tile=3)
 SLC_TILE_ROWS = None
 # selection="tile": programs whose tokens lie in one selection tile skip the union and the per-row block masks
 SLC_SHARED = True
-# selection="tile" decode steps that continue a tile: True = `nsa_decode` with the tile's blocks given (no scoring);
-# False = the prefill kernels with the tile's selection (correct, slow at long contexts: no split-K)
-_DECODE_GIVEN = "indices" in nsa_decode.nsa_decode.__code__.co_varnames
 
 
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
@@ -667,11 +664,9 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
         # the tile's later tokens reuse)
         out, idx = nsa_decode.nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config,
                                          return_indices or config.selection == "tile")
-    elif decode and _DECODE_GIVEN:
+    elif decode:   # a later token of a selection tile: the tile's blocks, no scoring
         out, idx = nsa_decode.nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices,
                                          indices=prior.to(torch.int32))
-        if idx is None:
-            idx = prior.reshape(q.shape[0], 1, *prior.shape[1:])
     elif offs is None:
         out, idx = _run(q, k, v, k_cmp, v_cmp, gates, scale, config, needs_grad, prior)
     else:
@@ -686,6 +681,6 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
             outs.append(o)
             idxs.append(i)
         out, idx = torch.cat(outs, 1), torch.cat(idxs, 1)
-    if cache is not None:
+    if cache is not None and idx is not None:   # None: a decode step that continued the cached tile
         cache.keep_tile_selection(config, k.shape[1], idx)
     return (out, idx) if return_indices else out

@@ -308,7 +308,7 @@ class NSACache:
     def keep_tile_selection(self, config, S: int, idx):
         """After a call over S keys: remember the last tile's selection (idx (B, T, Hk, num_selected), last row)."""
         if config.selection == "tile":
-            self.tile_selection = ((S - 1) // config.block_size, idx[:, -1].detach())
+            self.tile_selection = ((S - 1) // config.block_size, idx[:, -1].detach().contiguous())
 
     def _append(self, name, cur, new):
         """cur + new along dim 1. Without autograd, into a buffer of doubling capacity whose prefix view `cur` is (no
