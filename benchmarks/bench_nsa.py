@@ -22,6 +22,9 @@ nsa_backward.PROFILE) at HQ64/H4 16K and 64K, sweeps BWD_SETS at --tune-t and us
 (--best-out writes it as JSON for SPARSEPATCH_NSA_BWD); --summary JSON prints the backward tables of a results file.
 --slc-ab R,R,...: only an A/B of the selected-branch kernel (nsa.SLC_TILE_ROWS per value; 0 = per token) at every
 head layout, with index equality and output differences against the first value (section slc_ab).
+--selection both (default) also times NSAConfig(selection="tile") on the same inputs: prefill rows tile_ms (and
+tile_* ratios), decode rows tile_graph_us (a step continuing a tile: the cached blocks, no ranking) and
+tile_avg_graph_us (block_size - 1 such steps + one ranking step); --selection tile makes every section tile.
 """
 from __future__ import annotations
 
@@ -548,12 +551,15 @@ def _sdpa_decode(qh, kh, vh, backend=None):
 DECODE_TARGETS = [40, 80, 160, 320, 640]   # nsa_decode.TARGET_PROGRAMS tried at the largest S (graph replay)
 
 
-def bench_decode(nsa, cfg, ss, write=None, sweep=True):
+def bench_decode(nsa, cfg, ss, write=None, sweep=True, tile=True):
     """Decode rows (us): one query token, HQ64/H4, D=128, bf16, B=1, NSACache(store_kv=False) prefilled to S.
     ours = nsa.nsa_attention(q1, k, v, cache) eager (checks + cache.update + the 2 decode launches); kernels = the
     decode kernels alone (nsa_decode.nsa_decode, eager); graph = one captured nsa_attention step replayed;
     update = cache.update alone; old = the prefill kernels at T = 1 (nsa._forward, before this path). SDPA decode
-    with enable_gqa: default backend, flash, cuDNN (eager), and the default one captured in a graph."""
+    with enable_gqa: default backend, flash, cuDNN (eager), and the default one captured in a graph.
+    tile: also NSAConfig(selection="tile") steps. A step at a tile's first position is the step above (it ranks the
+    blocks); tile_graph = a later step of the tile (the cache holds the tile's blocks: here the ones the step above
+    picked), captured and replayed; tile_avg_graph = (block_size - 1) later steps + one ranking step, per step."""
     import math
     from sparsepatch.kernels import nsa_decode
     HQ, H = 64, 4
@@ -604,6 +610,26 @@ def bench_decode(nsa, cfg, ss, write=None, sweep=True):
                     row["speedup"] = row["sdpa_best_us"] / row["ours_us"]
                 if "ours_graph_us" in row:
                     row["speedup_graph"] = row.get("sdpa_graph_us", row["sdpa_best_us"]) / row["ours_graph_us"]
+            if tile and "ours_graph_us" in row:
+                tcfg = NSAConfig(**{**vars(cfg), "selection": "tile"})
+                tcache = ref.NSACache(store_kv=False)
+                tcache.update(k, v, tcfg)
+                tcache.tile_selection = ((S - 1) // tcfg.block_size, i_new[:, 0].contiguous())
+
+                def tstep():
+                    return nsa.nsa_attention(q1, k, v, tcfg, cache=tcache)
+                try:
+                    o_t = tstep()
+                    row["tile_max_diff_vs_same_blocks"] = (o_t.float() - o_new.float()).abs().max().item()
+                    row["tile_graph_us"] = _bench(_graph_replay(tstep)) * 1e3
+                    bs = tcfg.block_size
+                    row["tile_avg_graph_us"] = ((bs - 1) * row["tile_graph_us"] + row["ours_graph_us"]) / bs
+                    ref_us = row.get("sdpa_graph_us", row.get("sdpa_best_us"))
+                    if ref_us:
+                        row["tile_speedup_graph"] = ref_us / row["tile_graph_us"]
+                        row["tile_avg_speedup_graph"] = ref_us / row["tile_avg_graph_us"]
+                except Exception as exc:  # noqa: BLE001
+                    row["tile_error"] = _err(exc)
             if sweep and S == max(ss) and "ours_graph_us" in row:
                 base = nsa_decode.TARGET_PROGRAMS
                 row["target_sweep_graph_us"] = {}
@@ -622,12 +648,14 @@ def bench_decode(nsa, cfg, ss, write=None, sweep=True):
         del k, v, cache
         torch.cuda.empty_cache()
     print(f"{'S':>6} {'ours':>7} {'kernels':>7} {'graph':>7} {'update':>7} {'old':>7} {'sdpa':>7} {'flash':>7} "
-          f"{'cudnn':>7} {'sdpa_g':>7} {'x eager':>7} {'x graph':>7}  (us)")
+          f"{'cudnn':>7} {'sdpa_g':>7} {'x eager':>7} {'x graph':>7} {'tile_g':>7} {'tile_av':>7} {'x tile':>7} "
+          f"{'x t_avg':>7}  (us)")
     for r in rows:
         print(f"{r['S']:>6} " + " ".join(f"{r.get(n, float('nan')):7.1f}" for n in (
             "ours_us", "kernels_us", "ours_graph_us", "update_us", "old_us", "sdpa_us", "sdpa_flash_us",
             "sdpa_cudnn_us", "sdpa_graph_us")) + f" {r.get('speedup', float('nan')):7.2f} "
-              f"{r.get('speedup_graph', float('nan')):7.2f}")
+              f"{r.get('speedup_graph', float('nan')):7.2f} " + " ".join(f"{r.get(n, float('nan')):7.2f}" for n in (
+                  "tile_graph_us", "tile_avg_graph_us", "tile_speedup_graph", "tile_avg_speedup_graph")))
     return rows
 
 
