@@ -252,8 +252,9 @@ def ab(ss, names, rounds=2, full=2, save=None):
     return rows
 
 
-# given-selection step variants (module flags): the default, GIVEN_EARLY off, and the session-7 run-1 merge
-GIVEN_VARIANTS = {"given": {}, "given_late": {"GIVEN_EARLY": False}, "given_r1": {"GIVEN_CMP_FIRST": False}}
+# given-selection step variants (module flags): the default and GIVEN_EARLY off (session 7 run 2 also timed run 1's
+# merge, three `_merge` calls after the waits, as given_r1: within 0.1-0.25 us of the default, since deleted)
+GIVEN_VARIANTS = {"given": {}, "given_late": {"GIVEN_EARLY": False}}
 
 
 def given_ab(ss, variants=("given", "given_late"), rounds=3, save=None):
@@ -262,7 +263,7 @@ def given_ab(ss, variants=("given", "given_late"), rounds=3, save=None):
     (enable_gqa, default backend), in one process, each one captured call timed as the rows above: triton do_bench
     median of a graph replay, L2 flushed; the variants alternate `rounds` times, best round kept. Variants of
     GIVEN_VARIANTS: given = the default structure (GIVEN_EARLY: selected blocks before griddepcontrol.wait, one merge
-    of the three branches), given_late = GIVEN_EARLY off, given_r1 = run 1's merge. The given steps get the normal
+    of the three branches), given_late = GIVEN_EARLY off. The given steps get the normal
     step's own selection, so their outputs must equal it up to rounding (max_diff) and return the same indices."""
     import torch.nn.functional as F
     names = ("normal",) + tuple(variants)

@@ -84,8 +84,6 @@ SPIN_LIMIT = 1 << 22      # polls before a barrier wait gives up (a safety net a
                           # a wait that gives up makes the step's output NaN for that (b, kv head) (see _dec_sel_kernel)
 GIVEN_EARLY = True        # given indices: selected blocks before griddepcontrol.wait, one merge of all three branches
                           # (False: the normal step's structure without score and rank; NOTES session 7)
-GIVEN_CMP_FIRST = True    # GIVEN_EARLY merge: the compressed partials merged before the waits, the selected and
-                          # window ones in one round of loads (False: three merges after the waits, run 1)
 _STALL = 0                # tests only: 1..4 makes one in-kernel wait unsatisfiable (rank, selected, merge, window)
 KEY_UNSET = -(1 << 63)    # candidate key not written yet (the key of score -0.0, which no block has)
 SLOT_UNSET = -2           # selected-block slot not written yet (-1 = written, no block)
@@ -344,7 +342,7 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     DO_MERGE: tl.constexpr, SYNC: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr,
                     KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr, MTB: tl.constexpr, SPIN: tl.constexpr,
                     STALL_R: tl.constexpr, STALL_A: tl.constexpr, STALL_M: tl.constexpr, STALL_W: tl.constexpr,
-                    GIVEN: tl.constexpr, EARLY: tl.constexpr, CMP_FIRST: tl.constexpr):
+                    GIVEN: tl.constexpr, EARLY: tl.constexpr):
     # GIVEN: the selected blocks come from IDX (B, Hk, NSEL) instead of the score + rank phases (compiled out).
     # EARLY (with GIVEN): program p < NSEL attends to its block before griddepcontrol.wait (it needs only q, k, v and
     # IDX, like the window chunks), and the merge programs merge all three branches themselves (host: DO_RANK and
@@ -575,25 +573,18 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     gbp = GATES + b.to(tl.int64) * sgb + h * sgh
                     g_cmp = tl.load(gbp).to(tl.float32)
                     g_swa = tl.load(gbp + 2 * sgc).to(tl.float32)
-                if CMP_FIRST:     # complete since griddepcontrol.wait: merged while the other programs arrive
-                    o_cmp = _merge(WS, o_pm, o_pl, o_pacc, bh64 * n_split, 0, n_split, pid, offs_d, NSPLITP, GP,
-                                   HEAD_DIM)
+                # the compressed partials are complete since griddepcontrol.wait: merged while the others arrive
+                o_cmp = _merge(WS, o_pm, o_pl, o_pacc, bh64 * n_split, 0, n_split, pid, offs_d, NSPLITP, GP,
+                               HEAD_DIM)
                 if SYNC:
                     c3 = _wait_count(cnt + 3, n_win + STALL_W, flag, SPIN)
                     c2 = _wait_count(cnt + 2, NSEL + STALL_M, flag, SPIN)
                     bad = (c2 < NSEL + STALL_M) | (c3 < n_win + STALL_W) | (tl.load(flag, volatile=True) != 0)
                     if PROBE:
                         _stamp(ts, 10, c2 + c3)
-                if CMP_FIRST:     # selected (0..NSEL-1) and window (NSEL..) partials: one round of loads
-                    o_slc, o_swa = _merge_two(WS, o_sm, o_sl, o_sacc, bh64 * n_part, NSEL, n_part, pid, offs_d,
-                                              NPARTP, GP, HEAD_DIM)
-                else:
-                    o_cmp = _merge(WS, o_pm, o_pl, o_pacc, bh64 * n_split, 0, n_split, pid, offs_d, NSPLITP, GP,
-                                   HEAD_DIM)
-                    o_swa = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, NSEL, n_part, pid, offs_d, NPARTP, GP,
-                                   HEAD_DIM)
-                    o_slc = _merge(WS, o_sm, o_sl, o_sacc, bh64 * n_part, 0, NSEL, pid, offs_d, NPARTP, GP,
-                                   HEAD_DIM)
+                # selected (0..NSEL-1) and window (NSEL..) partials: one round of loads
+                o_slc, o_swa = _merge_two(WS, o_sm, o_sl, o_sacc, bh64 * n_part, NSEL, n_part, pid, offs_d, NPARTP,
+                                          GP, HEAD_DIM)
                 if HAS_GATES:
                     pre = g_cmp * o_cmp + g_swa * o_swa
                 else:
@@ -766,7 +757,6 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
                 CNTW=CNTW, RET_IDX=return_indices and not given, HAS_GATES=gates is not None, USE_PDL=pdl, PROBE=probe,
                 KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, SPIN=SPIN_LIMIT, STALL_R=int(_STALL == 1),
                 STALL_A=int(_STALL == 2), STALL_M=int(_STALL == 3), STALL_W=int(_STALL == 4), GIVEN=given, EARLY=early,
-                CMP_FIRST=early and GIVEN_CMP_FIRST,
                 num_warps=NUM_WARPS["sel"], **(dict(launch_pdl=True) if pdl else {}))
     if early:      # window + selected partials, then the merge
         phases = [(1, 0, 0, 1)] if sync else [(1, 0, 0, 0), (0, 0, 0, 1)]
