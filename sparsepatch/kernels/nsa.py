@@ -282,7 +282,6 @@ def _slc_tile_kernel(Q, K, V, IDX, LIST, OC, GATES, PART, BO_C, BO_S, LSE,
     if SHARED:   # the first token's selection is every row's: ascending, -1 padding last
         lbase = ibase + t0.to(tl.int64) * s_it
         n_u = tl.sum((tl.load(lbase + offs_s, mask=offs_s < NSEL, other=-1) >= 0).to(tl.int32), 0)
-        sel = offs_s[None, :]   # unused
     else:
         # Each row's selected blocks (its token's; -1 padding and rows past T match no block).
         sel = tl.load(ibase + tok64[:, None] * s_it + offs_s[None, :], mask=(tok < T)[:, None] & s_ok, other=-1)
