@@ -55,19 +55,31 @@ class Selection:
         self.mode, self.tile, self.picked = mode, tile, []
 
     def __enter__(self):
-        self.orig = nsa_reference.select_blocks
+        self.orig, self.orig_tiles = nsa_reference.select_blocks, nsa_reference.select_tiles
+        self.in_tiles = False
 
         def select(importance, qpos, config, causal):
             if self.mode is not None:
                 importance = tile_shared(importance, self.tile, self.mode)
             idx = self.orig(importance, qpos, config, causal)
+            if not self.in_tiles:
+                self.picked.append(idx)
+            return idx
+
+        def select_tiles(*args, **kw):   # selection="tile": record its per-token result, not its per-tile ranking
+            self.in_tiles = True
+            try:
+                idx = self.orig_tiles(*args, **kw)
+            finally:
+                self.in_tiles = False
             self.picked.append(idx)
             return idx
         nsa_reference.select_blocks = select
+        nsa_reference.select_tiles = select_tiles
         return self
 
     def __exit__(self, *exc):
-        nsa_reference.select_blocks = self.orig
+        nsa_reference.select_blocks, nsa_reference.select_tiles = self.orig, self.orig_tiles
 
 
 def overlap(a: list, b: list) -> float:

@@ -118,6 +118,10 @@ def test_tile_selection_matches_naive_and_first_token():
     assert not torch.equal(idx, tok_idx)                        # the two modes do differ on these inputs
     want = naive(q, k, v, TILE, gates, 0.3)
     assert (out.double() - want).abs().max().item() < 1e-5
+    # causal=False (DiT): the same rule over query indices, every block a candidate
+    _, nc_idx = ref.nsa_attention(q, k, v, TILE, causal=False, return_indices=True)
+    _, nc_tok = ref.nsa_attention(q, k, v, CFG, causal=False, return_indices=True)
+    assert torch.equal(nc_idx, nc_tok[:, first]) and not torch.equal(nc_idx, nc_tok)
 
 
 @pytest.mark.parametrize("store_kv", [True, False])

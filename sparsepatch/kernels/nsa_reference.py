@@ -165,18 +165,17 @@ def select_tiles(importance: torch.Tensor, qpos: torch.Tensor, config, causal: b
     num_selected): each query takes the selection of its tile's first position (see `select_blocks`); a tile that
     starts before qpos[0] takes `prior` (B, Hk, num_selected), the selection made when that tile started."""
     bs = config.block_size
-    start = torch.div(qpos, bs, rounding_mode="floor") * bs
-    i0 = start - qpos[0]
-    idx = select_blocks(importance[:, :, i0.clamp(min=0)], start, config, causal)
-    early = i0 < 0
-    if bool(early.any()):
+    u = torch.div(qpos, bs, rounding_mode="floor")                         # each query's tile
+    tiles = torch.arange(int(u[0]), int(u[-1]) + 1, device=qpos.device)     # the tiles this call touches
+    first = tiles * bs - qpos[0]                                           # their first query's index (< 0: earlier)
+    sel = select_blocks(importance[:, :, first.clamp(min=0)], tiles * bs, config, causal)   # one ranking per tile
+    if int(first[0]) < 0:
         if prior is None:
             raise ValueError(f"selection='tile': position {int(qpos[0])} is inside the selection tile starting at "
-                             f"{int(start[0])}, whose query is not in this call; start queries at a multiple of "
+                             f"{int(tiles[0]) * bs}, whose query is not in this call; start queries at a multiple of "
                              f"block_size={bs} or pass the NSACache that saw that position")
-        p = prior.to(idx.dtype).reshape(idx.shape[0], 1, *idx.shape[2:])
-        idx = torch.where(early[None, :, None, None], p, idx)
-    return idx
+        sel[:, 0] = prior.to(sel.dtype).reshape(sel.shape[0], *sel.shape[2:])
+    return sel[:, u - u[0]]
 
 
 def select_blocks(importance: torch.Tensor, qpos: torch.Tensor, config, causal: bool) -> torch.Tensor:
