@@ -355,6 +355,8 @@ def test_triton_tile_selection_matches_reference(G, Hk, monkeypatch):
         o, i = nsa.nsa_attention(q[:, a:b], k[:, a:b], v[:, a:b], TILE, gates=gates[:, a:b], cache=cache,
                                  return_indices=True)
         _compare(o, i, want[:, a:b], widx[:, a:b], 2e-5)
+    with pytest.raises(ValueError, match="selection='tile'"):   # queries start mid-tile, no cache
+        nsa.nsa_attention(q[:, 60:], k, v, TILE)
 
 
 @needs_triton
