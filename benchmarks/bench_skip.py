@@ -151,6 +151,11 @@ VARIANTS = {
     "popc": dict(popc=True, pf_next=False),
     "pf1": dict(popc=True, pf_next=True),                # = default
     "pf1_optr": dict(popc=True, pf_next=True, o_desc=False),
+    # session 8 (v8): persistent kernel, one flat pipelined loop over (q-tile, listed k-tile) pairs; q carried in
+    # registers across the loop (flat) or loaded through the pipeline every iteration (flat_qe)
+    "grid": dict(flat=False),
+    "flat": dict(flat=True),
+    "flat_qe": dict(flat=True, q_every=True),
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),
@@ -385,6 +390,7 @@ def variants(log, shape=(1, 12, 32760, 128), names=None, rounds=2, only=None):
                             ref[lname] = (out, nxt)
                         else:
                             row["same_out"] = bool(torch.equal(out, ref[lname][0]))
+                            row["max_diff_out"] = (out.float() - ref[lname][0].float()).abs().max().item()
                             row["same_next"] = bool(nxt.equal(ref[lname][1]))
                     row["ms_rounds"].append(bench_ms(lambda lst=lst: skip.skip_attention(q, k, v, lst, -5.0),
                                                      rep=100))
@@ -419,6 +425,7 @@ def main(argv=None):
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--variants", nargs="*", default=None,
                     help="only time skip-config variants (names from VARIANTS; none = all) at H12 S32760")
+    ap.add_argument("--shape", default="1,12,32760,128", help="--variants: B,H,S,D")
     ap.add_argument("--rounds", type=int, default=2, help="--variants: interleaved rounds (fastest kept)")
     ap.add_argument("--lists", nargs="*", default=None, help="--variants: only these lists (rand0.05, seq1, ...)")
     ap.add_argument("--probe", nargs="*", default=None,
@@ -460,11 +467,13 @@ def main(argv=None):
             return 0
 
     if args.variants is not None:
-        res = variants(log, names=args.variants or None, rounds=args.rounds, only=args.lists)
+        shape = tuple(int(x) for x in args.shape.split(","))
+        res = variants(log, shape=shape, names=args.variants or None, rounds=args.rounds, only=args.lists)
         res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
         for d in filter(None, [args.out, os.environ.get("OUT")]):
             os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, f"{gpu_name()}-skip-variants.json"), "w") as f:
+            tag = "" if shape == (1, 12, 32760, 128) else "-" + "x".join(map(str, shape))
+            with open(os.path.join(d, f"{gpu_name()}-skip-variants{tag}.json"), "w") as f:
                 json.dump(res, f, indent=1)
         return 0
 

@@ -102,8 +102,12 @@ def _prefetch_l2(ptrs):
 @triton.jit
 def _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, start_n, offs_n, rows, Sk, causal_off,
            qk_scale, stride_ks, stride_vs,
-           BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) step of the online softmax; returns (acc, l_i, m_i, scaled row max of the block)."""
+           BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+           MASK_RT: tl.constexpr = False):
+    """One (BLOCK_M, BLOCK_N) step of the online softmax; returns (acc, l_i, m_i, scaled row max of the block).
+
+    MASK_RT (qk_scale > 0 only): columns >= Sk are set to -inf behind a uniform branch taken only by a block that
+    crosses Sk, so one loop body serves full and partial k-tiles (the flat kernel)."""
     cols = start_n + offs_n
     if USE_TMA == 2:  # host descriptors over (B, Hk, Sk, D) views
         k = k_desc.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, k_desc.block_shape[3])
@@ -118,6 +122,9 @@ def _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, start_n
         k = tl.load(k_ptrs + start_n * stride_ks)
         v = tl.load(v_ptrs + start_n * stride_vs)
     qk = tl.dot(q, tl.trans(k))
+    if MASK_RT:
+        if start_n + BLOCK_N > Sk:
+            qk = tl.where((cols < Sk)[None, :], qk, float("-inf"))
     if MASK_N or CAUSAL:
         valid = (cols < Sk)[None, :]
         if CAUSAL:
@@ -141,14 +148,16 @@ def _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, start_n
 
 @triton.jit
 def _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, j, offs_n, rows, Sk, qk_scale, stride_ks,
-          stride_vs, TILE_N: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, USE_TMA: tl.constexpr):
+          stride_vs, TILE_N: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, USE_TMA: tl.constexpr,
+          MASK_RT: tl.constexpr = False):
     """All sub-blocks of skip tile j; returns (acc, l_i, m_i, scaled row max over the whole tile)."""
     acc, l_i, m_i, tmax = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, j * TILE_N, offs_n,
-                                 rows, Sk, 0, qk_scale, stride_ks, stride_vs, BLOCK_N, MASK_N, False, USE_TMA)
+                                 rows, Sk, 0, qk_scale, stride_ks, stride_vs, BLOCK_N, MASK_N, False, USE_TMA,
+                                 MASK_RT)
     for s in tl.static_range(1, TILE_N // BLOCK_N):  # (a max with -inf would cost an instruction per row)
         acc, l_i, m_i, rmax = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h,
                                      j * TILE_N + s * BLOCK_N, offs_n, rows, Sk, 0, qk_scale, stride_ks, stride_vs,
-                                     BLOCK_N, MASK_N, False, USE_TMA)
+                                     BLOCK_N, MASK_N, False, USE_TMA, MASK_RT)
         tmax = tl.maximum(tmax, rmax)
     return acc, l_i, m_i, tmax
 
@@ -402,6 +411,140 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         tl.store(PRB + ((bh.to(tl.int64) * Tq + pid_m) * 16 + offs_p), vals)
 
 
+@triton.jit
+def _flat_kernel(Q, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, STEP, QD, OD, KD, VD,
+                 stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, slot_stride_cnt,
+                 slot_stride_idx, warmup, qk_scale, threshold,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
+                 STATEFUL: tl.constexpr, WRITE_LSE: tl.constexpr, WARP_SPEC: tl.constexpr, NWORDS: tl.constexpr,
+                 Q_EVERY: tl.constexpr = False):
+    """Persistent skip forward: one flat, software-pipelined loop over this program's (q-tile, listed k-tile) pairs.
+
+    Skip mode, tile BLOCK_M x TILE_N, host TMA descriptors QD / OD / KD / VD over the (B, H, S, D) views, no forced
+    tiles, qk_scale > 0. Program p owns the q-tiles lin = p, p + P, p + 2P, ... (P programs; lin = (b * Hq + h) * Tq
+    + q-tile, the grid kernel's head-major order). The loop crosses q-tile boundaries, so the next q-tile's first
+    K/V loads are in flight while the current one's epilogue (next-list write, out store, next q) runs: the grid
+    kernel pays list head + pipeline fill + epilogue (~4 us) per q-tile (benchmarks/NOTES.md, skip forward v8).
+    The partial last k-tile goes through the same loop body (MASK_RT). A q-tile with an empty list takes one
+    placeholder iteration whose result is discarded. Q_EVERY: q is loaded through the pipeline every iteration
+    (no q carried in registers; +50% L2 -> SM bytes per tile)."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_mine = (n_items - pid + P - 1) // P
+    cnt_in = CNT_IN
+    idx_in = IDX_IN
+    cnt_out = CNT_OUT
+    idx_out = IDX_OUT
+    if STATEFUL:
+        n = tl.load(STEP)
+        warm = n < warmup
+        rs = tl.where(warm, 0, (n - warmup) % 2)
+        cnt_in += rs * slot_stride_cnt
+        idx_in += rs * slot_stride_idx
+        cnt_out += (1 - rs) * slot_stride_cnt
+        idx_out += (1 - rs) * slot_stride_idx
+        write_ok = (n >= warmup).to(tl.int32)
+    # flat trip count: every owned q-tile takes max(count, 1) iterations
+    total = 0
+    offs_k = tl.arange(0, 128)
+    for k0 in range(0, n_mine, 128):
+        ok = k0 + offs_k < n_mine
+        c = tl.load(cnt_in + pid + (k0 + offs_k) * P, mask=ok, other=0)
+        if STATEFUL:
+            c = tl.where(warm, Tk, c)
+        total += tl.sum(tl.where(ok, tl.maximum(c, 1), 0), 0)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_c = tl.arange(0, CHUNK)
+    widx = tl.arange(0, NWORDS)
+    lin_c = pid
+    lin_n = pid + P
+    cnt_c = tl.load(cnt_in + lin_c)
+    cnt_n = tl.load(cnt_in + tl.minimum(lin_n, n_items - 1))
+    if STATEFUL:
+        cnt_c = tl.where(warm, Tk, cnt_c)
+        cnt_n = tl.where(warm, Tk, cnt_n)
+    j_next = tl.load(idx_in + lin_c.to(tl.int64) * Tk, mask=cnt_c > 0, other=0)
+    if STATEFUL:
+        j_next = tl.where(warm, 0, j_next)
+    if not Q_EVERY:
+        q = QD.load([lin_c // Tq // Hq, lin_c // Tq % Hq, lin_c % Tq * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
+    it = tl.full([], 0, tl.int32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
+    for f in tl.range(0, total, warp_specialize=WARP_SPEC):
+        j = j_next
+        end = it + 1 >= cnt_c         # last iteration of this q-tile
+        # the next iteration's k-tile index, loaded one iteration ahead (the next q-tile's first one at `end`; an
+        # empty list may hold any value, hence the clamp: its placeholder iteration is discarded)
+        nxt = tl.where(end, lin_n.to(tl.int64) * Tk, lin_c.to(tl.int64) * Tk + it + 1)
+        j_next = tl.load(idx_in + nxt, mask=(lin_n < n_items) | (it + 1 < cnt_c), other=0)
+        j_next = tl.minimum(tl.maximum(j_next, 0), Tk - 1)
+        if STATEFUL:
+            j_next = tl.where(warm, tl.where(end, 0, it + 1), j_next)
+        bh = lin_c // Tq
+        pid_m = lin_c % Tq
+        b = bh // Hq
+        h = bh % Hq
+        rows = pid_m * BLOCK_M + offs_m
+        row_ok = rows < Sq
+        if Q_EVERY:
+            q = QD.load([b, h, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
+        m_before = m_i
+        acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, KD, VD, KD, VD, b, h // n_rep, j, offs_n, rows, Sk, qk_scale,
+                                    0, 0, TILE_N, BLOCK_N, False, 2, True)
+        hit = (((tmax - m_before) > threshold) & row_ok).to(tl.int32) << (it & 31)
+        bits = bits | tl.where((widx == (it >> 5))[None, :], hit[:, None], 0)
+        if end:
+            real = cnt_c > 0          # else the iteration was a placeholder
+            acc = tl.where(real, acc, 0.0)
+            l_i = tl.where(real, l_i, 0.0)
+            m_i = tl.where(real, m_i, float("-inf"))
+            # next list: one cross-row OR, then each 32-tile word's kept indices placed by popcounts
+            words = tl.reduce(tl.where(real, bits, 0), 0, bit_or)
+            row64 = lin_c.to(tl.int64)
+            src = idx_in + row64 * Tk
+            dst = idx_out + row64 * Tk
+            out_cnt = tl.full([], 0, tl.int32)
+            for w in tl.static_range(NWORDS):
+                if w * CHUNK < cnt_c:
+                    c1 = tl.minimum(cnt_c - w * CHUNK, CHUNK)
+                    word = tl.sum(tl.where(widx == w, words, 0), 0)
+                    jv = tl.load(src + w * CHUNK + offs_c, mask=offs_c < c1, other=0)
+                    if STATEFUL:
+                        jv = tl.where(warm, w * CHUNK + offs_c, jv)
+                    wv = word & tl.where(c1 >= 32, -1, (1 << c1) - 1)
+                    keep = ((wv >> offs_c) & 1) != 0
+                    if STATEFUL:
+                        keep = (keep.to(tl.int32) & write_ok) != 0
+                    tl.store(dst + out_cnt + popc32(wv & ((1 << offs_c) - 1)), jv, mask=keep)
+                    out_cnt += popc32(wv)
+            if STATEFUL:
+                tl.store(cnt_out + lin_c, out_cnt, mask=write_ok != 0)
+            else:
+                tl.store(cnt_out + lin_c, out_cnt)
+            _store_out(acc, l_i, m_i, O, LSE, OD, b, b.to(tl.int64), h, pid_m, rows, row_ok, offs_d, stride_ob,
+                       stride_os, stride_oh, Sq, Hq, BLOCK_M, BLOCK_M, HEAD_DIM, WRITE_LSE, True)
+            # advance; the count loaded here is used one q-tile later
+            lin_c = lin_n
+            cnt_c = cnt_n
+            lin_n += P
+            cnt_n = tl.load(cnt_in + tl.minimum(lin_n, n_items - 1))
+            if STATEFUL:
+                cnt_n = tl.where(warm, Tk, cnt_n)
+            if not Q_EVERY:
+                lq = tl.minimum(lin_c, n_items - 1)
+                q = QD.load([lq // Tq // Hq, lq // Tq % Hq, lq % Tq * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
+        it = tl.where(end, 0, it + 1)
+
 LN2_C = tl.constexpr(LN2)
 CHUNK = tl.constexpr(CHUNK)
 
@@ -475,6 +618,11 @@ _DESC_PARAMS = dict(QD=0, KD=1, VD=2, OD=3)   # host descriptors over these tens
 
 def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step, Tq, Tk, slot_cnt, slot_idx,
             warmup, scale, threshold, tm, tn, skip, stateful, causal, cfg):
+    B, Sq, Hq, D = q.shape
+    n_items = B * Hq * Tq
+    # flat: the persistent flat-loop kernel (skip mode, tile 128 x tn, host descriptors, no forced tiles)
+    flat = (bool(cfg.get("flat")) and skip and frow is None and tm == 128 and scale > 0
+            and (_interpret() or cfg.get("tma")))
     tensors = (q, k, v, out, lse, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step)
     key = None
     if _DIRECT[0] and "probe" not in cfg:
@@ -500,7 +648,6 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
                 _PLANS.clear()
                 key = None
 
-    B, Sq, Hq, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     block_m = triton.next_power_of_2(tm)
     dummy = out
@@ -547,16 +694,21 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
         HEAD_CHUNK=bool(skip and cfg.get("head_chunk", False)), Q_DESC=qd is not None, O_DESC=od is not None,
         POPC=bool(skip and cfg.get("popc", False)), PF_NEXT=pf_next, n_pf=n_pf,
         PRB=probe if probe is not None else dummy, PROBE=probe is not None,
+        n_items=n_items, Q_EVERY=bool(cfg.get("q_every")),
     )
-    grid = (Tq, B * Hq)
-    names = _fwd_kernel.arg_names
+    kernel, grid = _fwd_kernel, (Tq, B * Hq)
+    if flat and use_tma == 2 and qd is not None and od is not None:
+        kernel = _flat_kernel
+        grid = (min(n_items, cfg.get("flat_programs") or (3 if _interpret() else num_sms(q.device))),)
+    names = kernel.arg_names
     # positional: the kernel's `warmup` parameter would clash with JITFunction.run's keyword of that name
-    kern = _fwd_kernel[grid](*[params[n] for n in names], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    kern = kernel[grid](*[params[n] for n in names], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if key is not None and use_tma != 1 and key[0] == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
         if relaunch is not None:
             tslots = [(pos, _TENSOR_PARAMS[n]) for pos, n in enumerate(names) if n in _TENSOR_PARAMS]
-            tslots += [(names.index("PRB"), 3)]
+            if "PRB" in names:
+                tslots += [(names.index("PRB"), 3)]
             dslots = []
             for n, i in _DESC_PARAMS.items():
                 pos = names.index(n)
