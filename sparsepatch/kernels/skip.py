@@ -412,22 +412,92 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
 
 
 @triton.jit
-def _flat_kernel(Q, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, STEP, QD, OD, KD, VD,
-                 stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, slot_stride_cnt,
-                 slot_stride_idx, warmup, qk_scale, threshold,
+def _flat_next_list(words, lin, cnt, idx_in, idx_out, cnt_out, write_ok, widx, Tk, NWORDS: tl.constexpr,
+                    STATEFUL: tl.constexpr):
+    """The flat kernel's next list of q-tile lin from its keep words (NWORDS,): each 32-tile word's kept indices
+    placed by popcounts. cnt == 0 (a placeholder iteration ran): an empty list."""
+    offs_c = tl.arange(0, CHUNK)
+    row64 = lin.to(tl.int64)
+    src = idx_in + row64 * Tk
+    dst = idx_out + row64 * Tk
+    out_cnt = tl.full([], 0, tl.int32)
+    for w in tl.static_range(NWORDS):
+        if w * CHUNK < cnt:
+            c1 = tl.minimum(cnt - w * CHUNK, CHUNK)
+            word = tl.sum(tl.where(widx == w, words, 0), 0)
+            jv = tl.load(src + w * CHUNK + offs_c, mask=offs_c < c1, other=0)
+            wv = word & tl.where(c1 >= 32, -1, (1 << c1) - 1)
+            keep = ((wv >> offs_c) & 1) != 0
+            if STATEFUL:   # a warm-up call writes no list
+                keep = (keep.to(tl.int32) & write_ok) != 0
+            tl.store(dst + out_cnt + popc32(wv & ((1 << offs_c) - 1)), jv, mask=keep)
+            out_cnt += popc32(wv)
+    if STATEFUL:
+        tl.store(cnt_out + lin, out_cnt, mask=write_ok != 0)
+    else:
+        tl.store(cnt_out + lin, out_cnt)
+
+
+@triton.jit
+def _flat_out(acc, l_i, m_i, lin, real, O, LSE, OD, offs_m, offs_d, stride_ob, stride_os, stride_oh, Sq, Hq, Tq,
+              BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, O_DESC: tl.constexpr):
+    """The flat kernel's out = acc / l (zeros where `real` is false: a placeholder ran) and LSE of q-tile lin."""
+    bh = lin // Tq
+    b = bh // Hq
+    h = bh % Hq
+    rows = lin % Tq * BLOCK_M + offs_m
+    row_ok = rows < Sq
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = tl.where(real, acc / l_safe[:, None], 0.0).to(O.dtype.element_ty)
+    if O_DESC:
+        OD.store([b, h, lin % Tq * BLOCK_M, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
+    else:
+        tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows.to(tl.int64)[:, None] * stride_os
+                 + offs_d[None, :], out, mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = tl.where(real & (l_i != 0.0), (m_i + tl.math.log2(l_safe)) * LN2_C, float("-inf"))
+        tl.store(LSE + (b.to(tl.int64) * Hq + h) * Sq + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _flat_softmax(qk, m_i, qk_scale, dtype: tl.constexpr):
+    """One online-softmax step of the flat kernel: (P in `dtype`, scaled row max, new running max)."""
+    rmax = tl.max(qk, 1) * qk_scale
+    m_new = tl.maximum(m_i, rmax)
+    return tl.math.exp2(qk * qk_scale - m_new[:, None]).to(dtype), rmax, m_new
+
+
+@triton.jit
+def _q_tile(Q, lin, offs_m, offs_d, stride_qb, stride_qs, stride_qh, Sq, Hq, Tq, BLOCK_M: tl.constexpr):
+    """q rows of q-tile lin = (b * Hq + h) * Tq + t (pointer loads; rows past Sq read as zeros)."""
+    bh = lin // Tq
+    rows = lin % Tq * BLOCK_M + offs_m
+    ptrs = (Q + (bh // Hq).to(tl.int64) * stride_qb + (bh % Hq) * stride_qh + rows.to(tl.int64)[:, None] * stride_qs
+            + offs_d[None, :])
+    return tl.load(ptrs, mask=(rows < Sq)[:, None], other=0.0)
+
+
+@triton.jit
+def _flat_kernel(Q, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, STEP, W, QD, OD, KD, VD,
+                 stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk,
+                 n_items, w_cap, slot_stride_cnt, slot_stride_idx, warmup, qk_scale, threshold,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
                  STATEFUL: tl.constexpr, WRITE_LSE: tl.constexpr, WARP_SPEC: tl.constexpr, NWORDS: tl.constexpr,
-                 Q_EVERY: tl.constexpr = False):
+                 Q_EVERY: tl.constexpr = False, O_DESC: tl.constexpr = False):
     """Persistent skip forward: one flat, software-pipelined loop over this program's (q-tile, listed k-tile) pairs.
 
     Skip mode, tile BLOCK_M x TILE_N, host TMA descriptors QD / OD / KD / VD over the (B, H, S, D) views, no forced
-    tiles, qk_scale > 0. Program p owns the q-tiles lin = p, p + P, p + 2P, ... (P programs; lin = (b * Hq + h) * Tq
-    + q-tile, the grid kernel's head-major order). The loop crosses q-tile boundaries, so the next q-tile's first
-    K/V loads are in flight while the current one's epilogue (next-list write, out store, next q) runs: the grid
-    kernel pays list head + pipeline fill + epilogue (~4 us) per q-tile (benchmarks/NOTES.md, skip forward v8).
-    The partial last k-tile goes through the same loop body (MASK_RT). A q-tile with an empty list takes one
-    placeholder iteration whose result is discarded. Q_EVERY: q is loaded through the pipeline every iteration
-    (no q carried in registers; +50% L2 -> SM bytes per tile)."""
+    tiles, qk_scale > 0, B < 128, Hk < 256, Tq / Tk < 65536. Program p owns the q-tiles lin = p, p + P, ... (P
+    programs; lin = (b * Hq + h) * Tq + q-tile, the grid kernel's head-major order). A prologue writes the program's
+    schedule to W[p * w_cap:] (int64 per iteration: k-tile | kv head << 16 | b << 24, and q-tile | head << 16 in
+    the high word; a q-tile with an empty list gets one placeholder entry whose result is discarded), so each K/V
+    address depends on the iteration number only and the pipeliner can issue it stages ahead, across q-tile
+    boundaries: the next q-tile's first loads are in flight while the current one's epilogue (next-list write, out
+    store, next q) runs (the grid kernel pays ~4 us per q-tile for list head, pipeline fill and epilogue;
+    benchmarks/NOTES.md, skip forward v8). The partial last k-tile goes through the same body (MASK_RT).
+    q is carried across the loop (pointer loads: a TMA landing buffer would not fit next to the 3-stage K/V ring and
+    the copy of q the loop's MMA reads); Q_EVERY loads it through the pipeline every iteration instead. O_DESC: out
+    through a TMA store (its staging buffer needs 32 KB more shared memory)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_mine = (n_items - pid + P - 1) // P
@@ -444,21 +514,43 @@ def _flat_kernel(Q, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, STEP, QD, OD, KD, 
         cnt_out += (1 - rs) * slot_stride_cnt
         idx_out += (1 - rs) * slot_stride_idx
         write_ok = (n >= warmup).to(tl.int32)
-    # flat trip count: every owned q-tile takes max(count, 1) iterations
+    else:
+        write_ok = 1
+    # schedule: 8 q-tiles per step, every owned q-tile takes max(count, 1) entries
+    wb = W + pid.to(tl.int64) * w_cap
+    offs_i = tl.arange(0, 8)
+    offs_t = tl.arange(0, NWORDS * CHUNK)
     total = 0
-    offs_k = tl.arange(0, 128)
-    for k0 in range(0, n_mine, 128):
-        ok = k0 + offs_k < n_mine
-        c = tl.load(cnt_in + pid + (k0 + offs_k) * P, mask=ok, other=0)
+    for k0 in range(0, n_mine, 8):
+        ok = k0 + offs_i < n_mine
+        lin = pid + (k0 + offs_i) * P
+        c = tl.load(cnt_in + lin, mask=ok, other=0)
         if STATEFUL:
             c = tl.where(warm, Tk, c)
-        total += tl.sum(tl.where(ok, tl.maximum(c, 1), 0), 0)
+        n_it = tl.where(ok, tl.maximum(c, 1), 0)
+        start = total + tl.cumsum(n_it, 0) - n_it
+        bh = lin // Tq
+        hq = bh % Hq
+        jv = tl.load(idx_in + lin.to(tl.int64)[:, None] * Tk + offs_t[None, :],
+                     mask=ok[:, None] & (offs_t[None, :] < c[:, None]), other=0)
+        if STATEFUL:
+            jv = tl.where(warm, offs_t[None, :], jv)
+        jv = tl.minimum(tl.maximum(jv, 0), Tk - 1)
+        e_kv = jv | ((hq // n_rep) << 16)[:, None] | ((bh // Hq) << 24)[:, None]
+        e_q = (lin % Tq) | (hq << 16)
+        e = e_kv.to(tl.int64) | (e_q.to(tl.int64) << 32)[:, None]
+        tl.store(wb + start[:, None] + offs_t[None, :], e, mask=offs_t[None, :] < n_it[:, None])
+        total += tl.sum(n_it, 0)
+    tl.debug_barrier()  # W is read back by other threads of this program
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_c = tl.arange(0, CHUNK)
     widx = tl.arange(0, NWORDS)
+    # q-tiles: current (lin_c, count cnt_c), next (lin_n, cnt_n: loaded one q-tile ahead), and the previous one
+    # (lin_p) whose out store is pending. A q-tile's next list is written in its last iteration; its out store
+    # runs in the next q-tile's first iteration, after that iteration's Q K^T wait, where acc is complete: a read of
+    # acc in the loop while its MMA may be in flight makes ptxas serialise every wgmma of the loop.
     lin_c = pid
     lin_n = pid + P
     cnt_c = tl.load(cnt_in + lin_c)
@@ -466,70 +558,67 @@ def _flat_kernel(Q, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, STEP, QD, OD, KD, 
     if STATEFUL:
         cnt_c = tl.where(warm, Tk, cnt_c)
         cnt_n = tl.where(warm, Tk, cnt_n)
-    j_next = tl.load(idx_in + lin_c.to(tl.int64) * Tk, mask=cnt_c > 0, other=0)
-    if STATEFUL:
-        j_next = tl.where(warm, 0, j_next)
+    lin_p = lin_c
+    real_p = cnt_c > 0
+    pend = tl.full([], 0, tl.int32)
     if not Q_EVERY:
-        q = QD.load([lin_c // Tq // Hq, lin_c // Tq % Hq, lin_c % Tq * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
+        q = _q_tile(Q, lin_c, offs_m, offs_d, stride_qb, stride_qs, stride_qh, Sq, Hq, Tq, BLOCK_M)
     it = tl.full([], 0, tl.int32)
+    row_ok = lin_c % Tq * BLOCK_M + offs_m < Sq
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_p = m_i
+    l_p = l_i
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
+    # keep bits: per row for the current 32-tile word (one int32), OR-reduced across rows into words[it // 32] when
+    # the word is complete or the q-tile ends (a [BLOCK_M, NWORDS] array held 16 registers per thread more)
+    word = tl.zeros([BLOCK_M], tl.int32)
+    words = tl.zeros([NWORDS], tl.int32)
     for f in tl.range(0, total, warp_specialize=WARP_SPEC):
-        j = j_next
-        end = it + 1 >= cnt_c         # last iteration of this q-tile
-        # the next iteration's k-tile index, loaded one iteration ahead (the next q-tile's first one at `end`; an
-        # empty list may hold any value, hence the clamp: its placeholder iteration is discarded)
-        nxt = tl.where(end, lin_n.to(tl.int64) * Tk, lin_c.to(tl.int64) * Tk + it + 1)
-        j_next = tl.load(idx_in + nxt, mask=(lin_n < n_items) | (it + 1 < cnt_c), other=0)
-        j_next = tl.minimum(tl.maximum(j_next, 0), Tk - 1)
-        if STATEFUL:
-            j_next = tl.where(warm, tl.where(end, 0, it + 1), j_next)
-        bh = lin_c // Tq
-        pid_m = lin_c % Tq
-        b = bh // Hq
-        h = bh % Hq
-        rows = pid_m * BLOCK_M + offs_m
-        row_ok = rows < Sq
+        e = tl.load(wb + f)
+        e_kv = e.to(tl.int32)
         if Q_EVERY:
-            q = QD.load([b, h, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
-        m_before = m_i
-        acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, KD, VD, KD, VD, b, h // n_rep, j, offs_n, rows, Sk, qk_scale,
-                                    0, 0, TILE_N, BLOCK_N, False, 2, True)
-        hit = (((tmax - m_before) > threshold) & row_ok).to(tl.int32) << (it & 31)
-        bits = bits | tl.where((widx == (it >> 5))[None, :], hit[:, None], 0)
+            e_q = (e >> 32).to(tl.int32)
+            q = QD.load([e_kv >> 24, e_q >> 16, (e_q & 0xFFFF) * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
+        start_n = (e_kv & 0xFFFF) * TILE_N
+        k = KD.load([e_kv >> 24, (e_kv >> 16) & 0xFF, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        v = VD.load([e_kv >> 24, (e_kv >> 16) & 0xFF, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k))
+        # online softmax as in _block (a q-tile starts from m_i = -inf). The partial last k-tile takes its own
+        # branch, which only reads the Q K^T accumulator (a branch redefining it makes ptxas serialise the wgmmas)
+        if start_n + BLOCK_N > Sk:
+            p, rmax, m_new = _flat_softmax(tl.where((start_n + offs_n < Sk)[None, :], qk, float("-inf")), m_i,
+                                           qk_scale, v.dtype)
+        else:
+            p, rmax, m_new = _flat_softmax(qk, m_i, qk_scale, v.dtype)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
+        if pend != 0:
+            _flat_out(acc, l_p, m_p, lin_p, real_p, O, LSE, OD, offs_m, offs_d, stride_ob, stride_os, stride_oh, Sq,
+                      Hq, Tq, BLOCK_M, HEAD_DIM, WRITE_LSE, O_DESC)
+            # (alpha is 0 here anyway, m_i being -inf; yielding it keeps this branch before the P V MMA, and acc is
+            # still defined outside any branch: a branch defining it makes ptxas serialise the wgmmas)
+            alpha = tl.zeros_like(alpha)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p, v, acc)
+        hit = (((rmax - m_i) > threshold) & row_ok).to(tl.int32) << (it & 31)
+        word = word | hit
+        m_i = m_new
+        end = it + 1 >= cnt_c         # last iteration of this q-tile
+        pend = end.to(tl.int32)
+        if end | ((it & 31) == 31):
+            words = words | tl.where(widx == (it >> 5), tl.reduce(word, 0, bit_or), 0)
+            word = tl.zeros([BLOCK_M], tl.int32)
         if end:
-            real = cnt_c > 0          # else the iteration was a placeholder
-            acc = tl.where(real, acc, 0.0)
-            l_i = tl.where(real, l_i, 0.0)
-            m_i = tl.where(real, m_i, float("-inf"))
-            # next list: one cross-row OR, then each 32-tile word's kept indices placed by popcounts
-            words = tl.reduce(tl.where(real, bits, 0), 0, bit_or)
-            row64 = lin_c.to(tl.int64)
-            src = idx_in + row64 * Tk
-            dst = idx_out + row64 * Tk
-            out_cnt = tl.full([], 0, tl.int32)
-            for w in tl.static_range(NWORDS):
-                if w * CHUNK < cnt_c:
-                    c1 = tl.minimum(cnt_c - w * CHUNK, CHUNK)
-                    word = tl.sum(tl.where(widx == w, words, 0), 0)
-                    jv = tl.load(src + w * CHUNK + offs_c, mask=offs_c < c1, other=0)
-                    if STATEFUL:
-                        jv = tl.where(warm, w * CHUNK + offs_c, jv)
-                    wv = word & tl.where(c1 >= 32, -1, (1 << c1) - 1)
-                    keep = ((wv >> offs_c) & 1) != 0
-                    if STATEFUL:
-                        keep = (keep.to(tl.int32) & write_ok) != 0
-                    tl.store(dst + out_cnt + popc32(wv & ((1 << offs_c) - 1)), jv, mask=keep)
-                    out_cnt += popc32(wv)
-            if STATEFUL:
-                tl.store(cnt_out + lin_c, out_cnt, mask=write_ok != 0)
-            else:
-                tl.store(cnt_out + lin_c, out_cnt)
-            _store_out(acc, l_i, m_i, O, LSE, OD, b, b.to(tl.int64), h, pid_m, rows, row_ok, offs_d, stride_ob,
-                       stride_os, stride_oh, Sq, Hq, BLOCK_M, BLOCK_M, HEAD_DIM, WRITE_LSE, True)
-            # advance; the count loaded here is used one q-tile later
+            _flat_next_list(tl.where(cnt_c > 0, words, 0), lin_c, cnt_c, idx_in, idx_out, cnt_out, write_ok, widx,
+                            Tk, NWORDS, STATEFUL)
+            words = tl.zeros([NWORDS], tl.int32)
+            lin_p = lin_c
+            real_p = cnt_c > 0
+            m_p = m_i
+            l_p = l_i
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
             lin_c = lin_n
             cnt_c = cnt_n
             lin_n += P
@@ -537,13 +626,13 @@ def _flat_kernel(Q, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, STEP, QD, OD, KD, 
             if STATEFUL:
                 cnt_n = tl.where(warm, Tk, cnt_n)
             if not Q_EVERY:
-                lq = tl.minimum(lin_c, n_items - 1)
-                q = QD.load([lq // Tq // Hq, lq // Tq % Hq, lq % Tq * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
+                q = _q_tile(Q, tl.minimum(lin_c, n_items - 1), offs_m, offs_d, stride_qb, stride_qs, stride_qh, Sq,
+                            Hq, Tq, BLOCK_M)
+            row_ok = lin_c % Tq * BLOCK_M + offs_m < Sq
         it = tl.where(end, 0, it + 1)
+    # the last q-tile's out (every program owns at least one q-tile, so the loop ran and ended on it)
+    _flat_out(acc, l_p, m_p, lin_p, real_p, O, LSE, OD, offs_m, offs_d, stride_ob, stride_os, stride_oh, Sq, Hq, Tq,
+              BLOCK_M, HEAD_DIM, WRITE_LSE, O_DESC)
 
 LN2_C = tl.constexpr(LN2)
 CHUNK = tl.constexpr(CHUNK)
@@ -612,7 +701,8 @@ def _tma_ok(cfg, *ts):
 _PLANS: dict = {}
 _DIRECT = [not _interpret()]   # False after a failed direct relaunch: Triton's launcher from then on
 # per-call kernel parameters: name -> index into _launch's tensor tuple (None inputs are replaced by `out`)
-_TENSOR_PARAMS = dict(Q=0, K=1, V=2, O=3, LSE=4, CNT_IN=5, IDX_IN=6, CNT_OUT=7, IDX_OUT=8, FROW=9, FCOL=10, STEP=11)
+_TENSOR_PARAMS = dict(Q=0, K=1, V=2, O=3, LSE=4, CNT_IN=5, IDX_IN=6, CNT_OUT=7, IDX_OUT=8, FROW=9, FCOL=10, STEP=11,
+                      W=12)
 _DESC_PARAMS = dict(QD=0, KD=1, VD=2, OD=3)   # host descriptors over these tensors (or `out` as a dummy pointer)
 
 
@@ -621,9 +711,16 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
     B, Sq, Hq, D = q.shape
     n_items = B * Hq * Tq
     # flat: the persistent flat-loop kernel (skip mode, tile 128 x tn, host descriptors, no forced tiles)
-    flat = (bool(cfg.get("flat")) and skip and frow is None and tm == 128 and scale > 0
-            and (_interpret() or cfg.get("tma")))
-    tensors = (q, k, v, out, lse, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step)
+    Tk_ = max(Tk, 1)
+    flat = (bool(cfg.get("flat")) and skip and frow is None and tm == 128 and scale > 0 and B < 128
+            and k.shape[2] < 256 and max(Tq, Tk) < 65536 and (_interpret() or cfg.get("tma")))
+    n_prog = w_cap = 0
+    sched = None
+    if flat:    # persistent programs and their schedule scratch (int64 per iteration)
+        n_prog = min(n_items, cfg.get("flat_programs") or (3 if _interpret() else num_sms(q.device)))
+        w_cap = triton.cdiv(n_items, n_prog) * Tk_
+        sched = torch.empty(n_prog * w_cap, dtype=torch.int64, device=q.device)
+    tensors = (q, k, v, out, lse, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step, sched)
     key = None
     if _DIRECT[0] and "probe" not in cfg:
         aligned = all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
@@ -694,12 +791,14 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
         HEAD_CHUNK=bool(skip and cfg.get("head_chunk", False)), Q_DESC=qd is not None, O_DESC=od is not None,
         POPC=bool(skip and cfg.get("popc", False)), PF_NEXT=pf_next, n_pf=n_pf,
         PRB=probe if probe is not None else dummy, PROBE=probe is not None,
-        n_items=n_items, Q_EVERY=bool(cfg.get("q_every")),
+        n_items=n_items, W=sched, w_cap=w_cap, Q_EVERY=bool(cfg.get("q_every")),
     )
     kernel, grid = _fwd_kernel, (Tq, B * Hq)
-    if flat and use_tma == 2 and qd is not None and od is not None:
+    q_every = bool(cfg.get("q_every"))
+    if flat and use_tma == 2 and (qd is not None or not q_every):
         kernel = _flat_kernel
-        grid = (min(n_items, cfg.get("flat_programs") or (3 if _interpret() else num_sms(q.device))),)
+        grid = (n_prog,)
+        params["O_DESC"] = bool(cfg.get("flat_o_desc")) and od is not None
     names = kernel.arg_names
     # positional: the kernel's `warmup` parameter would clash with JITFunction.run's keyword of that name
     kern = kernel[grid](*[params[n] for n in names], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
