@@ -156,6 +156,10 @@ VARIANTS = {
     "grid": dict(flat=False),
     "flat": dict(flat=True),
     "flat_qe": dict(flat=True, q_every=True),
+    # session 8: L2 prefetch of the K/V tile pf_deep list entries ahead, for lists of <= pf_max tiles
+    "pf4": dict(pf_deep=4),
+    "pf6": dict(pf_deep=6),
+    "pf4_all": dict(pf_deep=4, pf_max=1 << 16),
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),

@@ -191,7 +191,8 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
                 WARP_SPEC: tl.constexpr, NWORDS: tl.constexpr, PREFETCH_J: tl.constexpr = False,
                 DIRECT_J: tl.constexpr = False, NO_KEEP: tl.constexpr = False, HEAD_CHUNK: tl.constexpr = False,
                 Q_DESC: tl.constexpr = False, O_DESC: tl.constexpr = False, POPC: tl.constexpr = False,
-                PF_NEXT: tl.constexpr = False, n_pf=0, PRB=None, PROBE: tl.constexpr = False):
+                PF_NEXT: tl.constexpr = False, n_pf=0, PRB=None, PROBE: tl.constexpr = False,
+                PF_DEEP: tl.constexpr = 0, PF_MAX: tl.constexpr = 64):
     """One q-tile (program_id 0) of one (batch, query head) (program_id 1).
 
     HEAD_CHUNK: the list's first CHUNK indices are loaded together with its count (no count -> last-index load
@@ -300,10 +301,22 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         out_cnt = tl.full([], 0, tl.int32)
         # One flat, software-pipelined loop over the listed tiles; per-row keep bits go into word it // 32.
         bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
+        if PF_DEEP:
+            offs_pf = tl.arange(0, 2 * BLOCK_N)
+            short = n_plain <= PF_MAX
         for it in tl.range(0, n_plain, warp_specialize=WARP_SPEC):
             if PREFETCH_J:  # the index of the next visited tile is loaded one iteration ahead
                 j = j_next
                 j_next = tl.load(idx_in + tl.minimum(it + 1, Tk - 1))
+            if PF_DEEP:
+                # short lists: L2 prefetch of the K/V rows of the tile PF_DEEP iterations ahead (the TMA ring is
+                # two ahead); random tiles miss L2 more than sequential ones (benchmarks/NOTES.md, v6 / v8)
+                if short:
+                    jp = tl.load(idx_in + tl.minimum(it + PF_DEEP, Tk - 1))
+                    rp = tl.minimum(jp * TILE_N + offs_pf // 2, Sk - 1).to(tl.int64)
+                    cp = (offs_pf % 2) * (HEAD_DIM // 2)
+                    _prefetch_l2(k_base + rp * stride_ks + cp)
+                    _prefetch_l2(v_base + rp * stride_vs + cp)
             elif DIRECT_J:  # ablation only (benchmarks): ignore the list's indices
                 j = it
             else:
@@ -790,6 +803,7 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
         NO_KEEP=bool(cfg.get("ablate_keep", False)),
         HEAD_CHUNK=bool(skip and cfg.get("head_chunk", False)), Q_DESC=qd is not None, O_DESC=od is not None,
         POPC=bool(skip and cfg.get("popc", False)), PF_NEXT=pf_next, n_pf=n_pf,
+        PF_DEEP=int(cfg.get("pf_deep", 0)) if skip and not _interpret() else 0, PF_MAX=int(cfg.get("pf_max", 64)),
         PRB=probe if probe is not None else dummy, PROBE=probe is not None,
         n_items=n_items, W=sched, w_cap=w_cap, Q_EVERY=bool(cfg.get("q_every")),
     )
