@@ -151,15 +151,8 @@ VARIANTS = {
     "popc": dict(popc=True, pf_next=False),
     "pf1": dict(popc=True, pf_next=True),                # = default
     "pf1_optr": dict(popc=True, pf_next=True, o_desc=False),
-    # session 8 (v8): persistent kernel, one flat pipelined loop over (q-tile, listed k-tile) pairs; q carried in
-    # registers across the loop (flat) or loaded through the pipeline every iteration (flat_qe)
-    "grid": dict(flat=False),
-    "flat": dict(flat=True),
-    "flat_qe": dict(flat=True, q_every=True),
-    # session 8: L2 prefetch of the K/V tile pf_deep list entries ahead, for lists of <= pf_max tiles
-    "pf4": dict(pf_deep=4),
-    "pf6": dict(pf_deep=6),
-    "pf4_all": dict(pf_deep=4, pf_max=1 << 16),
+    # session 8 (v8): a persistent flat-loop kernel ("flat", "flat_qe") and an in-loop L2 prefetch of K/V tiles ahead
+    # ("pf4", "pf6", "pf4_all") were timed here and deleted (slower / within noise; benchmarks/NOTES.md, v8).
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),

@@ -137,52 +137,6 @@ def test_skip_launch_variants_interp(monkeypatch, extra):
     check_skip(q, k, v, nxt, thr, tile=tile, dtype=dtype)
 
 
-def _set_flat(monkeypatch, on, **extra):
-    """Route skip calls through the persistent flat-loop kernel (on) or the per-q-tile grid kernel (off)."""
-    for key in list(skip.SKIP_CONFIGS):
-        monkeypatch.setitem(skip.SKIP_CONFIGS, key, dict(skip.SKIP_CONFIGS[key], flat=on, **extra))
-
-
-@cpu_only
-@pytest.mark.parametrize("programs", [1, 3])
-def test_skip_flat_interp(monkeypatch, programs):
-    """Flat kernel: several q-tiles per program, GQA, partial last k-tile (alone in a list, too), an empty list."""
-    _set_flat(monkeypatch, True, host_desc=True, q_desc=True, o_desc=True, flat_programs=programs)
-    dtype, D, tile = torch.float16, 64, (128, 64)
-    thr = lattice_threshold(D)
-    B, S, Hq, Hk = 2, 700, 2, 1
-    q, k, v, assign = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=7, clusters=3)
-    nxt = check_skip(q, k, v, None, thr, tile=tile, dtype=dtype)
-    assert nxt.density().item() < 0.9
-    counts, idx = nxt.counts.clone(), nxt.indices.clone()
-    counts[0, 0, 1] = 0                                        # nothing listed: out = 0, next list empty
-    counts[1, 1, 2] = 1
-    idx[1, 1, 2, 0] = idx.shape[-1] - 1                        # only the partial last k-tile
-    q, k, v, _ = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=8, assign=assign)
-    out = check_skip(q, k, v, SkipList(counts, idx, tile, S, S), thr, tile=tile, dtype=dtype)
-    assert out.counts[0, 0, 1].item() == 0
-
-
-@cpu_only
-def test_skip_step_flat_interp(monkeypatch):
-    _set_flat(monkeypatch, True, host_desc=True, q_desc=True, o_desc=True)
-    B, S, Hq, Hk, D, tile = 1, 330, 2, 1, 64, (128, 64)
-    dtype = torch.float16
-    thr = lattice_threshold(D)
-    bufs = stateful.SkipListBuffers.create(B, Hq, S, S, tile, "cpu")
-    refb = stateful.SkipListBuffers.create(B, Hq, S, S, tile, "cpu")
-    assign = None
-    for call in range(3):
-        q, k, v, assign = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=10 + call, assign=assign)
-        args = (thr, 1, tile[0], tile[1], 1 / math.sqrt(D), [])
-        out = skip.skip_step(q, k, v, bufs.counts, bufs.indices, bufs.step, bufs.density, *args)
-        rout = stateful._skip_step_reference(q, k, v, refb.counts, refb.indices, refb.step, refb.density, *args)
-        assert_close(out, rout, dtype)
-        assert bufs.current(1).equal(refb.current(1))
-        torch.testing.assert_close(bufs.history(), refb.history())
-    assert bufs.current(1).density().item() < 1.0
-
-
 @cpu_only
 def test_skip_must_do_strided_interp():
     B, S, Hq, Hk, D, tile = 2, 200, 2, 1, 64, (64, 64)
@@ -257,10 +211,8 @@ def test_bad_inputs():
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("S,D,tile,H", [(4096, 128, (128, 128), (4, 2)), (4000, 64, (64, 64), (2, 2)),
-                                        (32760, 128, (128, 128), (1, 1)), (32760, 128, (128, 128), (3, 1))])
-@pytest.mark.parametrize("flat", [False, True])
-def test_skip_gpu(monkeypatch, dtype, S, D, tile, H, flat):
-    _set_flat(monkeypatch, flat)
+                                        (32760, 128, (128, 128), (1, 1))])
+def test_skip_gpu(dtype, S, D, tile, H):
     Hq, Hk = H
     thr = lattice_threshold(D)
     q, k, v, assign = structured_qkv(1, S, S, Hq, Hk, D, dtype, tile, seed=20, device="cuda", clusters=8)
@@ -289,11 +241,9 @@ def test_dense_gpu(dtype, Sq, Sk, D, causal):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("flat", [False, True])
-def test_launch_plans_gpu(monkeypatch, flat):
+def test_launch_plans_gpu():
     """Later calls relaunch the compiled kernel through a cached plan (fresh tensors each call, so every pointer
     and descriptor is re-filled): bitwise equal to Triton's own launcher, and to the reference's lists."""
-    _set_flat(monkeypatch, flat)
     S, D, tile, dtype = 4096, 128, (128, 128), torch.bfloat16
     thr = lattice_threshold(D)
     skip._PLANS.clear()
@@ -330,9 +280,7 @@ def _step_inputs(S, D, dtype, seed, assign, tile):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("flat", [False, True])
-def test_skip_step_gpu_graph_compile(monkeypatch, flat):
-    _set_flat(monkeypatch, flat)
+def test_skip_step_gpu_graph_compile():
     S, D, tile, dtype = 4096, 128, (128, 128), torch.bfloat16
     thr = lattice_threshold(D)
     bufs = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))

@@ -102,12 +102,8 @@ def _prefetch_l2(ptrs):
 @triton.jit
 def _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, start_n, offs_n, rows, Sk, causal_off,
            qk_scale, stride_ks, stride_vs,
-           BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
-           MASK_RT: tl.constexpr = False):
-    """One (BLOCK_M, BLOCK_N) step of the online softmax; returns (acc, l_i, m_i, scaled row max of the block).
-
-    MASK_RT (qk_scale > 0 only): columns >= Sk are set to -inf behind a uniform branch taken only by a block that
-    crosses Sk, so one loop body serves full and partial k-tiles (the flat kernel)."""
+           BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) step of the online softmax; returns (acc, l_i, m_i, scaled row max of the block)."""
     cols = start_n + offs_n
     if USE_TMA == 2:  # host descriptors over (B, Hk, Sk, D) views
         k = k_desc.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, k_desc.block_shape[3])
@@ -122,9 +118,6 @@ def _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, start_n
         k = tl.load(k_ptrs + start_n * stride_ks)
         v = tl.load(v_ptrs + start_n * stride_vs)
     qk = tl.dot(q, tl.trans(k))
-    if MASK_RT:
-        if start_n + BLOCK_N > Sk:
-            qk = tl.where((cols < Sk)[None, :], qk, float("-inf"))
     if MASK_N or CAUSAL:
         valid = (cols < Sk)[None, :]
         if CAUSAL:
@@ -148,16 +141,14 @@ def _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, start_n
 
 @triton.jit
 def _tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, j, offs_n, rows, Sk, qk_scale, stride_ks,
-          stride_vs, TILE_N: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, USE_TMA: tl.constexpr,
-          MASK_RT: tl.constexpr = False):
+          stride_vs, TILE_N: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, USE_TMA: tl.constexpr):
     """All sub-blocks of skip tile j; returns (acc, l_i, m_i, scaled row max over the whole tile)."""
     acc, l_i, m_i, tmax = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h, j * TILE_N, offs_n,
-                                 rows, Sk, 0, qk_scale, stride_ks, stride_vs, BLOCK_N, MASK_N, False, USE_TMA,
-                                 MASK_RT)
+                                 rows, Sk, 0, qk_scale, stride_ks, stride_vs, BLOCK_N, MASK_N, False, USE_TMA)
     for s in tl.static_range(1, TILE_N // BLOCK_N):  # (a max with -inf would cost an instruction per row)
         acc, l_i, m_i, rmax = _block(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, kv_b, kv_h,
                                      j * TILE_N + s * BLOCK_N, offs_n, rows, Sk, 0, qk_scale, stride_ks, stride_vs,
-                                     BLOCK_N, MASK_N, False, USE_TMA, MASK_RT)
+                                     BLOCK_N, MASK_N, False, USE_TMA)
         tmax = tl.maximum(tmax, rmax)
     return acc, l_i, m_i, tmax
 
@@ -191,8 +182,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
                 WARP_SPEC: tl.constexpr, NWORDS: tl.constexpr, PREFETCH_J: tl.constexpr = False,
                 DIRECT_J: tl.constexpr = False, NO_KEEP: tl.constexpr = False, HEAD_CHUNK: tl.constexpr = False,
                 Q_DESC: tl.constexpr = False, O_DESC: tl.constexpr = False, POPC: tl.constexpr = False,
-                PF_NEXT: tl.constexpr = False, n_pf=0, PRB=None, PROBE: tl.constexpr = False,
-                PF_DEEP: tl.constexpr = 0, PF_MAX: tl.constexpr = 64):
+                PF_NEXT: tl.constexpr = False, n_pf=0, PRB=None, PROBE: tl.constexpr = False):
     """One q-tile (program_id 0) of one (batch, query head) (program_id 1).
 
     HEAD_CHUNK: the list's first CHUNK indices are loaded together with its count (no count -> last-index load
@@ -301,22 +291,10 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         out_cnt = tl.full([], 0, tl.int32)
         # One flat, software-pipelined loop over the listed tiles; per-row keep bits go into word it // 32.
         bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
-        if PF_DEEP:
-            offs_pf = tl.arange(0, 2 * BLOCK_N)
-            short = n_plain <= PF_MAX
         for it in tl.range(0, n_plain, warp_specialize=WARP_SPEC):
             if PREFETCH_J:  # the index of the next visited tile is loaded one iteration ahead
                 j = j_next
                 j_next = tl.load(idx_in + tl.minimum(it + 1, Tk - 1))
-            if PF_DEEP:
-                # short lists: L2 prefetch of the K/V rows of the tile PF_DEEP iterations ahead (the TMA ring is
-                # two ahead); random tiles miss L2 more than sequential ones (benchmarks/NOTES.md, v6 / v8)
-                if short:
-                    jp = tl.load(idx_in + tl.minimum(it + PF_DEEP, Tk - 1))
-                    rp = tl.minimum(jp * TILE_N + offs_pf // 2, Sk - 1).to(tl.int64)
-                    cp = (offs_pf % 2) * (HEAD_DIM // 2)
-                    _prefetch_l2(k_base + rp * stride_ks + cp)
-                    _prefetch_l2(v_base + rp * stride_vs + cp)
             elif DIRECT_J:  # ablation only (benchmarks): ignore the list's indices
                 j = it
             else:
@@ -424,229 +402,6 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         tl.store(PRB + ((bh.to(tl.int64) * Tq + pid_m) * 16 + offs_p), vals)
 
 
-@triton.jit
-def _flat_next_list(words, lin, cnt, idx_in, idx_out, cnt_out, write_ok, widx, Tk, NWORDS: tl.constexpr,
-                    STATEFUL: tl.constexpr):
-    """The flat kernel's next list of q-tile lin from its keep words (NWORDS,): each 32-tile word's kept indices
-    placed by popcounts. cnt == 0 (a placeholder iteration ran): an empty list."""
-    offs_c = tl.arange(0, CHUNK)
-    row64 = lin.to(tl.int64)
-    src = idx_in + row64 * Tk
-    dst = idx_out + row64 * Tk
-    out_cnt = tl.full([], 0, tl.int32)
-    for w in tl.static_range(NWORDS):
-        if w * CHUNK < cnt:
-            c1 = tl.minimum(cnt - w * CHUNK, CHUNK)
-            word = tl.sum(tl.where(widx == w, words, 0), 0)
-            jv = tl.load(src + w * CHUNK + offs_c, mask=offs_c < c1, other=0)
-            wv = word & tl.where(c1 >= 32, -1, (1 << c1) - 1)
-            keep = ((wv >> offs_c) & 1) != 0
-            if STATEFUL:   # a warm-up call writes no list
-                keep = (keep.to(tl.int32) & write_ok) != 0
-            tl.store(dst + out_cnt + popc32(wv & ((1 << offs_c) - 1)), jv, mask=keep)
-            out_cnt += popc32(wv)
-    if STATEFUL:
-        tl.store(cnt_out + lin, out_cnt, mask=write_ok != 0)
-    else:
-        tl.store(cnt_out + lin, out_cnt)
-
-
-@triton.jit
-def _flat_out(acc, l_i, m_i, lin, real, O, LSE, OD, offs_m, offs_d, stride_ob, stride_os, stride_oh, Sq, Hq, Tq,
-              BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, O_DESC: tl.constexpr):
-    """The flat kernel's out = acc / l (zeros where `real` is false: a placeholder ran) and LSE of q-tile lin."""
-    bh = lin // Tq
-    b = bh // Hq
-    h = bh % Hq
-    rows = lin % Tq * BLOCK_M + offs_m
-    row_ok = rows < Sq
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = tl.where(real, acc / l_safe[:, None], 0.0).to(O.dtype.element_ty)
-    if O_DESC:
-        OD.store([b, h, lin % Tq * BLOCK_M, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
-    else:
-        tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows.to(tl.int64)[:, None] * stride_os
-                 + offs_d[None, :], out, mask=row_ok[:, None])
-    if WRITE_LSE:
-        lse = tl.where(real & (l_i != 0.0), (m_i + tl.math.log2(l_safe)) * LN2_C, float("-inf"))
-        tl.store(LSE + (b.to(tl.int64) * Hq + h) * Sq + rows, lse, mask=row_ok)
-
-
-@triton.jit
-def _flat_softmax(qk, m_i, qk_scale, dtype: tl.constexpr):
-    """One online-softmax step of the flat kernel: (P in `dtype`, scaled row max, new running max)."""
-    rmax = tl.max(qk, 1) * qk_scale
-    m_new = tl.maximum(m_i, rmax)
-    return tl.math.exp2(qk * qk_scale - m_new[:, None]).to(dtype), rmax, m_new
-
-
-@triton.jit
-def _q_tile(Q, lin, offs_m, offs_d, stride_qb, stride_qs, stride_qh, Sq, Hq, Tq, BLOCK_M: tl.constexpr):
-    """q rows of q-tile lin = (b * Hq + h) * Tq + t (pointer loads; rows past Sq read as zeros)."""
-    bh = lin // Tq
-    rows = lin % Tq * BLOCK_M + offs_m
-    ptrs = (Q + (bh // Hq).to(tl.int64) * stride_qb + (bh % Hq) * stride_qh + rows.to(tl.int64)[:, None] * stride_qs
-            + offs_d[None, :])
-    return tl.load(ptrs, mask=(rows < Sq)[:, None], other=0.0)
-
-
-@triton.jit
-def _flat_kernel(Q, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, STEP, W, QD, OD, KD, VD,
-                 stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk,
-                 n_items, w_cap, slot_stride_cnt, slot_stride_idx, warmup, qk_scale, threshold,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
-                 STATEFUL: tl.constexpr, WRITE_LSE: tl.constexpr, WARP_SPEC: tl.constexpr, NWORDS: tl.constexpr,
-                 Q_EVERY: tl.constexpr = False, O_DESC: tl.constexpr = False):
-    """Persistent skip forward: one flat, software-pipelined loop over this program's (q-tile, listed k-tile) pairs.
-
-    Skip mode, tile BLOCK_M x TILE_N, host TMA descriptors QD / OD / KD / VD over the (B, H, S, D) views, no forced
-    tiles, qk_scale > 0, B < 128, Hk < 256, Tq / Tk < 65536. Program p owns the q-tiles lin = p, p + P, ... (P
-    programs; lin = (b * Hq + h) * Tq + q-tile, the grid kernel's head-major order). A prologue writes the program's
-    schedule to W[p * w_cap:] (int64 per iteration: k-tile | kv head << 16 | b << 24, and q-tile | head << 16 in
-    the high word; a q-tile with an empty list gets one placeholder entry whose result is discarded), so each K/V
-    address depends on the iteration number only and the pipeliner can issue it stages ahead, across q-tile
-    boundaries: the next q-tile's first loads are in flight while the current one's epilogue (next-list write, out
-    store, next q) runs (the grid kernel pays ~4 us per q-tile for list head, pipeline fill and epilogue;
-    benchmarks/NOTES.md, skip forward v8). The partial last k-tile goes through the same body (MASK_RT).
-    q is carried across the loop (pointer loads: a TMA landing buffer would not fit next to the 3-stage K/V ring and
-    the copy of q the loop's MMA reads); Q_EVERY loads it through the pipeline every iteration instead. O_DESC: out
-    through a TMA store (its staging buffer needs 32 KB more shared memory)."""
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    n_mine = (n_items - pid + P - 1) // P
-    cnt_in = CNT_IN
-    idx_in = IDX_IN
-    cnt_out = CNT_OUT
-    idx_out = IDX_OUT
-    if STATEFUL:
-        n = tl.load(STEP)
-        warm = n < warmup
-        rs = tl.where(warm, 0, (n - warmup) % 2)
-        cnt_in += rs * slot_stride_cnt
-        idx_in += rs * slot_stride_idx
-        cnt_out += (1 - rs) * slot_stride_cnt
-        idx_out += (1 - rs) * slot_stride_idx
-        write_ok = (n >= warmup).to(tl.int32)
-    else:
-        write_ok = 1
-    # schedule: 8 q-tiles per step, every owned q-tile takes max(count, 1) entries
-    wb = W + pid.to(tl.int64) * w_cap
-    offs_i = tl.arange(0, 8)
-    offs_t = tl.arange(0, NWORDS * CHUNK)
-    total = 0
-    for k0 in range(0, n_mine, 8):
-        ok = k0 + offs_i < n_mine
-        lin = pid + (k0 + offs_i) * P
-        c = tl.load(cnt_in + lin, mask=ok, other=0)
-        if STATEFUL:
-            c = tl.where(warm, Tk, c)
-        n_it = tl.where(ok, tl.maximum(c, 1), 0)
-        start = total + tl.cumsum(n_it, 0) - n_it
-        bh = lin // Tq
-        hq = bh % Hq
-        jv = tl.load(idx_in + lin.to(tl.int64)[:, None] * Tk + offs_t[None, :],
-                     mask=ok[:, None] & (offs_t[None, :] < c[:, None]), other=0)
-        if STATEFUL:
-            jv = tl.where(warm, offs_t[None, :], jv)
-        jv = tl.minimum(tl.maximum(jv, 0), Tk - 1)
-        e_kv = jv | ((hq // n_rep) << 16)[:, None] | ((bh // Hq) << 24)[:, None]
-        e_q = (lin % Tq) | (hq << 16)
-        e = e_kv.to(tl.int64) | (e_q.to(tl.int64) << 32)[:, None]
-        tl.store(wb + start[:, None] + offs_t[None, :], e, mask=offs_t[None, :] < n_it[:, None])
-        total += tl.sum(n_it, 0)
-    tl.debug_barrier()  # W is read back by other threads of this program
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    widx = tl.arange(0, NWORDS)
-    # q-tiles: current (lin_c, count cnt_c), next (lin_n, cnt_n: loaded one q-tile ahead), and the previous one
-    # (lin_p) whose out store is pending. A q-tile's next list is written in its last iteration; its out store
-    # runs in the next q-tile's first iteration, after that iteration's Q K^T wait, where acc is complete: a read of
-    # acc in the loop while its MMA may be in flight makes ptxas serialise every wgmma of the loop.
-    lin_c = pid
-    lin_n = pid + P
-    cnt_c = tl.load(cnt_in + lin_c)
-    cnt_n = tl.load(cnt_in + tl.minimum(lin_n, n_items - 1))
-    if STATEFUL:
-        cnt_c = tl.where(warm, Tk, cnt_c)
-        cnt_n = tl.where(warm, Tk, cnt_n)
-    lin_p = lin_c
-    real_p = cnt_c > 0
-    pend = tl.full([], 0, tl.int32)
-    if not Q_EVERY:
-        q = _q_tile(Q, lin_c, offs_m, offs_d, stride_qb, stride_qs, stride_qh, Sq, Hq, Tq, BLOCK_M)
-    it = tl.full([], 0, tl.int32)
-    row_ok = lin_c % Tq * BLOCK_M + offs_m < Sq
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    m_p = m_i
-    l_p = l_i
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # keep bits: per row for the current 32-tile word (one int32), OR-reduced across rows into words[it // 32] when
-    # the word is complete or the q-tile ends (a [BLOCK_M, NWORDS] array held 16 registers per thread more)
-    word = tl.zeros([BLOCK_M], tl.int32)
-    words = tl.zeros([NWORDS], tl.int32)
-    for f in tl.range(0, total, warp_specialize=WARP_SPEC):
-        e = tl.load(wb + f)
-        e_kv = e.to(tl.int32)
-        if Q_EVERY:
-            e_q = (e >> 32).to(tl.int32)
-            q = QD.load([e_kv >> 24, e_q >> 16, (e_q & 0xFFFF) * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
-        start_n = (e_kv & 0xFFFF) * TILE_N
-        k = KD.load([e_kv >> 24, (e_kv >> 16) & 0xFF, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        v = VD.load([e_kv >> 24, (e_kv >> 16) & 0xFF, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        qk = tl.dot(q, tl.trans(k))
-        # online softmax as in _block (a q-tile starts from m_i = -inf). The partial last k-tile takes its own
-        # branch, which only reads the Q K^T accumulator (a branch redefining it makes ptxas serialise the wgmmas)
-        if start_n + BLOCK_N > Sk:
-            p, rmax, m_new = _flat_softmax(tl.where((start_n + offs_n < Sk)[None, :], qk, float("-inf")), m_i,
-                                           qk_scale, v.dtype)
-        else:
-            p, rmax, m_new = _flat_softmax(qk, m_i, qk_scale, v.dtype)
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
-        if pend != 0:
-            _flat_out(acc, l_p, m_p, lin_p, real_p, O, LSE, OD, offs_m, offs_d, stride_ob, stride_os, stride_oh, Sq,
-                      Hq, Tq, BLOCK_M, HEAD_DIM, WRITE_LSE, O_DESC)
-            # (alpha is 0 here anyway, m_i being -inf; yielding it keeps this branch before the P V MMA, and acc is
-            # still defined outside any branch: a branch defining it makes ptxas serialise the wgmmas)
-            alpha = tl.zeros_like(alpha)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p, v, acc)
-        hit = (((rmax - m_i) > threshold) & row_ok).to(tl.int32) << (it & 31)
-        word = word | hit
-        m_i = m_new
-        end = it + 1 >= cnt_c         # last iteration of this q-tile
-        pend = end.to(tl.int32)
-        if end | ((it & 31) == 31):
-            words = words | tl.where(widx == (it >> 5), tl.reduce(word, 0, bit_or), 0)
-            word = tl.zeros([BLOCK_M], tl.int32)
-        if end:
-            _flat_next_list(tl.where(cnt_c > 0, words, 0), lin_c, cnt_c, idx_in, idx_out, cnt_out, write_ok, widx,
-                            Tk, NWORDS, STATEFUL)
-            words = tl.zeros([NWORDS], tl.int32)
-            lin_p = lin_c
-            real_p = cnt_c > 0
-            m_p = m_i
-            l_p = l_i
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            lin_c = lin_n
-            cnt_c = cnt_n
-            lin_n += P
-            cnt_n = tl.load(cnt_in + tl.minimum(lin_n, n_items - 1))
-            if STATEFUL:
-                cnt_n = tl.where(warm, Tk, cnt_n)
-            if not Q_EVERY:
-                q = _q_tile(Q, tl.minimum(lin_c, n_items - 1), offs_m, offs_d, stride_qb, stride_qs, stride_qh, Sq,
-                            Hq, Tq, BLOCK_M)
-            row_ok = lin_c % Tq * BLOCK_M + offs_m < Sq
-        it = tl.where(end, 0, it + 1)
-    # the last q-tile's out (every program owns at least one q-tile, so the loop ran and ended on it)
-    _flat_out(acc, l_p, m_p, lin_p, real_p, O, LSE, OD, offs_m, offs_d, stride_ob, stride_os, stride_oh, Sq, Hq, Tq,
-              BLOCK_M, HEAD_DIM, WRITE_LSE, O_DESC)
-
 LN2_C = tl.constexpr(LN2)
 CHUNK = tl.constexpr(CHUNK)
 
@@ -714,26 +469,13 @@ def _tma_ok(cfg, *ts):
 _PLANS: dict = {}
 _DIRECT = [not _interpret()]   # False after a failed direct relaunch: Triton's launcher from then on
 # per-call kernel parameters: name -> index into _launch's tensor tuple (None inputs are replaced by `out`)
-_TENSOR_PARAMS = dict(Q=0, K=1, V=2, O=3, LSE=4, CNT_IN=5, IDX_IN=6, CNT_OUT=7, IDX_OUT=8, FROW=9, FCOL=10, STEP=11,
-                      W=12)
+_TENSOR_PARAMS = dict(Q=0, K=1, V=2, O=3, LSE=4, CNT_IN=5, IDX_IN=6, CNT_OUT=7, IDX_OUT=8, FROW=9, FCOL=10, STEP=11)
 _DESC_PARAMS = dict(QD=0, KD=1, VD=2, OD=3)   # host descriptors over these tensors (or `out` as a dummy pointer)
 
 
 def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step, Tq, Tk, slot_cnt, slot_idx,
             warmup, scale, threshold, tm, tn, skip, stateful, causal, cfg):
-    B, Sq, Hq, D = q.shape
-    n_items = B * Hq * Tq
-    # flat: the persistent flat-loop kernel (skip mode, tile 128 x tn, host descriptors, no forced tiles)
-    Tk_ = max(Tk, 1)
-    flat = (bool(cfg.get("flat")) and skip and frow is None and tm == 128 and scale > 0 and B < 128
-            and k.shape[2] < 256 and max(Tq, Tk) < 65536 and (_interpret() or cfg.get("tma")))
-    n_prog = w_cap = 0
-    sched = None
-    if flat:    # persistent programs and their schedule scratch (int64 per iteration)
-        n_prog = min(n_items, cfg.get("flat_programs") or (3 if _interpret() else num_sms(q.device)))
-        w_cap = triton.cdiv(n_items, n_prog) * Tk_
-        sched = torch.empty(n_prog * w_cap, dtype=torch.int64, device=q.device)
-    tensors = (q, k, v, out, lse, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step, sched)
+    tensors = (q, k, v, out, lse, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step)
     key = None
     if _DIRECT[0] and "probe" not in cfg:
         aligned = all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
@@ -758,6 +500,7 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
                 _PLANS.clear()
                 key = None
 
+    B, Sq, Hq, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     block_m = triton.next_power_of_2(tm)
     dummy = out
@@ -803,25 +546,17 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
         NO_KEEP=bool(cfg.get("ablate_keep", False)),
         HEAD_CHUNK=bool(skip and cfg.get("head_chunk", False)), Q_DESC=qd is not None, O_DESC=od is not None,
         POPC=bool(skip and cfg.get("popc", False)), PF_NEXT=pf_next, n_pf=n_pf,
-        PF_DEEP=int(cfg.get("pf_deep", 0)) if skip and not _interpret() else 0, PF_MAX=int(cfg.get("pf_max", 64)),
         PRB=probe if probe is not None else dummy, PROBE=probe is not None,
-        n_items=n_items, W=sched, w_cap=w_cap, Q_EVERY=bool(cfg.get("q_every")),
     )
-    kernel, grid = _fwd_kernel, (Tq, B * Hq)
-    q_every = bool(cfg.get("q_every"))
-    if flat and use_tma == 2 and (qd is not None or not q_every):
-        kernel = _flat_kernel
-        grid = (n_prog,)
-        params["O_DESC"] = bool(cfg.get("flat_o_desc")) and od is not None
-    names = kernel.arg_names
+    grid = (Tq, B * Hq)
+    names = _fwd_kernel.arg_names
     # positional: the kernel's `warmup` parameter would clash with JITFunction.run's keyword of that name
-    kern = kernel[grid](*[params[n] for n in names], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    kern = _fwd_kernel[grid](*[params[n] for n in names], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if key is not None and use_tma != 1 and key[0] == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
         if relaunch is not None:
             tslots = [(pos, _TENSOR_PARAMS[n]) for pos, n in enumerate(names) if n in _TENSOR_PARAMS]
-            if "PRB" in names:
-                tslots += [(names.index("PRB"), 3)]
+            tslots += [(names.index("PRB"), 3)]
             dslots = []
             for n, i in _DESC_PARAMS.items():
                 pos = names.index(n)
