@@ -211,15 +211,44 @@ def test_bad_inputs():
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("S,D,tile,H", [(4096, 128, (128, 128), (4, 2)), (4000, 64, (64, 64), (2, 2)),
-                                        (32760, 128, (128, 128), (1, 1))])
-def test_skip_gpu(dtype, S, D, tile, H):
+                                        (32760, 128, (128, 128), (1, 1)), (8000, 128, (128, 128), (3, 1)),
+                                        (4000, 64, (128, 128), (2, 1))])
+@pytest.mark.parametrize("gluon", [False, True])
+def test_skip_gpu(monkeypatch, dtype, S, D, tile, H, gluon):
+    for key in list(skip.SKIP_CONFIGS):
+        monkeypatch.setitem(skip.SKIP_CONFIGS, key, dict(skip.SKIP_CONFIGS[key], gluon=gluon))
     Hq, Hk = H
     thr = lattice_threshold(D)
     q, k, v, assign = structured_qkv(1, S, S, Hq, Hk, D, dtype, tile, seed=20, device="cuda", clusters=8)
     nxt = check_skip(q, k, v, None, thr, tile=tile, dtype=dtype)
     assert nxt.density().item() < 0.9
     q, k, v, _ = structured_qkv(1, S, S, Hq, Hk, D, dtype, tile, seed=21, device="cuda", assign=assign)
+    check_skip(q, k, v, nxt, thr, tile=tile, dtype=dtype)
     check_skip(q, k, v, nxt, thr, tile=tile, must_do=[(0, 300)], dtype=dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_skip_gluon_edge_lists_gpu(monkeypatch, dtype):
+    """Gluon kernel: batch 2 (its 2-D descriptors span batches), partial last q- and k-tiles, GQA, an empty list
+    (out 0, LSE -inf) and a list holding only the partial last k-tile."""
+    from sparsepatch.kernels import skip_gluon
+    for key in list(skip.SKIP_CONFIGS):
+        monkeypatch.setitem(skip.SKIP_CONFIGS, key, dict(skip.SKIP_CONFIGS[key], gluon=True))
+    B, S, Hq, Hk, D, tile = 2, 4000, 4, 2, 128, (128, 128)
+    thr = lattice_threshold(D)
+    q, k, v, assign = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=70, device="cuda", clusters=6)
+    if not skip_gluon.supported(q, k, v, tile, None):
+        pytest.skip("Gluon kernel not available here")
+    nxt = check_skip(q, k, v, None, thr, tile=tile, dtype=dtype)
+    counts, idx = nxt.counts.clone(), nxt.indices.clone()
+    counts[0, 1, 3] = 0
+    counts[1, 2, 5] = 1
+    idx[1, 2, 5, 0] = idx.shape[-1] - 1
+    q, k, v, _ = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=71, device="cuda", assign=assign)
+    out = check_skip(q, k, v, SkipList(counts, idx, tile, S, S), thr, tile=tile, dtype=dtype)
+    assert out.counts[0, 1, 3].item() == 0
 
 
 @gpu

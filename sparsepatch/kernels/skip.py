@@ -625,6 +625,12 @@ def _skip_fwd_impl(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_f
     frow, fcol = _forced_flags(must_do, Sq, Sk, tm, tn, q.device)
     counts = counts.contiguous()
     indices = indices.contiguous()
+    cfg = _config(D, triton.next_power_of_2(tm), tn)
+    if cfg.get("gluon") and not _interpret():   # opt-in experiment (session 8): persistent warp-specialised kernel
+        from . import skip_gluon
+        if skip_gluon.supported(q, k, v, (tm, tn), must_do):
+            return skip_gluon.skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse,
+                                       cfg=dict(stages=cfg.get("gluon_stages", 3)))
     if frow is not None:
         counts, indices = _union(counts, indices, frow, fcol)
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
@@ -633,8 +639,7 @@ def _skip_fwd_impl(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_f
     next_indices = torch.empty((B, Hq, Tq, Tk), dtype=torch.int32, device=q.device)
     _launch(q, k, v, out, lse, cnt_in=counts, idx_in=indices, cnt_out=next_counts, idx_out=next_indices,
             frow=frow, fcol=fcol, step=None, Tq=Tq, Tk=Tk, slot_cnt=0, slot_idx=0, warmup=0, scale=scale,
-            threshold=threshold, tm=tm, tn=tn, skip=True, stateful=False, causal=False,
-            cfg=_config(D, triton.next_power_of_2(tm), tn))
+            threshold=threshold, tm=tm, tn=tn, skip=True, stateful=False, causal=False, cfg=cfg)
     if lse is None:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, next_counts, next_indices, lse

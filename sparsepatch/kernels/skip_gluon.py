@@ -1,0 +1,299 @@
+"""Persistent, warp-specialised skip-list attention forward in Gluon (Hopper, sm_90): EXPERIMENT (session 8).
+
+Same function as `skip.skip_attention` (non-stateful, no must_do, tile 128 x 128, head dim 64 / 128, fp16 / bf16).
+Why: the grid kernel pays ~4 us per q-tile program (list head, pipeline fill, epilogue; benchmarks/NOTES.md, skip
+forward v6-v8) which no Triton-level change overlapped. Here each program (one per SM) owns q-tiles p, p + P, ...;
+a 1-warp producer partition walks their lists and keeps a STAGES-deep K/V ring (and q) loaded across q-tile
+boundaries, so the next q-tile's first tiles are in shared memory while the two consumer warpgroups (64 rows each)
+finish the current one (last P V, next-list write, out store).
+
+Consumer loop (FA3's intra-warpgroup order): issue S_t = Q K_t^T, issue O += P_{t-1} V_{t-1}; wait(1); softmax
+(S_t) with the keep test; wait(0); release slot t-1; O *= alpha_t. The keep bits of the two warpgroups are OR-ed
+through shared memory (warpgroup 1 hands its words to warpgroup 0, which writes the next list).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    HAS_GLUON = True
+except Exception:  # pragma: no cover - depends on the installed Triton
+    HAS_GLUON = False
+
+from .reference import LOG2E
+
+BM = 128  # q rows per q-tile (two warpgroups of 64)
+BN = 128  # keys per k-tile
+GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40)
+
+if HAS_GLUON:
+    _LN2 = gl.constexpr(0.6931471805599453)
+    _BM = gl.constexpr(BM)
+    _BN = gl.constexpr(BN)
+
+    @gluon.jit
+    def _bit_or(a, b):
+        return a | b
+
+    @gluon.jit
+    def _popc(x):
+        return gl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX,
+                  Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr):
+        pid = gl.program_id(0)
+        P = gl.num_programs(0)
+        g = 0
+        k = 0
+        for lin in range(pid, n_items, P):
+            bh = lin // Tq
+            pm = lin % Tq
+            b = bh // Hq
+            h = bh % Hq
+            hk = h // n_rep
+            cnt = gl.load(CNT + lin)
+            # q of this q-tile: its buffer is free once both consumers passed the last Q K^T of the previous one
+            mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
+            mbarrier.expect(q_ready, _BM * D * 2)
+            tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
+            row = IDX + lin.to(gl.int64) * Tk
+            for t in range(gl.maximum(cnt, 1)):   # an empty list: one placeholder tile (k-tile 0), discarded
+                j = gl.load(row + t, mask=t < cnt, other=0)
+                j = gl.minimum(gl.maximum(j, 0), Tk - 1)
+                slot = g % STAGES
+                mbarrier.wait(empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
+                mbarrier.expect(ready.index(slot), 2 * _BN * D * 2)
+                tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
+                                                k_smem.index(slot))
+                tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
+                                                v_smem.index(slot))
+                g += 1
+            k += 1
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, qk_scale, start_n, Sk, MASK: gl.constexpr, s_layout: gl.constexpr):
+        """One online-softmax step on S (fp32 [64, _BN]): -> (P fp32, new m, new l, alpha, scaled row max)."""
+        if MASK:
+            cols = start_n + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where(gl.expand_dims(cols < Sk, 0), s, float("-inf"))
+        rmax = gl.max(s, 1) * qk_scale
+        m_new = gl.maximum(m_i, rmax)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        return p, m_new, l_i * alpha + gl.sum(p, 1), alpha, rmax
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
+                  CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale,
+                  threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
+                  LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr):
+        """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
+        NW: gl.constexpr = gl.num_warps()
+        RM: gl.constexpr = 16 * NW
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, _BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        widx_w = gl.arange(0, NWORDS, layout=w_layout)
+        offs_c = gl.arange(0, 32, layout=w_layout)
+        qh = q_smem.slice(RM * WG, RM)
+        s_zero = gl.zeros([RM, _BN], gl.float32, s_layout)
+        pid = gl.program_id(0)
+        P = gl.num_programs(0)
+        g = 0
+        k = 0
+        for lin in range(pid, n_items, P):
+            bh = lin // Tq
+            pm = lin % Tq
+            cnt = gl.load(CNT + lin)
+            row = IDX + lin.to(gl.int64) * Tk
+            n_it = gl.maximum(cnt, 1)
+            part = False
+            if LAST_PARTIAL:
+                part = (cnt > 0) & (gl.load(row + gl.maximum(cnt - 1, 0)) == Tk - 1)
+            rows = pm * _BM + RM * WG + gl.arange(0, RM, layout=row_l)
+            row_ok = rows < Sq
+            m_i = gl.full([RM], float("-inf"), gl.float32, row_l)
+            l_i = gl.zeros([RM], gl.float32, row_l)
+            acc = gl.zeros([RM, D], gl.float32, o_layout)
+            word = gl.zeros([RM], gl.int32, row_l)         # keep bits of the current 32-tile word, per row
+            words = gl.zeros([NWORDS], gl.int32, w_layout)  # completed words, OR-ed over this warpgroup's rows
+            mbarrier.wait(q_ready, k & 1)
+            # tile 0: S synchronously, its softmax; its P V is issued with the next tile's S (or in the tail)
+            slot = g % STAGES
+            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+            s = warpgroup_mma(qh, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            if part & (n_it == 1):
+                p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, (Tk - 1) * _BN, Sk, True, s_layout)
+            else:
+                p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout)
+            word = ((rmax - m_i > threshold) & row_ok).to(gl.int32)
+            if n_it == 1:
+                words = words | gl.where(widx_w == 0, gl.reduce(word, 0, _bit_or), 0)
+            p16 = gl.convert_layout(p.to(k_smem.dtype), p_layout)
+            m_i = m_new
+            prev = slot
+            g += 1
+            for t in range(1, n_it):
+                slot = g % STAGES
+                mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+                s_tok = warpgroup_mma(qh, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+                if part & (t == n_it - 1):
+                    p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, (Tk - 1) * _BN, Sk, True, s_layout)
+                else:
+                    p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout)
+                acc = warpgroup_mma_wait(0, deps=[o_tok])
+                mbarrier.arrive(empty.index(prev))
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                word = word | (((rmax - m_i > threshold) & row_ok).to(gl.int32) << (t & 31))
+                if ((t & 31) == 31) | (t == n_it - 1):
+                    words = words | gl.where(widx_w == (t >> 5), gl.reduce(word, 0, _bit_or), 0)
+                    word = gl.zeros([RM], gl.int32, row_l)
+                p16 = gl.convert_layout(p.to(k_smem.dtype), p_layout)
+                m_i = m_new
+                prev = slot
+                g += 1
+            mbarrier.arrive(q_empty)   # every Q K^T of this q-tile has completed
+            acc = warpgroup_mma(p16, v_smem.index(prev), acc)
+            mbarrier.arrive(empty.index(prev))
+
+            # next list: the two warpgroups' keep words OR-ed through shared memory, written by warpgroup 0
+            if WG == 1:
+                mbarrier.wait(wx_empty, (k + 1) & 1, pred=k > 0)
+                wx.store(words)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(wx_full)
+            else:
+                mbarrier.wait(wx_full, k & 1)
+                words = words | wx.load(w_layout)
+                gl.thread_barrier()
+                mbarrier.arrive(wx_empty)
+                words = gl.where(cnt > 0, words, 0)
+                dst = IDX_OUT + lin.to(gl.int64) * Tk
+                out_cnt = cnt * 0
+                for w in gl.static_range(NWORDS):
+                    if w * 32 < cnt:
+                        c1 = gl.minimum(cnt - w * 32, 32)
+                        wd = gl.sum(gl.where(widx_w == w, words, 0), 0)
+                        jv = gl.load(row + w * 32 + offs_c, mask=offs_c < c1, other=0)
+                        wv = wd & gl.where(c1 >= 32, -1, (1 << c1) - 1)
+                        keep = ((wv >> offs_c) & 1) != 0
+                        gl.store(dst + out_cnt + _popc(wv & ((1 << offs_c) - 1)), jv, mask=keep)
+                        out_cnt += _popc(wv)
+                gl.store(CNT_OUT + lin, out_cnt)
+
+            # out = acc / l (zeros for a placeholder), LSE
+            real = cnt > 0
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+            out = gl.where(real, acc / gl.expand_dims(l_safe, 1), 0.0).to(O.dtype.element_ty)
+            b = bh // Hq
+            h = bh % Hq
+            o_rows = pm * _BM + RM * WG + gl.arange(0, RM, layout=gl.SliceLayout(1, o_layout))
+            cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+            o_ptrs = (O + b.to(gl.int64) * stride_ob + h * stride_oh + gl.expand_dims(o_rows, 1).to(gl.int64)
+                      * stride_os + gl.expand_dims(cols, 0))
+            gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < Sq, 1))
+            if WRITE_LSE:
+                lse = gl.where(real & (l_i != 0.0), (m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * _LN2,
+                               float("-inf"))
+                gl.store(LSE + bh.to(gl.int64) * Sq + rows, lse, mask=row_ok)
+            k += 1
+
+    @gluon.jit
+    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os,
+                           stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, qk_scale, threshold,
+                           D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
+                           WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           num_warps: gl.constexpr):
+        """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
+        q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [_BM, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, _BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, _BN, D], v_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        wx = gl.allocate_shared_memory(gl.int32, [NWORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)   # one arrive per consumer warpgroup
+        mbarrier.init(bars.index(0), count=1)        # q_ready (TMA bytes)
+        mbarrier.init(bars.index(1), count=2)        # q_empty
+        mbarrier.init(bars.index(2), count=1)        # wx_full (warpgroup 1's words)
+        mbarrier.init(bars.index(3), count=1)        # wx_empty
+        fence_async_shared()
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk,
+                         Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL, WRITE_LSE)),
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk,
+                         Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL, WRITE_LSE)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
+                         CNT, IDX, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def supported(q, k, v, tile, must_do) -> bool:
+    """True when the Gluon kernel runs these inputs: Gluon, an sm_90 GPU, tile (128, 128), no must_do, fp16 / bf16,
+    head dim 64 / 128, (B, S, H, D) tensors whose (B * S) rows have one stride (q / k / v views of a fused QKV
+    qualify), 16-byte aligned."""
+    if not (HAS_GLUON and q.is_cuda and tuple(tile) == (BM, BN) and not must_do):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    for t in (q, k, v):
+        B, S, H, D = t.shape
+        if t.stride(3) != 1 or t.stride(2) != D or (B > 1 and t.stride(0) != S * t.stride(1)):
+            return False
+        if t.data_ptr() % 16 or (t.stride(1) * t.element_size()) % 16:
+            return False
+    return True
+
+
+def skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse, cfg=None):
+    """Gluon skip forward: same outputs as `skip._skip_fwd_impl` at tile (128, 128) without must_do."""
+    cfg = dict(GLUON_SKIP_CONFIG, **(cfg or {}))
+    B, Sq, Hq, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    Tq, Tk = triton.cdiv(Sq, BM), triton.cdiv(Sk, BN)
+    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    lay = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
+    # 2-D views (B * S, H * D): rows past a batch's S belong to the next batch; only the partial last k-tile
+    # reaches them and its columns >= Sk are masked (q rows >= Sq are never stored)
+    qd = TensorDescriptor(q, [B * Sq, Hq * D], [q.stride(1), 1], [BM, D], gl.NVMMASharedLayout.get_default_for(
+        [BM, D], dt))
+    kd = TensorDescriptor(k, [B * Sk, Hk * D], [k.stride(1), 1], [BN, D], lay)
+    vd = TensorDescriptor(v, [B * Sk, Hk * D], [v.stride(1), 1], [BN, D], lay)
+    out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Sq) if return_lse else (1,), dtype=torch.float32, device=q.device)
+    next_counts = torch.empty((B, Hq, Tq), dtype=torch.int32, device=q.device)
+    next_indices = torch.empty((B, Hq, Tq, Tk), dtype=torch.int32, device=q.device)
+    n_items = B * Hq * Tq
+    nwords = max(1, triton.next_power_of_2(triton.cdiv(Tk, 32)))
+    programs = min(n_items, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    _skip_gluon_kernel[(programs,)](
+        qd, kd, vd, counts.contiguous(), indices.contiguous(), next_counts, next_indices, out, lse,
+        out.stride(0), out.stride(1), out.stride(2), Sq, Sk, Hq, Hq // Hk, Tq, Tk, n_items, scale * LOG2E,
+        float(threshold), D=D, STAGES=int(cfg["stages"]), NWORDS=nwords, LAST_PARTIAL=bool(Sk % BN),
+        WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
+        PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4)
+    return out, next_counts, next_indices, (lse if return_lse else q.new_empty((0,), dtype=torch.float32))
