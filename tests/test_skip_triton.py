@@ -255,8 +255,12 @@ def test_skip_gluon_edge_lists_gpu(monkeypatch, dtype):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Sq,Sk,D,causal", [(4096, 4096, 128, False), (4000, 4100, 64, True),
-                                            (1, 5000, 128, True), (32760, 32760, 128, False)])
-def test_dense_gpu(dtype, Sq, Sk, D, causal):
+                                            (1, 5000, 128, True), (32760, 32760, 128, False),
+                                            (4000, 4100, 64, False)])
+@pytest.mark.parametrize("gluon", [False, True])
+def test_dense_gpu(monkeypatch, dtype, Sq, Sk, D, causal, gluon):
+    for key in list(skip.CONFIGS):
+        monkeypatch.setitem(skip.CONFIGS, key, dict(skip.CONFIGS[key], gluon=gluon))
     g = torch.Generator(device="cuda").manual_seed(6)
     H = 2 if Sq > 10000 else 4
     q = torch.randn(1, Sq, H, D, device="cuda", generator=g).to(dtype)

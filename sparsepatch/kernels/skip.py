@@ -666,6 +666,10 @@ def _dense_block_m(Sq):
 
 def _dense_fwd_impl(q, k, v, causal, scale, return_lse):
     B, Sq, Hq, D = q.shape
+    if not causal and CONFIGS.get((D, 128), {}).get("gluon") and not _interpret():   # opt-in (session 8)
+        from . import skip_gluon
+        if skip_gluon.supported(q, k, v, (128, 128), None):
+            return skip_gluon.dense_fwd(q, k, v, scale, return_lse)
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if return_lse else None
     bm = _dense_block_m(Sq)

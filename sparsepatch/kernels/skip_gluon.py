@@ -47,7 +47,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX,
-                  Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr):
+                  Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -58,15 +58,21 @@ if HAS_GLUON:
             b = bh // Hq
             h = bh % Hq
             hk = h // n_rep
-            cnt = gl.load(CNT + lin)
+            if SKIP:
+                cnt = gl.load(CNT + lin)
+            else:
+                cnt = Tk
             # q of this q-tile: its buffer is free once both consumers passed the last Q K^T of the previous one
             mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
             mbarrier.expect(q_ready, _BM * D * 2)
             tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
             row = IDX + lin.to(gl.int64) * Tk
             for t in range(gl.maximum(cnt, 1)):   # an empty list: one placeholder tile (k-tile 0), discarded
-                j = gl.load(row + t, mask=t < cnt, other=0)
-                j = gl.minimum(gl.maximum(j, 0), Tk - 1)
+                if SKIP:
+                    j = gl.load(row + t, mask=t < cnt, other=0)
+                    j = gl.minimum(gl.maximum(j, 0), Tk - 1)
+                else:
+                    j = t
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
                 mbarrier.expect(ready.index(slot), 2 * _BN * D * 2)
@@ -93,7 +99,7 @@ if HAS_GLUON:
     def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
                   CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale,
                   threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
-                  LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr):
+                  LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
         NW: gl.constexpr = gl.num_warps()
         RM: gl.constexpr = 16 * NW
@@ -115,12 +121,16 @@ if HAS_GLUON:
         for lin in range(pid, n_items, P):
             bh = lin // Tq
             pm = lin % Tq
-            cnt = gl.load(CNT + lin)
             row = IDX + lin.to(gl.int64) * Tk
-            n_it = gl.maximum(cnt, 1)
             part = False
-            if LAST_PARTIAL:
-                part = (cnt > 0) & (gl.load(row + gl.maximum(cnt - 1, 0)) == Tk - 1)
+            if SKIP:
+                cnt = gl.load(CNT + lin)
+                if LAST_PARTIAL:
+                    part = (cnt > 0) & (gl.load(row + gl.maximum(cnt - 1, 0)) == Tk - 1)
+            else:
+                cnt = Tk
+                part = LAST_PARTIAL
+            n_it = gl.maximum(cnt, 1)
             rows = pm * _BM + RM * WG + gl.arange(0, RM, layout=row_l)
             row_ok = rows < Sq
             m_i = gl.full([RM], float("-inf"), gl.float32, row_l)
@@ -137,9 +147,10 @@ if HAS_GLUON:
                 p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, (Tk - 1) * _BN, Sk, True, s_layout)
             else:
                 p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout)
-            word = ((rmax - m_i > threshold) & row_ok).to(gl.int32)
-            if n_it == 1:
-                words = words | gl.where(widx_w == 0, gl.reduce(word, 0, _bit_or), 0)
+            if SKIP:
+                word = ((rmax - m_i > threshold) & row_ok).to(gl.int32)
+                if n_it == 1:
+                    words = words | gl.where(widx_w == 0, gl.reduce(word, 0, _bit_or), 0)
             p16 = gl.convert_layout(p.to(k_smem.dtype), p_layout)
             m_i = m_new
             prev = slot
@@ -158,10 +169,11 @@ if HAS_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
                 mbarrier.arrive(empty.index(prev))
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                word = word | (((rmax - m_i > threshold) & row_ok).to(gl.int32) << (t & 31))
-                if ((t & 31) == 31) | (t == n_it - 1):
-                    words = words | gl.where(widx_w == (t >> 5), gl.reduce(word, 0, _bit_or), 0)
-                    word = gl.zeros([RM], gl.int32, row_l)
+                if SKIP:
+                    word = word | (((rmax - m_i > threshold) & row_ok).to(gl.int32) << (t & 31))
+                    if ((t & 31) == 31) | (t == n_it - 1):
+                        words = words | gl.where(widx_w == (t >> 5), gl.reduce(word, 0, _bit_or), 0)
+                        word = gl.zeros([RM], gl.int32, row_l)
                 p16 = gl.convert_layout(p.to(k_smem.dtype), p_layout)
                 m_i = m_new
                 prev = slot
@@ -171,7 +183,9 @@ if HAS_GLUON:
             mbarrier.arrive(empty.index(prev))
 
             # next list: the two warpgroups' keep words OR-ed through shared memory, written by warpgroup 0
-            if WG == 1:
+            if not SKIP:
+                pass
+            elif WG == 1:
                 mbarrier.wait(wx_empty, (k + 1) & 1, pred=k > 0)
                 wx.store(words)
                 fence_async_shared()
@@ -219,7 +233,7 @@ if HAS_GLUON:
                            stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, qk_scale, threshold,
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           num_warps: gl.constexpr, SKIP: gl.constexpr = True):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
         dtype: gl.constexpr = q_desc.dtype
@@ -241,12 +255,12 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk,
-                         Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL, WRITE_LSE)),
+                         Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk,
-                         Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL, WRITE_LSE)),
+                         Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
-                         CNT, IDX, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES)),
+                         CNT, IDX, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -269,8 +283,18 @@ def supported(q, k, v, tile, must_do) -> bool:
     return True
 
 
+def dense_fwd(q, k, v, scale, return_lse, cfg=None):
+    """Gluon dense (non-causal) forward: the skip kernel with skipping compiled out (every k-tile, no lists)."""
+    out, _, _, lse = _launch(q, k, v, None, None, -1.0, scale, return_lse, cfg, skip=False)
+    return out, lse
+
+
 def skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse, cfg=None):
     """Gluon skip forward: same outputs as `skip._skip_fwd_impl` at tile (128, 128) without must_do."""
+    return _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip=True)
+
+
+def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
     cfg = dict(GLUON_SKIP_CONFIG, **(cfg or {}))
     B, Sq, Hq, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
@@ -285,15 +309,19 @@ def skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse, cfg=None):
     vd = TensorDescriptor(v, [B * Sk, Hk * D], [v.stride(1), 1], [BN, D], lay)
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq) if return_lse else (1,), dtype=torch.float32, device=q.device)
-    next_counts = torch.empty((B, Hq, Tq), dtype=torch.int32, device=q.device)
-    next_indices = torch.empty((B, Hq, Tq, Tk), dtype=torch.int32, device=q.device)
+    if skip:
+        next_counts = torch.empty((B, Hq, Tq), dtype=torch.int32, device=q.device)
+        next_indices = torch.empty((B, Hq, Tq, Tk), dtype=torch.int32, device=q.device)
+        counts, indices = counts.contiguous(), indices.contiguous()
+    else:   # (never read)
+        next_counts = next_indices = counts = indices = torch.empty((1,), dtype=torch.int32, device=q.device)
     n_items = B * Hq * Tq
     nwords = max(1, triton.next_power_of_2(triton.cdiv(Tk, 32)))
     programs = min(n_items, torch.cuda.get_device_properties(q.device).multi_processor_count)
     _skip_gluon_kernel[(programs,)](
-        qd, kd, vd, counts.contiguous(), indices.contiguous(), next_counts, next_indices, out, lse,
+        qd, kd, vd, counts, indices, next_counts, next_indices, out, lse,
         out.stride(0), out.stride(1), out.stride(2), Sq, Sk, Hq, Hq // Hk, Tq, Tk, n_items, scale * LOG2E,
         float(threshold), D=D, STAGES=int(cfg["stages"]), NWORDS=nwords, LAST_PARTIAL=bool(Sk % BN),
         WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
-        PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4)
+        PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip)
     return out, next_counts, next_indices, (lse if return_lse else q.new_empty((0,), dtype=torch.float32))
