@@ -253,6 +253,43 @@ def test_skip_gluon_edge_lists_gpu(monkeypatch, dtype):
 
 @gpu
 @needs_cuda
+def test_skip_gluon_plans_gpu(monkeypatch):
+    """Gluon kernel: later calls relaunch through a cached plan (fresh tensors each call): bitwise equal to Gluon's
+    own launcher, skip and dense."""
+    from sparsepatch.kernels import skip_gluon
+    for table in (skip.SKIP_CONFIGS, skip.CONFIGS):
+        for key in list(table):
+            monkeypatch.setitem(table, key, dict(table[key], gluon=True))
+    S, D, tile, dtype = 4096, 128, (128, 128), torch.bfloat16
+    thr = lattice_threshold(D)
+    q, k, v, assign = structured_qkv(1, S, S, 4, 2, D, dtype, tile, seed=80, device="cuda", clusters=8)
+    if not skip_gluon.supported(q, k, v, tile, None):
+        pytest.skip("Gluon kernel not available here")
+    skip_gluon._PLANS.clear()
+    nxt = check_skip(q, k, v, None, thr, tile=tile, dtype=dtype)
+    skip.attention(q, k, v)
+    n_plans = len(skip_gluon._PLANS)
+    assert n_plans >= 2 and skip_gluon._DIRECT[0]
+    for seed in (81, 82):
+        q, k, v, _ = structured_qkv(1, S, S, 4, 2, D, dtype, tile, seed=seed, device="cuda", assign=assign)
+        q, k, v = q.clone(), k.clone(), v.clone()
+        via_plan = skip.skip_attention(q, k, v, nxt, thr, return_lse=True)
+        dense_plan = skip.attention(q, k, v)
+        assert len(skip_gluon._PLANS) == n_plans and skip_gluon._DIRECT[0]
+        skip_gluon._DIRECT[0] = False
+        try:
+            via_jit = skip.skip_attention(q, k, v, nxt, thr, return_lse=True)
+            dense_jit = skip.attention(q, k, v)
+        finally:
+            skip_gluon._DIRECT[0] = True
+        assert torch.equal(via_plan[0], via_jit[0]) and via_plan[1].equal(via_jit[1])
+        assert torch.equal(via_plan[2], via_jit[2]) and torch.equal(dense_plan, dense_jit)
+        check_skip(q, k, v, nxt, thr, tile=tile, dtype=dtype)
+        nxt = via_plan[1]
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Sq,Sk,D,causal", [(4096, 4096, 128, False), (4000, 4100, 64, True),
                                             (1, 5000, 128, True), (32760, 32760, 128, False),
