@@ -153,7 +153,7 @@ VARIANTS = {
     "pf1_optr": dict(popc=True, pf_next=True, o_desc=False),
     # session 8 (v8): a persistent flat-loop kernel ("flat", "flat_qe") and an in-loop L2 prefetch of K/V tiles ahead
     # ("pf4", "pf6", "pf4_all") were timed here and deleted (slower / within noise; benchmarks/NOTES.md, v8).
-    "grid": {},
+    "grid": dict(gluon=False),                            # the per-q-tile Triton kernel (the default until session 8)
     "gluon": dict(gluon=True),                            # persistent warp-specialised Gluon kernel (skip_gluon.py)
     "gluon_s2": dict(gluon=True, gluon_stages=2),
 }

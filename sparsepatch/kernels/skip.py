@@ -50,7 +50,7 @@ CHUNK_N = CHUNK
 # Launch configs, keyed by (head_dim, BLOCK_M): BLOCK_N, num_warps, num_stages, use_tma.
 # Chosen from benchmarks/bench_skip.py sweeps on an H100 (see benchmarks/NOTES.md).
 CONFIGS = {
-    (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ws=True),
+    (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ws=True, gluon=True),
     (128, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
     (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True),
     (64, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
@@ -63,7 +63,7 @@ CONFIGS = {
 # (phase clocks, one-tile lists: 7.5 -> 5.8 us per q-tile program; neutral at 13-tile random lists; NOTES v6).
 SKIP_CONFIGS = {
     (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True, host_desc=True, q_desc=True,
-                     o_desc=True, head_chunk=True, popc=True, pf_next=True),
+                     o_desc=True, head_chunk=True, popc=True, pf_next=True, gluon=True),
     (128, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False, prefetch_j=True),
     (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False, prefetch_j=True),
     (64, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False, prefetch_j=True),
@@ -617,6 +617,20 @@ def _union(counts, indices, frow, fcol):
 # Custom ops
 # ----------------------------------------------------------------------------------------------------------------
 
+_GLUON_OK = [True]   # False after a failed Gluon launch (another Triton's Gluon API): the Triton kernels from then on
+
+
+def _gluon_call(fn, *args, **kwargs):
+    """fn(*args) on the Gluon kernel (skip_gluon.py), or None after warning once if it cannot run here."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001  (compile / launch failure: same function on the Triton kernel)
+        warnings.warn(f"sparsepatch: the Gluon attention kernel failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                      "using the Triton kernels")
+        _GLUON_OK[0] = False
+        return None
+
+
 def _skip_fwd_impl(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_flat, return_lse):
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
@@ -626,11 +640,13 @@ def _skip_fwd_impl(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_f
     counts = counts.contiguous()
     indices = indices.contiguous()
     cfg = _config(D, triton.next_power_of_2(tm), tn)
-    if cfg.get("gluon") and not _interpret():   # opt-in experiment (session 8): persistent warp-specialised kernel
+    if cfg.get("gluon") and _GLUON_OK[0] and not _interpret():
         from . import skip_gluon
         if skip_gluon.supported(q, k, v, (tm, tn), must_do):
-            return skip_gluon.skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse,
-                                       cfg=dict(stages=cfg.get("gluon_stages", 3)))
+            res = _gluon_call(skip_gluon.skip_fwd, q, k, v, counts, indices, threshold, scale, return_lse,
+                              cfg=dict(stages=cfg.get("gluon_stages", 3)))
+            if res is not None:
+                return res
     if frow is not None:
         counts, indices = _union(counts, indices, frow, fcol)
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
@@ -666,10 +682,13 @@ def _dense_block_m(Sq):
 
 def _dense_fwd_impl(q, k, v, causal, scale, return_lse):
     B, Sq, Hq, D = q.shape
-    if not causal and CONFIGS.get((D, 128), {}).get("gluon") and not _interpret():   # opt-in (session 8)
+    if not causal and CONFIGS.get((D, 128), {}).get("gluon") and _GLUON_OK[0] and not _interpret():
         from . import skip_gluon
         if skip_gluon.supported(q, k, v, (128, 128), None):
-            return skip_gluon.dense_fwd(q, k, v, scale, return_lse)
+            res = _gluon_call(skip_gluon.dense_fwd, q, k, v, scale, return_lse)
+            if res is not None:
+                out, lse = res
+                return out, (lse if return_lse else q.new_empty((0,), dtype=torch.float32))
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if return_lse else None
     bm = _dense_block_m(Sq)

@@ -49,46 +49,24 @@ if HAS_GLUON:
         return gl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _item_info(CNT, IDX, lin, n_items, Tk, SKIP: gl.constexpr, LAST_PARTIAL: gl.constexpr):
-        """(count, partial flag) of q-tile lin: the count and whether its last listed k-tile is the partial one."""
-        lin = gl.minimum(lin, n_items - 1)
-        if SKIP:
-            cnt = gl.load(CNT + lin)
-            part = cnt * 0
-            if LAST_PARTIAL:
-                last = gl.load(IDX + lin.to(gl.int64) * Tk + gl.maximum(cnt - 1, 0))
-                part = ((cnt > 0) & (last == Tk - 1)).to(gl.int32)
-        else:
-            cnt = Tk + lin * 0
-            part = cnt * 0 + LAST_PARTIAL
-        return cnt, part
-
-    @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, info, CNT, IDX,
-                  Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr,
-                  LAST_PARTIAL: gl.constexpr):
-        """1 warp: per owned q-tile, publish (count, partial flag) in `info` and load q (signalled by q_ready), then
-        its listed K/V tiles into the ring. A q-tile's count / flag are loaded one q-tile ahead."""
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX,
+                  Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
-        one_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        i2 = gl.arange(0, 2, layout=one_l)
         g = 0
         k = 0
-        cnt_n, part_n = _item_info(CNT, IDX, pid, n_items, Tk, SKIP, LAST_PARTIAL)
         for lin in range(pid, n_items, P):
-            cnt = cnt_n
-            part = part_n
-            cnt_n, part_n = _item_info(CNT, IDX, lin + P, n_items, Tk, SKIP, LAST_PARTIAL)
             bh = lin // Tq
             pm = lin % Tq
             b = bh // Hq
             h = bh % Hq
             hk = h // n_rep
-            # q (and info) of this q-tile: free once both consumers passed the last Q K^T of the previous one
+            if SKIP:
+                cnt = gl.load(CNT + lin)
+            else:
+                cnt = Tk
+            # q of this q-tile: its buffer is free once both consumers passed the last Q K^T of the previous one
             mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
-            info.store(gl.where(i2 == 0, cnt, part))
-            gl.thread_barrier()
             mbarrier.expect(q_ready, _BM * D * 2)
             tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
             row = IDX + lin.to(gl.int64) * Tk
@@ -121,7 +99,7 @@ if HAS_GLUON:
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha, rmax
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, info, wx, wx_full, wx_empty, IDX,
+    def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
                   CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale,
                   threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
                   LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr):
@@ -137,7 +115,6 @@ if HAS_GLUON:
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         widx_w = gl.arange(0, NWORDS, layout=w_layout)
         offs_c = gl.arange(0, 32, layout=w_layout)
-        i2 = gl.arange(0, 2, layout=w_layout)
         qh = q_smem.slice(RM * WG, RM)
         s_zero = gl.zeros([RM, _BN], gl.float32, s_layout)
         pid = gl.program_id(0)
@@ -148,13 +125,15 @@ if HAS_GLUON:
             bh = lin // Tq
             pm = lin % Tq
             row = IDX + lin.to(gl.int64) * Tk
-            mbarrier.wait(q_ready, k & 1)      # q, and the producer's (count, partial flag) in `info`
-            inf = info.load(w_layout)
-            cnt = gl.sum(gl.where(i2 == 0, inf, 0), 0)
-            part = gl.sum(gl.where(i2 == 1, inf, 0), 0) != 0
+            part = False
+            if SKIP:
+                cnt = gl.load(CNT + lin)
+                if LAST_PARTIAL:
+                    part = (cnt > 0) & (gl.load(row + gl.maximum(cnt - 1, 0)) == Tk - 1)
+            else:
+                cnt = Tk
+                part = LAST_PARTIAL
             n_it = gl.maximum(cnt, 1)
-            if SKIP and WG == 0:   # the list head for the next-list write, loaded now so the epilogue need not wait
-                jv0 = gl.load(row + offs_c, mask=offs_c < cnt, other=0)
             rows = pm * _BM + RM * WG + gl.arange(0, RM, layout=row_l)
             row_ok = rows < Sq
             m_i = gl.full([RM], float("-inf"), gl.float32, row_l)
@@ -162,6 +141,7 @@ if HAS_GLUON:
             acc = gl.zeros([RM, D], gl.float32, o_layout)
             word = gl.zeros([RM], gl.int32, row_l)         # keep bits of the current 32-tile word, per row
             words = gl.zeros([NWORDS], gl.int32, w_layout)  # completed words, OR-ed over this warpgroup's rows
+            mbarrier.wait(q_ready, k & 1)
             # tile 0: S synchronously, its softmax; its P V is issued with the next tile's S (or in the tail)
             slot = g % STAGES
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
@@ -226,10 +206,7 @@ if HAS_GLUON:
                     if w * 32 < cnt:
                         c1 = gl.minimum(cnt - w * 32, 32)
                         wd = gl.sum(gl.where(widx_w == w, words, 0), 0)
-                        if w == 0:
-                            jv = jv0
-                        else:
-                            jv = gl.load(row + w * 32 + offs_c, mask=offs_c < c1, other=0)
+                        jv = gl.load(row + w * 32 + offs_c, mask=offs_c < c1, other=0)
                         wv = wd & gl.where(c1 >= 32, -1, (1 << c1) - 1)
                         keep = ((wv >> offs_c) & 1) != 0
                         gl.store(dst + out_cnt + _popc(wv & ((1 << offs_c) - 1)), jv, mask=keep)
@@ -270,7 +247,6 @@ if HAS_GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         wx = gl.allocate_shared_memory(gl.int32, [NWORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        info = gl.allocate_shared_memory(gl.int32, [2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)   # one arrive per consumer warpgroup
@@ -280,14 +256,14 @@ if HAS_GLUON:
         mbarrier.init(bars.index(3), count=1)        # wx_empty
         fence_async_shared()
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), info, wx, bars.index(2),
-                         bars.index(3), IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk,
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk,
                          Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP)),
-            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), info, wx, bars.index(2),
-                         bars.index(3), IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk,
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk,
                          Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
-                         info, CNT, IDX, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, LAST_PARTIAL)),
+                         CNT, IDX, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
