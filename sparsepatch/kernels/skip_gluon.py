@@ -13,6 +13,7 @@ through shared memory (warpgroup 1 hands its words to warpgroup 0, which writes 
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -267,6 +268,11 @@ if HAS_GLUON:
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def supported(q, k, v, tile, must_do) -> bool:
     """True when the Gluon kernel runs these inputs: Gluon, an sm_90 GPU, tile (128, 128), no must_do, fp16 / bf16,
     head dim 64 / 128, (B, S, H, D) tensors whose (B * S) rows have one stride (q / k / v views of a fused QKV
@@ -275,7 +281,7 @@ def supported(q, k, v, tile, must_do) -> bool:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
         return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    if _capability_major(q.device.index if q.device.index is not None else torch.cuda.current_device()) != 9:
         return False
     for t in (q, k, v):
         B, S, H, D = t.shape
@@ -307,7 +313,7 @@ _DESCS = dict(q_desc=0, k_desc=1, v_desc=2)
 
 
 def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
-    cfg = dict(GLUON_SKIP_CONFIG, **(cfg or {}))
+    cfg = dict(GLUON_SKIP_CONFIG, **cfg) if cfg else GLUON_SKIP_CONFIG
     B, Sq, Hq, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     Tq, Tk = triton.cdiv(Sq, BM), triton.cdiv(Sk, BN)
@@ -323,7 +329,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
     tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices, O=out, LSE=lse)
     lse_ret = lse if return_lse else q.new_empty((0,), dtype=torch.float32)
     key = (dev.index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), bool(return_lse), skip,
-           float(threshold), float(scale), tuple(sorted(cfg.items())))
+           float(threshold), float(scale), cfg["stages"], cfg["consumer_regs"], cfg["producer_regs"])
     plan = _PLANS.get(key) if _DIRECT[0] else None
     if plan is not None:
         relaunch, template, tslots, dslots = plan
