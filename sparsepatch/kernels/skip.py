@@ -20,6 +20,12 @@ the next list by popcounts (POPC) and prefetches the prologue data of the progra
 (A persistent grid, keep bits merged once per word and 2-D loop descriptors were measured neutral or slower and
 deleted; benchmarks/NOTES.md, skip forward v4 / v5.)
 
+On an sm_90 GPU with Gluon (Triton 3.6), tile 128x128 skip calls without must_do and non-causal dense calls at
+head dim 128 run `skip_gluon.py` instead (cfg key `gluon`, on by default there): a persistent warp-specialised
+kernel with the same function, ~10% faster per tile than this one's and than cuDNN (benchmarks/NOTES.md, skip
+forward v9). `skip_step` (the stateful patcher path), must_do, other tiles / head dims, causal dense and the
+interpreter stay here; a Gluon compile or launch failure warns once and falls back to this kernel.
+
 Ops are registered with torch.library.custom_op (+ fake impls): `sparsepatch::skip_fwd`, `sparsepatch::dense_fwd`.
 `skip_step` is the CUDA body of `sparsepatch::skip_step` (stateful.py): it reads the call counter on the device,
 so it never syncs with the host and can be captured in a CUDA graph.
