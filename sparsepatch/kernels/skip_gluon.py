@@ -322,14 +322,13 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
     Tq, Tk = triton.cdiv(Sq, BM), triton.cdiv(Sk, BN)
     dev = q.device
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=dev)
-    # arguments the kernel never touches in this mode point at `out` (no allocation: host time, NOTES v9)
-    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev) if return_lse else out
+    lse = torch.empty((B, Hq, Sq) if return_lse else (1,), dtype=torch.float32, device=dev)
     if skip:
         next_counts = torch.empty((B, Hq, Tq), dtype=torch.int32, device=dev)
         next_indices = torch.empty((B, Hq, Tq, Tk), dtype=torch.int32, device=dev)
         counts, indices = counts.contiguous(), indices.contiguous()
-    else:
-        next_counts = next_indices = counts = indices = out
+    else:   # (never read)
+        next_counts = next_indices = counts = indices = torch.empty((1,), dtype=torch.int32, device=dev)
     tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices, O=out, LSE=lse)
     lse_ret = lse if return_lse else q.new_empty((0,), dtype=torch.float32)
     key = (dev.index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), bool(return_lse), skip,
