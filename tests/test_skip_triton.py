@@ -207,6 +207,19 @@ def test_bad_inputs():
 # ------------------------------------------------------------------------------------------------- GPU
 
 
+def _use_gluon(monkeypatch, on, *tables):
+    """Route the 128x128-tile skip / dense calls of `tables` (default both) to the Gluon kernel or the Triton one."""
+    for table in tables or (skip.SKIP_CONFIGS, skip.CONFIGS):
+        for key in list(table):
+            monkeypatch.setitem(table, key, dict(table[key], gluon=on))
+
+
+def _assert_gluon_ran(q, k, v, tile):
+    """The Gluon kernel served these inputs (not the Triton fallback after a failed launch)."""
+    from sparsepatch.kernels import skip_gluon
+    assert skip_gluon.supported(q, k, v, tile, None) and skip._GLUON_OK[0]
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -215,8 +228,9 @@ def test_bad_inputs():
                                         (4000, 64, (128, 128), (2, 1))])
 @pytest.mark.parametrize("gluon", [False, True])
 def test_skip_gpu(monkeypatch, dtype, S, D, tile, H, gluon):
-    for key in list(skip.SKIP_CONFIGS):
-        monkeypatch.setitem(skip.SKIP_CONFIGS, key, dict(skip.SKIP_CONFIGS[key], gluon=gluon))
+    if gluon and tile != (128, 128):
+        pytest.skip("the Gluon kernel serves tile (128, 128) only")
+    _use_gluon(monkeypatch, gluon, skip.SKIP_CONFIGS)
     Hq, Hk = H
     thr = lattice_threshold(D)
     q, k, v, assign = structured_qkv(1, S, S, Hq, Hk, D, dtype, tile, seed=20, device="cuda", clusters=8)
@@ -224,7 +238,9 @@ def test_skip_gpu(monkeypatch, dtype, S, D, tile, H, gluon):
     assert nxt.density().item() < 0.9
     q, k, v, _ = structured_qkv(1, S, S, Hq, Hk, D, dtype, tile, seed=21, device="cuda", assign=assign)
     check_skip(q, k, v, nxt, thr, tile=tile, dtype=dtype)
-    check_skip(q, k, v, nxt, thr, tile=tile, must_do=[(0, 300)], dtype=dtype)
+    if gluon:
+        _assert_gluon_ran(q, k, v, tile)
+    check_skip(q, k, v, nxt, thr, tile=tile, must_do=[(0, 300)], dtype=dtype)   # (must_do: the Triton kernel)
 
 
 @gpu
@@ -234,8 +250,7 @@ def test_skip_gluon_edge_lists_gpu(monkeypatch, dtype):
     """Gluon kernel: batch 2 (its 2-D descriptors span batches), partial last q- and k-tiles, GQA, an empty list
     (out 0, LSE -inf) and a list holding only the partial last k-tile."""
     from sparsepatch.kernels import skip_gluon
-    for key in list(skip.SKIP_CONFIGS):
-        monkeypatch.setitem(skip.SKIP_CONFIGS, key, dict(skip.SKIP_CONFIGS[key], gluon=True))
+    _use_gluon(monkeypatch, True, skip.SKIP_CONFIGS)
     B, S, Hq, Hk, D, tile = 2, 4000, 4, 2, 128, (128, 128)
     thr = lattice_threshold(D)
     q, k, v, assign = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=70, device="cuda", clusters=6)
@@ -249,6 +264,7 @@ def test_skip_gluon_edge_lists_gpu(monkeypatch, dtype):
     q, k, v, _ = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=71, device="cuda", assign=assign)
     out = check_skip(q, k, v, SkipList(counts, idx, tile, S, S), thr, tile=tile, dtype=dtype)
     assert out.counts[0, 1, 3].item() == 0
+    _assert_gluon_ran(q, k, v, tile)
 
 
 @gpu
@@ -257,9 +273,7 @@ def test_skip_gluon_plans_gpu(monkeypatch):
     """Gluon kernel: later calls relaunch through a cached plan (fresh tensors each call): bitwise equal to Gluon's
     own launcher, skip and dense."""
     from sparsepatch.kernels import skip_gluon
-    for table in (skip.SKIP_CONFIGS, skip.CONFIGS):
-        for key in list(table):
-            monkeypatch.setitem(table, key, dict(table[key], gluon=True))
+    _use_gluon(monkeypatch, True)
     S, D, tile, dtype = 4096, 128, (128, 128), torch.bfloat16
     thr = lattice_threshold(D)
     q, k, v, assign = structured_qkv(1, S, S, 4, 2, D, dtype, tile, seed=80, device="cuda", clusters=8)
@@ -296,14 +310,17 @@ def test_skip_gluon_plans_gpu(monkeypatch):
                                             (4000, 4100, 64, False)])
 @pytest.mark.parametrize("gluon", [False, True])
 def test_dense_gpu(monkeypatch, dtype, Sq, Sk, D, causal, gluon):
-    for key in list(skip.CONFIGS):
-        monkeypatch.setitem(skip.CONFIGS, key, dict(skip.CONFIGS[key], gluon=gluon))
+    if gluon and causal:
+        pytest.skip("the Gluon kernel is non-causal only")
+    _use_gluon(monkeypatch, gluon, skip.CONFIGS)
     g = torch.Generator(device="cuda").manual_seed(6)
     H = 2 if Sq > 10000 else 4
     q = torch.randn(1, Sq, H, D, device="cuda", generator=g).to(dtype)
     k = torch.randn(1, Sk, H // 2, D, device="cuda", generator=g).to(dtype)
     v = torch.randn(1, Sk, H // 2, D, device="cuda", generator=g).to(dtype)
     out, lse = skip.attention(q, k, v, causal=causal, return_lse=True)
+    if gluon:
+        _assert_gluon_ran(q, k, v, (128, 128))
     rout, rlse = reference.attention(q, k, v, causal=causal, return_lse=True)
     assert_close(out, rout, dtype)
     torch.testing.assert_close(lse, rlse, atol=2e-3, rtol=1e-4)
@@ -314,9 +331,7 @@ def test_dense_gpu(monkeypatch, dtype, Sq, Sk, D, causal, gluon):
 def test_launch_plans_gpu(monkeypatch):
     """Later calls relaunch the compiled kernel through a cached plan (fresh tensors each call, so every pointer
     and descriptor is re-filled): bitwise equal to Triton's own launcher, and to the reference's lists."""
-    for table in (skip.SKIP_CONFIGS, skip.CONFIGS):   # the Triton kernels (the Gluon one has its own plan test)
-        for key in list(table):
-            monkeypatch.setitem(table, key, dict(table[key], gluon=False))
+    _use_gluon(monkeypatch, False)   # the Triton kernels (the Gluon one has its own plan test)
     S, D, tile, dtype = 4096, 128, (128, 128), torch.bfloat16
     thr = lattice_threshold(D)
     skip._PLANS.clear()

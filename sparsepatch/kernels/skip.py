@@ -650,7 +650,7 @@ def _skip_fwd_impl(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_f
         from . import skip_gluon
         if skip_gluon.supported(q, k, v, (tm, tn), must_do):
             res = _gluon_call(skip_gluon.skip_fwd, q, k, v, counts, indices, threshold, scale, return_lse,
-                              cfg=dict(stages=cfg.get("gluon_stages", 3)))
+                              cfg={"stages": cfg["gluon_stages"]} if "gluon_stages" in cfg else None)
             if res is not None:
                 return res
     if frow is not None:
@@ -693,8 +693,7 @@ def _dense_fwd_impl(q, k, v, causal, scale, return_lse):
         if skip_gluon.supported(q, k, v, (128, 128), None):
             res = _gluon_call(skip_gluon.dense_fwd, q, k, v, scale, return_lse)
             if res is not None:
-                out, lse = res
-                return out, (lse if return_lse else q.new_empty((0,), dtype=torch.float32))
+                return res
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if return_lse else None
     bm = _dense_block_m(Sq)

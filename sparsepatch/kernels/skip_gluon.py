@@ -332,8 +332,10 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
         next_counts = next_indices = counts = indices = torch.empty((1,), dtype=torch.int32, device=dev)
     tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices, O=out, LSE=lse)
     lse_ret = lse if return_lse else q.new_empty((0,), dtype=torch.float32)
+    # (the lists' 16-byte alignment is in the key: Gluon specialises pointers on it, q / k / v pass `supported`)
     key = (dev.index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), bool(return_lse), skip,
-           float(threshold), float(scale), cfg["stages"], cfg["consumer_regs"], cfg["producer_regs"])
+           counts.data_ptr() % 16 == 0, indices.data_ptr() % 16 == 0, float(threshold), float(scale),
+           cfg["stages"], cfg["consumer_regs"], cfg["producer_regs"])
     plan = _PLANS.get(key) if _DIRECT[0] else None
     if plan is not None:
         relaunch, template, tslots, dslots = plan
