@@ -630,6 +630,8 @@ def _gluon_call(fn, *args, **kwargs):
     """fn(*args) on the Gluon kernel (skip_gluon.py), or None after warning once if it cannot run here."""
     try:
         return fn(*args, **kwargs)
+    except torch.OutOfMemoryError:   # not the kernel's fault: the Triton path would need the same memory
+        raise
     except Exception as exc:  # noqa: BLE001  (compile / launch failure: same function on the Triton kernel)
         warnings.warn(f"sparsepatch: the Gluon attention kernel failed ({type(exc).__name__}: {str(exc)[:200]}); "
                       "using the Triton kernels")
