@@ -156,6 +156,11 @@ VARIANTS = {
     "grid": dict(gluon=False),                            # the per-q-tile Triton kernel (the default until session 8)
     "gluon": dict(gluon=True),                            # persistent warp-specialised Gluon kernel (skip_gluon.py)
     "gluon_s2": dict(gluon=True, gluon_stages=2),
+    # session 9: the next q-tile's count / partial flag loaded one q-tile ahead, the next list written by one masked
+    # scatter of indices loaded before the last P V (early); the next q-tile's q rows prefetched into L2 (qpf)
+    "gluon_early": dict(gluon=True, gluon_early=True),
+    "gluon_early_qpf": dict(gluon=True, gluon_early=True, gluon_qpf=True),
+    "gluon_qpf": dict(gluon=True, gluon_qpf=True),
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),

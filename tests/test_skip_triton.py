@@ -207,11 +207,15 @@ def test_bad_inputs():
 # ------------------------------------------------------------------------------------------------- GPU
 
 
-def _use_gluon(monkeypatch, on, *tables):
-    """Route the 128x128-tile skip / dense calls of `tables` (default both) to the Gluon kernel or the Triton one."""
+GLUON_VARIANTS = {"gluon": {}, "gluon_early_qpf": dict(gluon_early=True, gluon_qpf=True)}
+
+
+def _use_gluon(monkeypatch, on, *tables, variant="gluon"):
+    """Route the 128x128-tile skip / dense calls of `tables` (default both) to the Gluon kernel (with the options
+    of GLUON_VARIANTS[variant]) or the Triton one."""
     for table in tables or (skip.SKIP_CONFIGS, skip.CONFIGS):
         for key in list(table):
-            monkeypatch.setitem(table, key, dict(table[key], gluon=on))
+            monkeypatch.setitem(table, key, dict(table[key], gluon=on, **(GLUON_VARIANTS[variant] if on else {})))
 
 
 def _assert_gluon_ran(q, k, v, tile):
@@ -226,11 +230,11 @@ def _assert_gluon_ran(q, k, v, tile):
 @pytest.mark.parametrize("S,D,tile,H", [(4096, 128, (128, 128), (4, 2)), (4000, 64, (64, 64), (2, 2)),
                                         (32760, 128, (128, 128), (1, 1)), (8000, 128, (128, 128), (3, 1)),
                                         (4000, 64, (128, 128), (2, 1))])
-@pytest.mark.parametrize("gluon", [False, True])
+@pytest.mark.parametrize("gluon", [False, "gluon", "gluon_early_qpf"])
 def test_skip_gpu(monkeypatch, dtype, S, D, tile, H, gluon):
     if gluon and tile != (128, 128):
         pytest.skip("the Gluon kernel serves tile (128, 128) only")
-    _use_gluon(monkeypatch, gluon, skip.SKIP_CONFIGS)
+    _use_gluon(monkeypatch, bool(gluon), skip.SKIP_CONFIGS, variant=gluon or "gluon")
     Hq, Hk = H
     thr = lattice_threshold(D)
     q, k, v, assign = structured_qkv(1, S, S, Hq, Hk, D, dtype, tile, seed=20, device="cuda", clusters=8)
@@ -246,11 +250,12 @@ def test_skip_gpu(monkeypatch, dtype, S, D, tile, H, gluon):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_skip_gluon_edge_lists_gpu(monkeypatch, dtype):
+@pytest.mark.parametrize("variant", list(GLUON_VARIANTS))
+def test_skip_gluon_edge_lists_gpu(monkeypatch, dtype, variant):
     """Gluon kernel: batch 2 (its 2-D descriptors span batches), partial last q- and k-tiles, GQA, an empty list
     (out 0, LSE -inf) and a list holding only the partial last k-tile."""
     from sparsepatch.kernels import skip_gluon
-    _use_gluon(monkeypatch, True, skip.SKIP_CONFIGS)
+    _use_gluon(monkeypatch, True, skip.SKIP_CONFIGS, variant=variant)
     B, S, Hq, Hk, D, tile = 2, 4000, 4, 2, 128, (128, 128)
     thr = lattice_threshold(D)
     q, k, v, assign = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=70, device="cuda", clusters=6)

@@ -652,7 +652,7 @@ def _skip_fwd_impl(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_f
         from . import skip_gluon
         if skip_gluon.supported(q, k, v, (tm, tn), must_do):
             res = _gluon_call(skip_gluon.skip_fwd, q, k, v, counts, indices, threshold, scale, return_lse,
-                              cfg={"stages": cfg["gluon_stages"]} if "gluon_stages" in cfg else None)
+                              cfg={kk[6:]: vv for kk, vv in cfg.items() if kk.startswith("gluon_")})
             if res is not None:
                 return res
     if frow is not None:

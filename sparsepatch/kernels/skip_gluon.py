@@ -38,7 +38,7 @@ from .reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile
-GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40)
+GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, early=False, qpf=False)
 
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -54,8 +54,14 @@ if HAS_GLUON:
         return gl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX,
-                  Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr):
+    def _prefetch_l2(ptrs):
+        return gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptrs],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, Q,
+                  stride_qs, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr,
+                  SKIP: gl.constexpr, QPF: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -74,6 +80,14 @@ if HAS_GLUON:
             mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
             mbarrier.expect(q_ready, _BM * D * 2)
             tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
+            if QPF:   # the next owned q-tile's q rows into L2 (its TMA load is issued only after this q-tile's loop)
+                nx = gl.minimum(lin + P, n_items - 1)
+                pl: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+                half = gl.arange(0, 2 * _BM, layout=pl)
+                qr = gl.minimum((nx % Tq) * _BM + half // 2, Sq - 1)
+                bhn = nx // Tq
+                _prefetch_l2(Q + ((bhn // Hq) * Sq + qr).to(gl.int64) * stride_qs + (bhn % Hq) * D
+                             + (half % 2) * (D // 2))
             row = IDX + lin.to(gl.int64) * Tk
             for t in range(gl.maximum(cnt, 1)):   # an empty list: one placeholder tile (k-tile 0), discarded
                 if SKIP:
@@ -107,7 +121,7 @@ if HAS_GLUON:
     def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
                   CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale,
                   threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
-                  LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr):
+                  LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, EARLY: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
         NW: gl.constexpr = gl.num_warps()
         RM: gl.constexpr = 16 * NW
@@ -116,22 +130,39 @@ if HAS_GLUON:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                            instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        if EARLY:   # every thread holds all NWORDS words; the next-list write is one masked scatter
+            wl2: gl.constexpr = gl.BlockedLayout([NWORDS, 1], [1, 32], [1, NW], [1, 0])
+            w_layout: gl.constexpr = gl.SliceLayout(1, wl2)
+            offs2 = (gl.expand_dims(gl.arange(0, NWORDS, layout=w_layout), 1) * 32
+                     + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, wl2)), 0))
+            col2 = offs2 % 32
+        else:
+            w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+            offs_c = gl.arange(0, 32, layout=w_layout)
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         widx_w = gl.arange(0, NWORDS, layout=w_layout)
-        offs_c = gl.arange(0, 32, layout=w_layout)
         qh = q_smem.slice(RM * WG, RM)
         s_zero = gl.zeros([RM, _BN], gl.float32, s_layout)
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
         k = 0
+        if SKIP and EARLY:   # count / partial flag of the next owned q-tile, loaded one q-tile ahead
+            cnt_nx = gl.load(CNT + pid)
+            part_nx = False
+            if LAST_PARTIAL:
+                part_nx = (cnt_nx > 0) & (gl.load(IDX + pid.to(gl.int64) * Tk + gl.maximum(cnt_nx - 1, 0)) == Tk - 1)
         for lin in range(pid, n_items, P):
             bh = lin // Tq
             pm = lin % Tq
             row = IDX + lin.to(gl.int64) * Tk
             part = False
-            if SKIP:
+            if SKIP and EARLY:
+                cnt = cnt_nx
+                part = part_nx
+                nxt = lin + P
+                cnt_nx = gl.load(CNT + nxt, mask=nxt < n_items, other=0)
+            elif SKIP:
                 cnt = gl.load(CNT + lin)
                 if LAST_PARTIAL:
                     part = (cnt > 0) & (gl.load(row + gl.maximum(cnt - 1, 0)) == Tk - 1)
@@ -187,6 +218,12 @@ if HAS_GLUON:
                 prev = slot
                 g += 1
             mbarrier.arrive(q_empty)   # every Q K^T of this q-tile has completed
+            if SKIP and EARLY:
+                if LAST_PARTIAL:
+                    part_nx = (cnt_nx > 0) & (gl.load(IDX + nxt.to(gl.int64) * Tk + gl.maximum(cnt_nx - 1, 0),
+                                                      mask=nxt < n_items, other=0) == Tk - 1)
+                if WG == 0:
+                    jall = gl.load(row + offs2, mask=offs2 < cnt, other=0)
             acc = warpgroup_mma(p16, v_smem.index(prev), acc)
             mbarrier.arrive(empty.index(prev))
 
@@ -206,16 +243,27 @@ if HAS_GLUON:
                 mbarrier.arrive(wx_empty)
                 words = gl.where(cnt > 0, words, 0)
                 dst = IDX_OUT + lin.to(gl.int64) * Tk
-                out_cnt = cnt * 0
-                for w in gl.static_range(NWORDS):
-                    if w * 32 < cnt:
-                        c1 = gl.minimum(cnt - w * 32, 32)
-                        wd = gl.sum(gl.where(widx_w == w, words, 0), 0)
-                        jv = gl.load(row + w * 32 + offs_c, mask=offs_c < c1, other=0)
-                        wv = wd & gl.where(c1 >= 32, -1, (1 << c1) - 1)
-                        keep = ((wv >> offs_c) & 1) != 0
-                        gl.store(dst + out_cnt + _popc(wv & ((1 << offs_c) - 1)), jv, mask=keep)
-                        out_cnt += _popc(wv)
+                if EARLY:
+                    pc = _popc(words)
+                    wd2 = gl.expand_dims(words, 1)
+                    keep2 = (((wd2 >> col2) & 1) != 0) & (offs2 < cnt)
+                    base = gl.zeros_like(pc)   # kept words before each word (all in-thread: no shuffles)
+                    for w in gl.static_range(NWORDS - 1):
+                        base += gl.where(widx_w > w, gl.sum(gl.where(widx_w == w, pc, 0), 0), 0)
+                    pos = gl.expand_dims(base, 1) + _popc(wd2 & ((1 << col2) - 1))
+                    gl.store(dst + pos, jall, mask=keep2)
+                    out_cnt = gl.sum(pc, 0)
+                else:
+                    out_cnt = cnt * 0
+                    for w in gl.static_range(NWORDS):
+                        if w * 32 < cnt:
+                            c1 = gl.minimum(cnt - w * 32, 32)
+                            wd = gl.sum(gl.where(widx_w == w, words, 0), 0)
+                            jv = gl.load(row + w * 32 + offs_c, mask=offs_c < c1, other=0)
+                            wv = wd & gl.where(c1 >= 32, -1, (1 << c1) - 1)
+                            keep = ((wv >> offs_c) & 1) != 0
+                            gl.store(dst + out_cnt + _popc(wv & ((1 << offs_c) - 1)), jv, mask=keep)
+                            out_cnt += _popc(wv)
                 gl.store(CNT_OUT + lin, out_cnt)
 
             # out = acc / l (zeros for a placeholder), LSE
@@ -237,11 +285,12 @@ if HAS_GLUON:
             k += 1
 
     @gluon.jit
-    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os,
-                           stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, qk_scale, threshold,
+    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, Q, stride_qs, stride_ob,
+                           stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, qk_scale, threshold,
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           num_warps: gl.constexpr, SKIP: gl.constexpr = True):
+                           num_warps: gl.constexpr, SKIP: gl.constexpr = True, EARLY: gl.constexpr = False,
+                           QPF: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
         dtype: gl.constexpr = q_desc.dtype
@@ -263,12 +312,14 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk,
-                         Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP)),
+                         Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP,
+                         EARLY)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk,
-                         Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP)),
+                         Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP,
+                         EARLY)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
-                         CNT, IDX, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP)),
+                         CNT, IDX, Q, stride_qs, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, QPF)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -312,7 +363,7 @@ def skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse, cfg=None):
 # and descriptor bases only. Key: every shape / stride / dtype / scalar argument and the config.
 _PLANS: dict = {}
 _DIRECT = [True]
-_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "O", "LSE")
+_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "O", "LSE", "Q")
 _DESCS = dict(q_desc=0, k_desc=1, v_desc=2)
 
 
@@ -330,12 +381,12 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
         counts, indices = counts.contiguous(), indices.contiguous()
     else:   # (never read)
         next_counts = next_indices = counts = indices = torch.empty((1,), dtype=torch.int32, device=dev)
-    tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices, O=out, LSE=lse)
+    tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices, O=out, LSE=lse, Q=q)
     lse_ret = lse if return_lse else q.new_empty((0,), dtype=torch.float32)
     # (the lists' 16-byte alignment is in the key: Gluon specialises pointers on it, q / k / v pass `supported`)
     key = (dev.index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), bool(return_lse), skip,
            counts.data_ptr() % 16 == 0, indices.data_ptr() % 16 == 0, float(threshold), float(scale),
-           cfg["stages"], cfg["consumer_regs"], cfg["producer_regs"])
+           tuple(sorted(cfg.items())))
     plan = _PLANS.get(key) if _DIRECT[0] else None
     if plan is not None:
         relaunch, template, tslots, dslots = plan
@@ -362,12 +413,14 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
     vd = TensorDescriptor(v, [B * Sk, Hk * D], [v.stride(1), 1], [BN, D], lay)
     n_items = B * Hq * Tq
     grid = (min(n_items, num_sms(dev)),)
-    params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, stride_ob=out.stride(0), stride_os=out.stride(1),
+    params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, stride_qs=q.stride(1), stride_ob=out.stride(0),
+                  stride_os=out.stride(1),
                   stride_oh=out.stride(2), Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq, Tk=Tk, n_items=n_items,
                   qk_scale=scale * LOG2E, threshold=float(threshold), D=D, STAGES=int(cfg["stages"]),
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
-                  PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip)
+                  PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, EARLY=bool(cfg["early"]),
+                  QPF=bool(cfg["qpf"]))
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
