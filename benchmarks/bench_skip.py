@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import gpu_name, random_list  # noqa: E402
+from common import gpu_name, random_list, save_results  # noqa: E402
 
 SHAPES = [(1, 12, 32760, 128), (1, 40, 32760, 128), (1, 16, 4096, 128)]
 DENSITIES = [1.0, 0.5, 0.13, 0.05]
@@ -234,6 +234,75 @@ def probe(log, shape=(1, 12, 32760, 128), names=("default",), lists=("seq1", "se
     return rows
 
 
+GLUON_PHASES = ("q_wait", "kv0_wait", "loop", "pv_last", "list", "out")   # consumer stamps c0..c6, one per edge
+
+
+def probe_gluon(log, shape=(1, 12, 32760, 128), names=("gluon",), lists=("seq1", "rand0.05", "rand1.0")):
+    """Per-q-tile phase times of the Gluon kernel (its PROBE build: %clock64 stamps per owned q-tile of each
+    warpgroup and of the producer). Mean us per q-tile over all programs' middle q-tiles."""
+    from sparsepatch.kernels import skip, skip_gluon
+    B, H, S, D = shape
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    all_lists = {"seq1": lambda: seq_list(B, H, S, 1), "seq13": lambda: seq_list(B, H, S, 13)}
+    all_lists.update({f"rand{r}": (lambda r=r: random_list(B, H, S, r)) for r in DENSITIES})
+    n_items = B * H * ((S + 127) // 128)
+    progs = min(n_items, torch.cuda.get_device_properties(0).multi_processor_count)
+    maxk = -(-n_items // progs)
+    buf = torch.zeros((progs, maxk, 3, 8), dtype=torch.int64, device="cuda")
+    n_k = torch.tensor([len(range(p, n_items, progs)) for p in range(progs)])
+    base_cfg = dict(skip.SKIP_CONFIGS[(128, 128)])
+    rows = []
+    for ln in lists:
+        lst = all_lists[ln]()
+        for name in names:
+            cfg = dict(base_cfg, **VARIANTS[name])
+            try:
+                skip.SKIP_CONFIGS[(128, 128)] = cfg
+                t_plain = bench_ms(lambda lst=lst: skip.skip_attention(q, k, v, lst, -5.0), rep=50)
+                skip.SKIP_CONFIGS[(128, 128)] = dict(cfg, gluon_probe=buf)
+                t_probe = bench_ms(lambda lst=lst: skip.skip_attention(q, k, v, lst, -5.0), rep=50)
+                buf.zero_()
+                skip_gluon._PLANS.clear()
+                skip.skip_attention(q, k, v, lst, -5.0)   # the recorded call (after do_bench's L2 flush pattern)
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001
+                log(f"probe_gluon {name} {ln}: {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            finally:
+                skip.SKIP_CONFIGS[(128, 128)] = base_cfg
+            p = buf.double().cpu()
+            cyc_per_ns = torch.stack([(p[i, n_k[i] - 1, 2, 0] - p[i, 0, 2, 0]) / (p[i, n_k[i] - 1, 2, 3] - p[i, 0, 2, 3])
+                                      for i in range(progs) if n_k[i] > 1]).median().item()
+            mid = torch.zeros(progs, maxk, dtype=torch.bool)
+            for i in range(progs):
+                mid[i, 1:n_k[i] - 1] = True
+            us = 1e-3 / cyc_per_ns
+            row = dict(variant=name, list=ln, ms_plain=t_plain, ms_probe=t_probe, ghz=cyc_per_ns)
+            for wg in (0, 1):
+                c = p[:, :, wg, :7]
+                for i, ph in enumerate(GLUON_PHASES):
+                    row[f"wg{wg}_{ph}"] = ((c[:, :, i + 1] - c[:, :, i])[mid] * us).mean().item()
+                nxt = torch.roll(c[:, :, 0], -1, dims=1)
+                row[f"wg{wg}_gap"] = ((nxt - c[:, :, 6])[mid] * us).mean().item()
+                row[f"wg{wg}_item"] = ((nxt - c[:, :, 0])[mid] * us).mean().item()
+            pr = p[:, :, 2]
+            row["prod_qempty_wait"] = ((pr[:, :, 1] - pr[:, :, 0])[mid] * us).mean().item()
+            row["q_latency"] = ((p[:, :, 0, 1] - pr[:, :, 1])[mid] * us).mean().item()   # q issued -> wg0 has it
+            row["wg1_lead"] = ((p[:, :, 0, 0] - p[:, :, 1, 0])[mid] * us).mean().item()
+            row["cnt_mean"] = p[:, :, 0, 7][mid].mean().item()
+            rows.append(row)
+            log(f"probe_gluon {row}")
+    cols = [f"wg{w}_{ph}" for w in (0, 1) for ph in GLUON_PHASES + ("gap", "item")] + [
+        "prod_qempty_wait", "q_latency", "wg1_lead"]
+    print("\n| list | variant | ms plain / probe | " + " | ".join(cols) + " |")
+    print("|---|---|---|" + "---|" * len(cols))
+    for r in rows:
+        print(f"| {r['list']} | {r['variant']} | {r['ms_plain']:.3f} / {r['ms_probe']:.3f} | "
+              + " | ".join(f"{r[c]:.2f}" for c in cols) + " |")
+    return rows
+
+
 def _gpu_ms_host_hidden(fn, reps=60):
     """Median GPU ms of fn with a cold L2, host time hidden: each rep flushes L2 (do_bench's 256 MB zero) and
     queues a ~0.3 ms GPU sleep before the start event, so the host's launch work overlaps GPU work as it does in
@@ -435,6 +504,9 @@ def main(argv=None):
     ap.add_argument("--lists", nargs="*", default=None, help="--variants: only these lists (rand0.05, seq1, ...)")
     ap.add_argument("--probe", nargs="*", default=None,
                     help="per-phase clocks (PROBE builds) for these variants (none = default), then exit")
+    ap.add_argument("--probe-gluon", nargs="*", default=None,
+                    help="phase times per q-tile of the Gluon kernel (its PROBE build) for these variants at --shape "
+                         "(none = gluon) on --lists (default seq1 rand0.05 rand1.0); exit")
     ap.add_argument("--host", action="store_true",
                     help="host us per call vs GPU time (do_bench and host-hidden), cProfile of the host path; exit")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -460,6 +532,14 @@ def main(argv=None):
             os.makedirs(d, exist_ok=True)
             with open(os.path.join(d, f"{gpu_name()}-skip-host.json"), "w") as f:
                 json.dump(res, f, indent=1)
+        return 0
+
+    if args.probe_gluon is not None:
+        shape = tuple(int(x) for x in args.shape.split(","))
+        res = dict(probe=probe_gluon(log, shape=shape, names=args.probe_gluon or ("gluon",),
+                                     lists=args.lists or ("seq1", "rand0.05", "rand1.0")),
+                   shape=shape, gpu=torch.cuda.get_device_name())
+        save_results(res, f"{gpu_name()}-skip-probe-gluon-{'x'.join(map(str, shape))}.json", args.out)
         return 0
 
     if args.probe is not None:

@@ -54,19 +54,30 @@ if HAS_GLUON:
         return gl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
+    def _stamp(PRB, base, i: gl.constexpr, dep):
+        """PROBE builds only (benchmarks): %clock64, read once `dep` (a scalar) is known, to PRB[base + i]."""
+        t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(PRB + base + i, t)
+
+    @gluon.jit
     def _prefetch_l2(ptrs):
         return gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptrs],
                                          dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, Q,
-                  stride_qs, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr,
-                  SKIP: gl.constexpr, QPF: gl.constexpr):
+                  stride_qs, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr,
+                  SKIP: gl.constexpr, QPF: gl.constexpr, PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
         k = 0
         for lin in range(pid, n_items, P):
+            pb = ((pid * MAXK + k) * 3 + 2).to(gl.int64) * 8   # PROBE: this q-tile's producer stamps
+            if PROBE:
+                _stamp(PRB, pb, 0, lin)
+                gl.store(PRB + pb + 3, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lin],
+                                                                dtype=gl.int64, is_pure=False, pack=1))
             bh = lin // Tq
             pm = lin % Tq
             b = bh // Hq
@@ -78,6 +89,8 @@ if HAS_GLUON:
                 cnt = Tk
             # q of this q-tile: its buffer is free once both consumers passed the last Q K^T of the previous one
             mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
+            if PROBE:
+                _stamp(PRB, pb, 1, cnt)
             mbarrier.expect(q_ready, _BM * D * 2)
             tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
             if QPF:   # the next owned q-tile's q rows into L2 (its TMA load is issued only after this q-tile's loop)
@@ -103,6 +116,8 @@ if HAS_GLUON:
                 tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
                                                 v_smem.index(slot))
                 g += 1
+            if PROBE:
+                _stamp(PRB, pb, 2, g)
             k += 1
 
     @gluon.jit
@@ -119,9 +134,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
-                  CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale,
-                  threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
-                  LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, EARLY: gl.constexpr):
+                  CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items,
+                  qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
+                  LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, EARLY: gl.constexpr,
+                  PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
         NW: gl.constexpr = gl.num_warps()
         RM: gl.constexpr = 16 * NW
@@ -153,6 +169,9 @@ if HAS_GLUON:
             if LAST_PARTIAL:
                 part_nx = (cnt_nx > 0) & (gl.load(IDX + pid.to(gl.int64) * Tk + gl.maximum(cnt_nx - 1, 0)) == Tk - 1)
         for lin in range(pid, n_items, P):
+            pb = ((pid * MAXK + k) * 3 + WG).to(gl.int64) * 8   # PROBE: this q-tile's stamps of this warpgroup
+            if PROBE:
+                _stamp(PRB, pb, 0, lin)
             bh = lin // Tq
             pm = lin % Tq
             row = IDX + lin.to(gl.int64) * Tk
@@ -178,9 +197,14 @@ if HAS_GLUON:
             word = gl.zeros([RM], gl.int32, row_l)         # keep bits of the current 32-tile word, per row
             words = gl.zeros([NWORDS], gl.int32, w_layout)  # completed words, OR-ed over this warpgroup's rows
             mbarrier.wait(q_ready, k & 1)
+            if PROBE:
+                _stamp(PRB, pb, 1, cnt)
+                gl.store(PRB + pb + 7, cnt.to(gl.int64))
             # tile 0: S synchronously, its softmax; its P V is issued with the next tile's S (or in the tail)
             slot = g % STAGES
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+            if PROBE:
+                _stamp(PRB, pb, 2, g)
             s = warpgroup_mma(qh, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
             if part & (n_it == 1):
                 p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, (Tk - 1) * _BN, Sk, True, s_layout)
@@ -217,6 +241,8 @@ if HAS_GLUON:
                 m_i = m_new
                 prev = slot
                 g += 1
+            if PROBE:
+                _stamp(PRB, pb, 3, g)
             mbarrier.arrive(q_empty)   # every Q K^T of this q-tile has completed
             if SKIP and EARLY:
                 if LAST_PARTIAL:
@@ -226,6 +252,8 @@ if HAS_GLUON:
                     jall = gl.load(row + offs2, mask=offs2 < cnt, other=0)
             acc = warpgroup_mma(p16, v_smem.index(prev), acc)
             mbarrier.arrive(empty.index(prev))
+            if PROBE:
+                _stamp(PRB, pb, 4, k)
 
             # next list: the two warpgroups' keep words OR-ed through shared memory, written by warpgroup 0
             if not SKIP:
@@ -236,6 +264,8 @@ if HAS_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()
                 mbarrier.arrive(wx_full)
+                if PROBE:
+                    _stamp(PRB, pb, 5, k)
             else:
                 mbarrier.wait(wx_full, k & 1)
                 words = words | wx.load(w_layout)
@@ -265,6 +295,8 @@ if HAS_GLUON:
                             gl.store(dst + out_cnt + _popc(wv & ((1 << offs_c) - 1)), jv, mask=keep)
                             out_cnt += _popc(wv)
                 gl.store(CNT_OUT + lin, out_cnt)
+                if PROBE:
+                    _stamp(PRB, pb, 5, out_cnt)
 
             # out = acc / l (zeros for a placeholder), LSE
             real = cnt > 0
@@ -282,15 +314,17 @@ if HAS_GLUON:
                 lse = gl.where(real & (l_i != 0.0), (m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * _LN2,
                                float("-inf"))
                 gl.store(LSE + bh.to(gl.int64) * Sq + rows, lse, mask=row_ok)
+            if PROBE:
+                _stamp(PRB, pb, 6, k)
             k += 1
 
     @gluon.jit
-    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, Q, stride_qs, stride_ob,
-                           stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, qk_scale, threshold,
+    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, Q, PRB, MAXK, stride_qs,
+                           stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, qk_scale, threshold,
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, EARLY: gl.constexpr = False,
-                           QPF: gl.constexpr = False):
+                           QPF: gl.constexpr = False, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
         dtype: gl.constexpr = q_desc.dtype
@@ -311,15 +345,16 @@ if HAS_GLUON:
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
-                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk,
-                         Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP,
-                         EARLY)),
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
+                         Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL,
+                         WRITE_LSE, SKIP, EARLY, PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
-                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, stride_ob, stride_os, stride_oh, Sq, Sk,
-                         Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP,
-                         EARLY)),
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
+                         Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
+                         WRITE_LSE, SKIP, EARLY, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
-                         CNT, IDX, Q, stride_qs, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, QPF)),
+                         CNT, IDX, Q, stride_qs, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, QPF,
+                         PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -363,7 +398,7 @@ def skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse, cfg=None):
 # and descriptor bases only. Key: every shape / stride / dtype / scalar argument and the config.
 _PLANS: dict = {}
 _DIRECT = [True]
-_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "O", "LSE", "Q")
+_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "O", "LSE", "Q", "PRB")
 _DESCS = dict(q_desc=0, k_desc=1, v_desc=2)
 
 
@@ -381,13 +416,22 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
         counts, indices = counts.contiguous(), indices.contiguous()
     else:   # (never read)
         next_counts = next_indices = counts = indices = torch.empty((1,), dtype=torch.int32, device=dev)
-    tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices, O=out, LSE=lse, Q=q)
+    n_items = B * Hq * Tq
+    grid = (min(n_items, num_sms(dev)),)
+    maxk = triton.cdiv(n_items, grid[0])
+    # benchmarks only: cfg["probe"], int64 (programs, maxk, 3, 8): %clock64 stamps per owned q-tile of warpgroup 0,
+    # warpgroup 1 and the producer (bench_skip.py `probe_gluon` reads them)
+    probe = cfg.get("probe")
+    if probe is not None and (probe.dtype != torch.int64 or probe.numel() < grid[0] * maxk * 24):
+        raise ValueError(f"cfg['probe'] must be an int64 tensor of >= {grid[0] * maxk * 24} elements")
+    tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices, O=out, LSE=lse, Q=q,
+                   PRB=lse if probe is None else probe)
     lse_ret = lse if return_lse else q.new_empty((0,), dtype=torch.float32)
     # (the lists' 16-byte alignment is in the key: Gluon specialises pointers on it, q / k / v pass `supported`)
     key = (dev.index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), bool(return_lse), skip,
            counts.data_ptr() % 16 == 0, indices.data_ptr() % 16 == 0, float(threshold), float(scale),
            tuple(sorted(cfg.items())))
-    plan = _PLANS.get(key) if _DIRECT[0] else None
+    plan = _PLANS.get(key) if _DIRECT[0] and probe is None else None
     if plan is not None:
         relaunch, template, tslots, dslots = plan
         args = list(template)
@@ -411,18 +455,16 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
         [BM, D], dt))
     kd = TensorDescriptor(k, [B * Sk, Hk * D], [k.stride(1), 1], [BN, D], lay)
     vd = TensorDescriptor(v, [B * Sk, Hk * D], [v.stride(1), 1], [BN, D], lay)
-    n_items = B * Hq * Tq
-    grid = (min(n_items, num_sms(dev)),)
-    params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, stride_qs=q.stride(1), stride_ob=out.stride(0),
+    params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, stride_qs=q.stride(1), MAXK=maxk, stride_ob=out.stride(0),
                   stride_os=out.stride(1),
                   stride_oh=out.stride(2), Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq, Tk=Tk, n_items=n_items,
                   qk_scale=scale * LOG2E, threshold=float(threshold), D=D, STAGES=int(cfg["stages"]),
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, EARLY=bool(cfg["early"]),
-                  QPF=bool(cfg["qpf"]))
+                  QPF=bool(cfg["qpf"]), PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
-    if _DIRECT[0] and dev.index == torch.cuda.current_device():
+    if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
         if relaunch is not None:
             names = _skip_gluon_kernel.arg_names
