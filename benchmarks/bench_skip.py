@@ -161,6 +161,10 @@ VARIANTS = {
     "gluon_early": dict(gluon=True, gluon_early=True),
     "gluon_early_qpf": dict(gluon=True, gluon_early=True, gluon_qpf=True),
     "gluon_qpf": dict(gluon=True, gluon_qpf=True),
+    # out through the warpgroup's own q half (one q half per warpgroup, refilled after the epilogue), 16-byte stores
+    "gluon_stage": dict(gluon=True, gluon_stage_out=True),
+    "gluon_stage_qpf": dict(gluon=True, gluon_stage_out=True, gluon_qpf=True),
+    "gluon_stage_all": dict(gluon=True, gluon_stage_out=True, gluon_qpf=True, gluon_early=True),
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),

@@ -38,7 +38,8 @@ from .reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile
-GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, early=False, qpf=False)
+GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, early=False, qpf=False,
+                         stage_out=False)
 
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -65,9 +66,10 @@ if HAS_GLUON:
                                          dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, Q,
-                  stride_qs, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr,
-                  SKIP: gl.constexpr, QPF: gl.constexpr, PROBE: gl.constexpr):
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, q_ready1, q_empty1,
+                  CNT, IDX, Q, stride_qs, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr,
+                  STAGES: gl.constexpr, SKIP: gl.constexpr, QPF: gl.constexpr, STAGE_OUT: gl.constexpr,
+                  PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -88,11 +90,22 @@ if HAS_GLUON:
             else:
                 cnt = Tk
             # q of this q-tile: its buffer is free once both consumers passed the last Q K^T of the previous one
-            mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
-            if PROBE:
-                _stamp(PRB, pb, 1, cnt)
-            mbarrier.expect(q_ready, _BM * D * 2)
-            tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
+            if STAGE_OUT:   # one q half per warpgroup, each refilled once its warpgroup staged its out through it
+                mbarrier.wait(q_empty1, (k + 1) & 1, pred=k > 0)   # (warpgroup 1 usually finishes first)
+                mbarrier.expect(q_ready1, _BM // 2 * D * 2)
+                tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM + _BM // 2, h * D], q_ready1,
+                                                q_smem.index(1))
+                mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
+                if PROBE:
+                    _stamp(PRB, pb, 1, cnt)
+                mbarrier.expect(q_ready, _BM // 2 * D * 2)
+                tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem.index(0))
+            else:
+                mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
+                if PROBE:
+                    _stamp(PRB, pb, 1, cnt)
+                mbarrier.expect(q_ready, _BM * D * 2)
+                tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
             if QPF:   # the next owned q-tile's q rows into L2 (its TMA load is issued only after this q-tile's loop)
                 nx = gl.minimum(lin + P, n_items - 1)
                 pl: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -137,7 +150,7 @@ if HAS_GLUON:
                   CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items,
                   qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
                   LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, EARLY: gl.constexpr,
-                  PROBE: gl.constexpr):
+                  STAGE_OUT: gl.constexpr, PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
         NW: gl.constexpr = gl.num_warps()
         RM: gl.constexpr = 16 * NW
@@ -157,7 +170,10 @@ if HAS_GLUON:
             offs_c = gl.arange(0, 32, layout=w_layout)
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         widx_w = gl.arange(0, NWORDS, layout=w_layout)
-        qh = q_smem.slice(RM * WG, RM)
+        if STAGE_OUT:
+            qh = q_smem.index(WG)
+        else:
+            qh = q_smem.slice(RM * WG, RM)
         s_zero = gl.zeros([RM, _BN], gl.float32, s_layout)
         pid = gl.program_id(0)
         P = gl.num_programs(0)
@@ -243,7 +259,8 @@ if HAS_GLUON:
                 g += 1
             if PROBE:
                 _stamp(PRB, pb, 3, g)
-            mbarrier.arrive(q_empty)   # every Q K^T of this q-tile has completed
+            if not STAGE_OUT:
+                mbarrier.arrive(q_empty)   # every Q K^T of this q-tile has completed
             if SKIP and EARLY:
                 if LAST_PARTIAL:
                     part_nx = (cnt_nx > 0) & (gl.load(IDX + nxt.to(gl.int64) * Tk + gl.maximum(cnt_nx - 1, 0),
@@ -305,8 +322,18 @@ if HAS_GLUON:
             out = gl.where(real, acc / gl.expand_dims(l_safe, 1), 0.0).to(O.dtype.element_ty)
             b = bh // Hq
             h = bh % Hq
-            o_rows = pm * _BM + RM * WG + gl.arange(0, RM, layout=gl.SliceLayout(1, o_layout))
-            cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+            if STAGE_OUT:   # through this warpgroup's q half (its Q K^T are done): 8 columns per thread, 16-byte stores
+                st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
+                qh.store(out)
+                gl.thread_barrier()
+                out = qh.load(st_layout)
+                fence_async_shared()   # these reads before the next q TMA load overwrites the half
+                gl.thread_barrier()
+                mbarrier.arrive(q_empty)
+            else:
+                st_layout: gl.constexpr = o_layout
+            o_rows = pm * _BM + RM * WG + gl.arange(0, RM, layout=gl.SliceLayout(1, st_layout))
+            cols = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
             o_ptrs = (O + b.to(gl.int64) * stride_ob + h * stride_oh + gl.expand_dims(o_rows, 1).to(gl.int64)
                       * stride_os + gl.expand_dims(cols, 0))
             gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < Sq, 1))
@@ -324,37 +351,43 @@ if HAS_GLUON:
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, EARLY: gl.constexpr = False,
-                           QPF: gl.constexpr = False, PROBE: gl.constexpr = False):
+                           QPF: gl.constexpr = False, STAGE_OUT: gl.constexpr = False, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [_BM, D], q_desc.layout)
+        if STAGE_OUT:
+            q_smem = gl.allocate_shared_memory(dtype, [2, _BM // 2, D], q_desc.layout)
+        else:
+            q_smem = gl.allocate_shared_memory(dtype, [_BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, _BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, _BN, D], v_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
         wx = gl.allocate_shared_memory(gl.int32, [NWORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)   # one arrive per consumer warpgroup
         mbarrier.init(bars.index(0), count=1)        # q_ready (TMA bytes)
-        mbarrier.init(bars.index(1), count=2)        # q_empty
+        mbarrier.init(bars.index(1), count=1 if STAGE_OUT else 2)   # q_empty (of q half 0 with STAGE_OUT)
         mbarrier.init(bars.index(2), count=1)        # wx_full (warpgroup 1's words)
         mbarrier.init(bars.index(3), count=1)        # wx_empty
+        mbarrier.init(bars.index(4), count=1)        # STAGE_OUT: q_ready of q half 1
+        mbarrier.init(bars.index(5), count=1)        # STAGE_OUT: q_empty of q half 1
         fence_async_shared()
+        qb1 = 4 if STAGE_OUT else 0   # warpgroup 1's q barriers
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, EARLY, PROBE)),
-            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
-                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
-                         Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, EARLY, PROBE)),
+                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PROBE)),
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(qb1), bars.index(qb1 + 1), wx,
+                         bars.index(2), bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob,
+                         stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
+                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
-                         CNT, IDX, Q, stride_qs, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, QPF,
-                         PROBE)),
+                         bars.index(4), bars.index(5), CNT, IDX, Q, stride_qs, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk,
+                         n_items, D, STAGES, SKIP, QPF, STAGE_OUT, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -451,8 +484,9 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
     lay = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
     # 2-D views (B * S, H * D): rows past a batch's S belong to the next batch; only the partial last k-tile
     # reaches them and its columns >= Sk are masked (q rows >= Sq are never stored)
-    qd = TensorDescriptor(q, [B * Sq, Hq * D], [q.stride(1), 1], [BM, D], gl.NVMMASharedLayout.get_default_for(
-        [BM, D], dt))
+    qbm = BM // 2 if cfg["stage_out"] else BM   # stage_out: one q half per warpgroup
+    qd = TensorDescriptor(q, [B * Sq, Hq * D], [q.stride(1), 1], [qbm, D], gl.NVMMASharedLayout.get_default_for(
+        [qbm, D], dt))
     kd = TensorDescriptor(k, [B * Sk, Hk * D], [k.stride(1), 1], [BN, D], lay)
     vd = TensorDescriptor(v, [B * Sk, Hk * D], [v.stride(1), 1], [BN, D], lay)
     params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, stride_qs=q.stride(1), MAXK=maxk, stride_ob=out.stride(0),
@@ -462,7 +496,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, EARLY=bool(cfg["early"]),
-                  QPF=bool(cfg["qpf"]), PROBE=probe is not None)
+                  QPF=bool(cfg["qpf"]), STAGE_OUT=bool(cfg["stage_out"]), PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
