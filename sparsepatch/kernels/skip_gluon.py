@@ -66,6 +66,22 @@ if HAS_GLUON:
                                          dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, row, cnt, t, g, b, hk, Sk, Tk, D: gl.constexpr,
+                 STAGES: gl.constexpr, SKIP: gl.constexpr):
+        """Issue the K / V loads of list entry t (k-tile t when not SKIP) into ring slot g % STAGES; -> g + 1."""
+        if SKIP:
+            j = gl.load(row + t, mask=t < cnt, other=0)
+            j = gl.minimum(gl.maximum(j, 0), Tk - 1)
+        else:
+            j = t
+        slot = g % STAGES
+        mbarrier.wait(empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
+        mbarrier.expect(ready.index(slot), 2 * _BN * D * 2)
+        tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], ready.index(slot), v_smem.index(slot))
+        return g + 1
+
+    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, q_ready1, q_empty1,
                   CNT, IDX, Q, stride_qs, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr,
                   STAGES: gl.constexpr, SKIP: gl.constexpr, QPF: gl.constexpr, STAGE_OUT: gl.constexpr,
@@ -89,6 +105,14 @@ if HAS_GLUON:
                 cnt = gl.load(CNT + lin)
             else:
                 cnt = Tk
+            row = IDX + lin.to(gl.int64) * Tk
+            n_it = gl.maximum(cnt, 1)   # an empty list: one placeholder tile (k-tile 0), discarded
+            # STAGE_OUT: the first ring-full of this q-tile's tiles before its q, whose halves are released only
+            # after the previous q-tile's epilogue (those slots are freed by the previous q-tile's loop)
+            n0 = gl.minimum(n_it, STAGES) if STAGE_OUT else 0
+            for t in range(n0):
+                g = _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, row, cnt, t, g, b, hk, Sk, Tk, D, STAGES,
+                             SKIP)
             # q of this q-tile: its buffer is free once both consumers passed the last Q K^T of the previous one
             if STAGE_OUT:   # one q half per warpgroup, each refilled once its warpgroup staged its out through it
                 mbarrier.wait(q_empty1, (k + 1) & 1, pred=k > 0)   # (warpgroup 1 usually finishes first)
@@ -114,21 +138,9 @@ if HAS_GLUON:
                 bhn = nx // Tq
                 _prefetch_l2(Q + ((bhn // Hq) * Sq + qr).to(gl.int64) * stride_qs + (bhn % Hq) * D
                              + (half % 2) * (D // 2))
-            row = IDX + lin.to(gl.int64) * Tk
-            for t in range(gl.maximum(cnt, 1)):   # an empty list: one placeholder tile (k-tile 0), discarded
-                if SKIP:
-                    j = gl.load(row + t, mask=t < cnt, other=0)
-                    j = gl.minimum(gl.maximum(j, 0), Tk - 1)
-                else:
-                    j = t
-                slot = g % STAGES
-                mbarrier.wait(empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
-                mbarrier.expect(ready.index(slot), 2 * _BN * D * 2)
-                tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
-                                                k_smem.index(slot))
-                tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
-                                                v_smem.index(slot))
-                g += 1
+            for t in range(n0, n_it):
+                g = _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, row, cnt, t, g, b, hk, Sk, Tk, D, STAGES,
+                             SKIP)
             if PROBE:
                 _stamp(PRB, pb, 2, g)
             k += 1
