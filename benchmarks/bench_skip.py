@@ -165,6 +165,13 @@ VARIANTS = {
     "gluon_stage": dict(gluon=True, gluon_stage_out=True),
     "gluon_stage_qpf": dict(gluon=True, gluon_stage_out=True, gluon_qpf=True),
     "gluon_stage_all": dict(gluon=True, gluon_stage_out=True, gluon_qpf=True, gluon_early=True),
+    # qsync: both q halves refilled together (the warpgroups start a q-tile in step); pv_async: the last P V runs
+    # under the next-list exchange / write
+    "gluon_stage_sync": dict(gluon=True, gluon_stage_out=True, gluon_qsync=True),
+    "gluon_stage_pv": dict(gluon=True, gluon_stage_out=True, gluon_pv_async=True),
+    "gluon_stage_sync_pv": dict(gluon=True, gluon_stage_out=True, gluon_qsync=True, gluon_pv_async=True),
+    "gluon_stage_sync_pv_early": dict(gluon=True, gluon_stage_out=True, gluon_qsync=True, gluon_pv_async=True,
+                                      gluon_early=True),
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),

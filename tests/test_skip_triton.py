@@ -208,7 +208,8 @@ def test_bad_inputs():
 
 
 GLUON_VARIANTS = {"gluon": {}, "gluon_early_qpf": dict(gluon_early=True, gluon_qpf=True),
-                  "gluon_stage_out": dict(gluon_stage_out=True, gluon_qpf=True)}
+                  "gluon_stage_out": dict(gluon_stage_out=True, gluon_qpf=True, gluon_qsync=True, gluon_pv_async=True,
+                                          gluon_early=True)}
 
 
 def _use_gluon(monkeypatch, on, *tables, variant="gluon"):

@@ -39,7 +39,7 @@ from .reference import LOG2E
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile
 GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, early=False, qpf=False,
-                         stage_out=False)
+                         stage_out=False, qsync=False, pv_async=False)
 
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -85,7 +85,7 @@ if HAS_GLUON:
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, q_ready1, q_empty1,
                   CNT, IDX, Q, stride_qs, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr,
                   STAGES: gl.constexpr, SKIP: gl.constexpr, QPF: gl.constexpr, STAGE_OUT: gl.constexpr,
-                  PROBE: gl.constexpr):
+                  QSYNC: gl.constexpr, PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -116,10 +116,13 @@ if HAS_GLUON:
             # q of this q-tile: its buffer is free once both consumers passed the last Q K^T of the previous one
             if STAGE_OUT:   # one q half per warpgroup, each refilled once its warpgroup staged its out through it
                 mbarrier.wait(q_empty1, (k + 1) & 1, pred=k > 0)   # (warpgroup 1 usually finishes first)
+                if QSYNC:   # both halves together: the warpgroups start a q-tile in step (they share the ring)
+                    mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
                 mbarrier.expect(q_ready1, _BM // 2 * D * 2)
                 tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM + _BM // 2, h * D], q_ready1,
                                                 q_smem.index(1))
-                mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
+                if not QSYNC:
+                    mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
                 if PROBE:
                     _stamp(PRB, pb, 1, cnt)
                 mbarrier.expect(q_ready, _BM // 2 * D * 2)
@@ -162,7 +165,7 @@ if HAS_GLUON:
                   CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items,
                   qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
                   LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, EARLY: gl.constexpr,
-                  STAGE_OUT: gl.constexpr, PROBE: gl.constexpr):
+                  STAGE_OUT: gl.constexpr, PV_ASYNC: gl.constexpr, PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
         NW: gl.constexpr = gl.num_warps()
         RM: gl.constexpr = 16 * NW
@@ -279,8 +282,11 @@ if HAS_GLUON:
                                                       mask=nxt < n_items, other=0) == Tk - 1)
                 if WG == 0:
                     jall = gl.load(row + offs2, mask=offs2 < cnt, other=0)
-            acc = warpgroup_mma(p16, v_smem.index(prev), acc)
-            mbarrier.arrive(empty.index(prev))
+            if PV_ASYNC:   # the last P V runs under the next-list exchange / write
+                o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+            else:
+                acc = warpgroup_mma(p16, v_smem.index(prev), acc)
+                mbarrier.arrive(empty.index(prev))
             if PROBE:
                 _stamp(PRB, pb, 4, k)
 
@@ -327,6 +333,9 @@ if HAS_GLUON:
                 if PROBE:
                     _stamp(PRB, pb, 5, out_cnt)
 
+            if PV_ASYNC:
+                acc = warpgroup_mma_wait(0, deps=[o_tok])
+                mbarrier.arrive(empty.index(prev))
             # out = acc / l (zeros for a placeholder), LSE
             real = cnt > 0
             l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -363,7 +372,8 @@ if HAS_GLUON:
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, EARLY: gl.constexpr = False,
-                           QPF: gl.constexpr = False, STAGE_OUT: gl.constexpr = False, PROBE: gl.constexpr = False):
+                           QPF: gl.constexpr = False, STAGE_OUT: gl.constexpr = False, QSYNC: gl.constexpr = False,
+                           PV_ASYNC: gl.constexpr = False, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
         dtype: gl.constexpr = q_desc.dtype
@@ -392,14 +402,14 @@ if HAS_GLUON:
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PROBE)),
+                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PV_ASYNC, PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(qb1), bars.index(qb1 + 1), wx,
                          bars.index(2), bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob,
                          stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PROBE)),
+                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PV_ASYNC, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
                          bars.index(4), bars.index(5), CNT, IDX, Q, stride_qs, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk,
-                         n_items, D, STAGES, SKIP, QPF, STAGE_OUT, PROBE)),
+                         n_items, D, STAGES, SKIP, QPF, STAGE_OUT, QSYNC, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -508,7 +518,8 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, EARLY=bool(cfg["early"]),
-                  QPF=bool(cfg["qpf"]), STAGE_OUT=bool(cfg["stage_out"]), PROBE=probe is not None)
+                  QPF=bool(cfg["qpf"]), STAGE_OUT=bool(cfg["stage_out"]),
+                  QSYNC=bool(cfg["qsync"]), PV_ASYNC=bool(cfg["pv_async"]), PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
