@@ -172,6 +172,8 @@ VARIANTS = {
     "gluon_stage_sync_pv": dict(gluon=True, gluon_stage_out=True, gluon_qsync=True, gluon_pv_async=True),
     "gluon_stage_sync_pv_early": dict(gluon=True, gluon_stage_out=True, gluon_qsync=True, gluon_pv_async=True,
                                       gluon_early=True),
+    # tma_out: the staged out tile stored by one TMA store (whole q halves; a partial one keeps the 16-byte stores)
+    "gluon_stage_tma": dict(gluon=True, gluon_stage_out=True, gluon_tma_out=True),
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),

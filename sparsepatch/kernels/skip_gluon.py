@@ -39,7 +39,7 @@ from .reference import LOG2E
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile
 GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, early=False, qpf=False,
-                         stage_out=False, qsync=False, pv_async=False)
+                         stage_out=False, qsync=False, pv_async=False, tma_out=False)
 
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -161,11 +161,11 @@ if HAS_GLUON:
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha, rmax
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
+    def _consumer(o_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
                   CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items,
                   qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
                   LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, EARLY: gl.constexpr,
-                  STAGE_OUT: gl.constexpr, PV_ASYNC: gl.constexpr, PROBE: gl.constexpr):
+                  STAGE_OUT: gl.constexpr, PV_ASYNC: gl.constexpr, TMA_OUT: gl.constexpr, PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
         NW: gl.constexpr = gl.num_warps()
         RM: gl.constexpr = 16 * NW
@@ -345,19 +345,33 @@ if HAS_GLUON:
             h = bh % Hq
             if STAGE_OUT:   # through this warpgroup's q half (its Q K^T are done): 8 columns per thread, 16-byte stores
                 st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
-                qh.store(out)
-                gl.thread_barrier()
-                out = qh.load(st_layout)
-                fence_async_shared()   # these reads before the next q TMA load overwrites the half
-                gl.thread_barrier()
-                mbarrier.arrive(q_empty)
             else:
                 st_layout: gl.constexpr = o_layout
             o_rows = pm * _BM + RM * WG + gl.arange(0, RM, layout=gl.SliceLayout(1, st_layout))
             cols = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
             o_ptrs = (O + b.to(gl.int64) * stride_ob + h * stride_oh + gl.expand_dims(o_rows, 1).to(gl.int64)
                       * stride_os + gl.expand_dims(cols, 0))
-            gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < Sq, 1))
+            o_mask = gl.expand_dims(o_rows < Sq, 1)
+            if STAGE_OUT:
+                qh.store(out)
+                if TMA_OUT:
+                    fence_async_shared()   # the tile visible to the TMA unit (async proxy)
+                gl.thread_barrier()
+                if TMA_OUT:
+                    if pm * _BM + RM * WG + RM <= Sq:   # a whole half (a partial one would reach the next batch's rows)
+                        tma.async_copy_shared_to_global(o_desc, [b * Sq + pm * _BM + RM * WG, h * D], qh)
+                        tma.store_wait(0)
+                    else:
+                        gl.store(o_ptrs, qh.load(st_layout), mask=o_mask)
+                else:
+                    out = qh.load(st_layout)
+                fence_async_shared()   # these reads before the next q TMA load overwrites the half
+                gl.thread_barrier()
+                mbarrier.arrive(q_empty)
+                if not TMA_OUT:
+                    gl.store(o_ptrs, out, mask=o_mask)
+            else:
+                gl.store(o_ptrs, out, mask=o_mask)
             if WRITE_LSE:
                 lse = gl.where(real & (l_i != 0.0), (m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * _LN2,
                                float("-inf"))
@@ -367,13 +381,14 @@ if HAS_GLUON:
             k += 1
 
     @gluon.jit
-    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, Q, PRB, MAXK, stride_qs,
+    def _skip_gluon_kernel(q_desc, k_desc, v_desc, o_desc, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, Q, PRB, MAXK, stride_qs,
                            stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, qk_scale, threshold,
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, EARLY: gl.constexpr = False,
                            QPF: gl.constexpr = False, STAGE_OUT: gl.constexpr = False, QSYNC: gl.constexpr = False,
-                           PV_ASYNC: gl.constexpr = False, PROBE: gl.constexpr = False):
+                           PV_ASYNC: gl.constexpr = False, TMA_OUT: gl.constexpr = False,
+                           PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
         dtype: gl.constexpr = q_desc.dtype
@@ -399,14 +414,14 @@ if HAS_GLUON:
         fence_async_shared()
         qb1 = 4 if STAGE_OUT else 0   # warpgroup 1's q barriers
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PV_ASYNC, PROBE)),
-            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(qb1), bars.index(qb1 + 1), wx,
+                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PV_ASYNC, TMA_OUT, PROBE)),
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(qb1), bars.index(qb1 + 1), wx,
                          bars.index(2), bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob,
                          stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PV_ASYNC, PROBE)),
+                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PV_ASYNC, TMA_OUT, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
                          bars.index(4), bars.index(5), CNT, IDX, Q, stride_qs, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk,
                          n_items, D, STAGES, SKIP, QPF, STAGE_OUT, QSYNC, PROBE)),
@@ -454,7 +469,7 @@ def skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse, cfg=None):
 _PLANS: dict = {}
 _DIRECT = [True]
 _TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "O", "LSE", "Q", "PRB")
-_DESCS = dict(q_desc=0, k_desc=1, v_desc=2)
+_DESCS = dict(q_desc=0, k_desc=1, v_desc=2, o_desc=3)
 
 
 def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
@@ -492,7 +507,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
         args = list(template)
         for pos, name in tslots:
             args[pos] = tensors[name]
-        qkv = (q, k, v)
+        qkv = (q, k, v, out)
         for pos, i, geometry in dslots:
             args[pos] = DescriptorArgs(qkv[i], *geometry)
         try:
@@ -511,7 +526,10 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
         [qbm, D], dt))
     kd = TensorDescriptor(k, [B * Sk, Hk * D], [k.stride(1), 1], [BN, D], lay)
     vd = TensorDescriptor(v, [B * Sk, Hk * D], [v.stride(1), 1], [BN, D], lay)
-    params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, stride_qs=q.stride(1), MAXK=maxk, stride_ob=out.stride(0),
+    # tma_out: out stored by TMA from the staged q half (2-D view like q's; only whole halves are stored this way)
+    tma_out = bool(cfg["stage_out"] and cfg["tma_out"])
+    od = TensorDescriptor(out, [B * Sq, Hq * D], [out.stride(1), 1], [qbm, D], qd.layout) if tma_out else qd
+    params = dict(q_desc=qd, k_desc=kd, v_desc=vd, o_desc=od, **tensors, stride_qs=q.stride(1), MAXK=maxk, stride_ob=out.stride(0),
                   stride_os=out.stride(1),
                   stride_oh=out.stride(2), Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq, Tk=Tk, n_items=n_items,
                   qk_scale=scale * LOG2E, threshold=float(threshold), D=D, STAGES=int(cfg["stages"]),
@@ -519,7 +537,8 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, EARLY=bool(cfg["early"]),
                   QPF=bool(cfg["qpf"]), STAGE_OUT=bool(cfg["stage_out"]),
-                  QSYNC=bool(cfg["qsync"]), PV_ASYNC=bool(cfg["pv_async"]), PROBE=probe is not None)
+                  QSYNC=bool(cfg["qsync"]), PV_ASYNC=bool(cfg["pv_async"]),
+                  TMA_OUT=tma_out, PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
@@ -527,7 +546,8 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
             names = _skip_gluon_kernel.arg_names
             tslots = [(pos, n) for pos, n in enumerate(names) if n in _TENSORS]
             dslots = [(names.index(n), i, (params[n].shape, params[n].strides, params[n].block_shape,
-                                           params[n].padding)) for n, i in _DESCS.items()]
+                                           params[n].padding))
+                      for n, i in dict(_DESCS, o_desc=3 if tma_out else 0).items()]
             per_call = {pos for pos, _ in tslots} | {pos for pos, _, _ in dslots}
             template = [None if pos in per_call else params[n] for pos, n in enumerate(names)]
             if len(_PLANS) > 64:
