@@ -174,6 +174,11 @@ VARIANTS = {
                                       gluon_early=True),
     # tma_out: the staged out tile stored by one TMA store (whole q halves; a partial one keeps the 16-byte stores)
     "gluon_stage_tma": dict(gluon=True, gluon_stage_out=True, gluon_tma_out=True),
+    # kstage: out staged through the warpgroup's 64 rows of the last tile's K (after both warpgroups' last Q K^T;
+    # that ring slot is released after the staging), q kept whole and refilled right after the loop as in gluon
+    "gluon_kstage": dict(gluon=True, gluon_kstage=True),
+    "gluon_kstage_pv": dict(gluon=True, gluon_kstage=True, gluon_pv_async=True),
+    "gluon_kstage_pv_early": dict(gluon=True, gluon_kstage=True, gluon_pv_async=True, gluon_early=True),
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),

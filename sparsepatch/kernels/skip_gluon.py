@@ -39,7 +39,8 @@ from .reference import LOG2E
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile
 GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, early=False, qpf=False,
-                         stage_out=False, qsync=False, pv_async=False, tma_out=False)
+                         stage_out=False, qsync=False, pv_async=False, tma_out=False,
+                         kstage=False)
 
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -165,7 +166,8 @@ if HAS_GLUON:
                   CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items,
                   qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
                   LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, EARLY: gl.constexpr,
-                  STAGE_OUT: gl.constexpr, PV_ASYNC: gl.constexpr, TMA_OUT: gl.constexpr, PROBE: gl.constexpr):
+                  STAGE_OUT: gl.constexpr, PV_ASYNC: gl.constexpr, TMA_OUT: gl.constexpr, KSTAGE: gl.constexpr,
+                  PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
         NW: gl.constexpr = gl.num_warps()
         RM: gl.constexpr = 16 * NW
@@ -286,7 +288,8 @@ if HAS_GLUON:
                 o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             else:
                 acc = warpgroup_mma(p16, v_smem.index(prev), acc)
-                mbarrier.arrive(empty.index(prev))
+                if not KSTAGE:
+                    mbarrier.arrive(empty.index(prev))
             if PROBE:
                 _stamp(PRB, pb, 4, k)
 
@@ -335,7 +338,8 @@ if HAS_GLUON:
 
             if PV_ASYNC:
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
-                mbarrier.arrive(empty.index(prev))
+                if not KSTAGE:
+                    mbarrier.arrive(empty.index(prev))
             # out = acc / l (zeros for a placeholder), LSE
             real = cnt > 0
             l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -343,7 +347,7 @@ if HAS_GLUON:
             out = gl.where(real, acc / gl.expand_dims(l_safe, 1), 0.0).to(O.dtype.element_ty)
             b = bh // Hq
             h = bh % Hq
-            if STAGE_OUT:   # through this warpgroup's q half (its Q K^T are done): 8 columns per thread, 16-byte stores
+            if STAGE_OUT or KSTAGE:   # staged in shared memory: 8 columns per thread, 16-byte stores
                 st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
             else:
                 st_layout: gl.constexpr = o_layout
@@ -370,6 +374,16 @@ if HAS_GLUON:
                 mbarrier.arrive(q_empty)
                 if not TMA_OUT:
                     gl.store(o_ptrs, out, mask=o_mask)
+            elif KSTAGE:   # through this warpgroup's 64 rows of the last tile's K (q stays loaded for the next q-tile)
+                mbarrier.wait(q_empty, k & 1)   # both warpgroups' last Q K^T (which read all of that K) are done
+                ks = k_smem.index(prev).slice(RM * WG, RM)
+                ks.store(out)
+                gl.thread_barrier()
+                out = ks.load(st_layout)
+                fence_async_shared()   # these reads before the slot's next TMA load
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(prev))
+                gl.store(o_ptrs, out, mask=o_mask)
             else:
                 gl.store(o_ptrs, out, mask=o_mask)
             if WRITE_LSE:
@@ -388,7 +402,7 @@ if HAS_GLUON:
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, EARLY: gl.constexpr = False,
                            QPF: gl.constexpr = False, STAGE_OUT: gl.constexpr = False, QSYNC: gl.constexpr = False,
                            PV_ASYNC: gl.constexpr = False, TMA_OUT: gl.constexpr = False,
-                           PROBE: gl.constexpr = False):
+                           KSTAGE: gl.constexpr = False, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
         dtype: gl.constexpr = q_desc.dtype
@@ -417,11 +431,11 @@ if HAS_GLUON:
             (_consumer, (o_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PV_ASYNC, TMA_OUT, PROBE)),
+                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PV_ASYNC, TMA_OUT, KSTAGE, PROBE)),
             (_consumer, (o_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(qb1), bars.index(qb1 + 1), wx,
                          bars.index(2), bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob,
                          stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PV_ASYNC, TMA_OUT, PROBE)),
+                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PV_ASYNC, TMA_OUT, KSTAGE, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
                          bars.index(4), bars.index(5), CNT, IDX, Q, stride_qs, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk,
                          n_items, D, STAGES, SKIP, QPF, STAGE_OUT, QSYNC, PROBE)),
@@ -538,7 +552,8 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, EARLY=bool(cfg["early"]),
                   QPF=bool(cfg["qpf"]), STAGE_OUT=bool(cfg["stage_out"]),
                   QSYNC=bool(cfg["qsync"]), PV_ASYNC=bool(cfg["pv_async"]),
-                  TMA_OUT=tma_out, PROBE=probe is not None)
+                  TMA_OUT=tma_out,
+                  KSTAGE=bool(cfg["kstage"] and not cfg["stage_out"]), PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
