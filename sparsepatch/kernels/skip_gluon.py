@@ -343,8 +343,10 @@ if HAS_GLUON:
             # out = acc / l (zeros for a placeholder), LSE
             real = cnt > 0
             l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-            l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-            out = gl.where(real, acc / gl.expand_dims(l_safe, 1), 0.0).to(O.dtype.element_ty)
+            # one reciprocal per row, 0 for a placeholder / empty row (per-element selects and divisions cost ~300
+            # instructions per thread here)
+            inv_l = gl.where(real & (l_o != 0.0), 1.0 / gl.where(l_o == 0.0, 1.0, l_o), 0.0)
+            out = (acc * gl.expand_dims(inv_l, 1)).to(O.dtype.element_ty)
             b = bh // Hq
             h = bh % Hq
             if STAGE_OUT or KSTAGE:   # staged in shared memory: 8 columns per thread, 16-byte stores
