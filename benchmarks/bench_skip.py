@@ -156,29 +156,11 @@ VARIANTS = {
     "grid": dict(gluon=False),                            # the per-q-tile Triton kernel (the default until session 8)
     "gluon": dict(gluon=True),                            # persistent warp-specialised Gluon kernel (skip_gluon.py)
     "gluon_s2": dict(gluon=True, gluon_stages=2),
-    # session 9: the next q-tile's count / partial flag loaded one q-tile ahead, the next list written by one masked
-    # scatter of indices loaded before the last P V (early); the next q-tile's q rows prefetched into L2 (qpf)
-    "gluon_early": dict(gluon=True, gluon_early=True),
-    "gluon_early_qpf": dict(gluon=True, gluon_early=True, gluon_qpf=True),
-    "gluon_qpf": dict(gluon=True, gluon_qpf=True),
-    # out through the warpgroup's own q half (one q half per warpgroup, refilled after the epilogue), 16-byte stores
-    "gluon_stage": dict(gluon=True, gluon_stage_out=True),
-    "gluon_stage_qpf": dict(gluon=True, gluon_stage_out=True, gluon_qpf=True),
-    "gluon_stage_all": dict(gluon=True, gluon_stage_out=True, gluon_qpf=True, gluon_early=True),
-    # qsync: both q halves refilled together (the warpgroups start a q-tile in step); pv_async: the last P V runs
-    # under the next-list exchange / write
-    "gluon_stage_sync": dict(gluon=True, gluon_stage_out=True, gluon_qsync=True),
-    "gluon_stage_pv": dict(gluon=True, gluon_stage_out=True, gluon_pv_async=True),
-    "gluon_stage_sync_pv": dict(gluon=True, gluon_stage_out=True, gluon_qsync=True, gluon_pv_async=True),
-    "gluon_stage_sync_pv_early": dict(gluon=True, gluon_stage_out=True, gluon_qsync=True, gluon_pv_async=True,
-                                      gluon_early=True),
-    # tma_out: the staged out tile stored by one TMA store (whole q halves; a partial one keeps the 16-byte stores)
-    "gluon_stage_tma": dict(gluon=True, gluon_stage_out=True, gluon_tma_out=True),
-    # kstage: out staged through the warpgroup's 64 rows of the last tile's K (after both warpgroups' last Q K^T;
-    # that ring slot is released after the staging), q kept whole and refilled right after the loop as in gluon
-    "gluon_kstage": dict(gluon=True, gluon_kstage=True),
-    "gluon_kstage_pv": dict(gluon=True, gluon_kstage=True, gluon_pv_async=True),
-    "gluon_kstage_pv_early": dict(gluon=True, gluon_kstage=True, gluon_pv_async=True, gluon_early=True),
+    # session 9 (v10): the default stages each warpgroup's out tile through its 64 rows of the last tile's K and runs
+    # the last P V under the next-list write; "gluon_plain" stores from the wgmma layout after a synchronous last
+    # P V (session 8's order). Options timed and deleted: early count / list loads, an L2 prefetch of the next q, out staged through
+    # q halves (+ refilled in step, + TMA store): NOTES v10.
+    "gluon_plain": dict(gluon=True, gluon_kstage=False, gluon_pv_async=False),
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),

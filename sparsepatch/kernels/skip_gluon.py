@@ -38,9 +38,7 @@ from .reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile
-GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, early=False, qpf=False,
-                         stage_out=False, qsync=False, pv_async=False, tma_out=False,
-                         kstage=False)
+GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True)
 
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -62,31 +60,9 @@ if HAS_GLUON:
         gl.store(PRB + base + i, t)
 
     @gluon.jit
-    def _prefetch_l2(ptrs):
-        return gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptrs],
-                                         dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, row, cnt, t, g, b, hk, Sk, Tk, D: gl.constexpr,
-                 STAGES: gl.constexpr, SKIP: gl.constexpr):
-        """Issue the K / V loads of list entry t (k-tile t when not SKIP) into ring slot g % STAGES; -> g + 1."""
-        if SKIP:
-            j = gl.load(row + t, mask=t < cnt, other=0)
-            j = gl.minimum(gl.maximum(j, 0), Tk - 1)
-        else:
-            j = t
-        slot = g % STAGES
-        mbarrier.wait(empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
-        mbarrier.expect(ready.index(slot), 2 * _BN * D * 2)
-        tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot), k_smem.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], ready.index(slot), v_smem.index(slot))
-        return g + 1
-
-    @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, q_ready1, q_empty1,
-                  CNT, IDX, Q, stride_qs, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr,
-                  STAGES: gl.constexpr, SKIP: gl.constexpr, QPF: gl.constexpr, STAGE_OUT: gl.constexpr,
-                  QSYNC: gl.constexpr, PROBE: gl.constexpr):
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, PRB, MAXK,
+                  Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr,
+                  PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -106,45 +82,27 @@ if HAS_GLUON:
                 cnt = gl.load(CNT + lin)
             else:
                 cnt = Tk
-            row = IDX + lin.to(gl.int64) * Tk
-            n_it = gl.maximum(cnt, 1)   # an empty list: one placeholder tile (k-tile 0), discarded
-            # STAGE_OUT: the first ring-full of this q-tile's tiles before its q, whose halves are released only
-            # after the previous q-tile's epilogue (those slots are freed by the previous q-tile's loop)
-            n0 = gl.minimum(n_it, STAGES) if STAGE_OUT else 0
-            for t in range(n0):
-                g = _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, row, cnt, t, g, b, hk, Sk, Tk, D, STAGES,
-                             SKIP)
             # q of this q-tile: its buffer is free once both consumers passed the last Q K^T of the previous one
-            if STAGE_OUT:   # one q half per warpgroup, each refilled once its warpgroup staged its out through it
-                mbarrier.wait(q_empty1, (k + 1) & 1, pred=k > 0)   # (warpgroup 1 usually finishes first)
-                if QSYNC:   # both halves together: the warpgroups start a q-tile in step (they share the ring)
-                    mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
-                mbarrier.expect(q_ready1, _BM // 2 * D * 2)
-                tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM + _BM // 2, h * D], q_ready1,
-                                                q_smem.index(1))
-                if not QSYNC:
-                    mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
-                if PROBE:
-                    _stamp(PRB, pb, 1, cnt)
-                mbarrier.expect(q_ready, _BM // 2 * D * 2)
-                tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem.index(0))
-            else:
-                mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
-                if PROBE:
-                    _stamp(PRB, pb, 1, cnt)
-                mbarrier.expect(q_ready, _BM * D * 2)
-                tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
-            if QPF:   # the next owned q-tile's q rows into L2 (its TMA load is issued only after this q-tile's loop)
-                nx = gl.minimum(lin + P, n_items - 1)
-                pl: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-                half = gl.arange(0, 2 * _BM, layout=pl)
-                qr = gl.minimum((nx % Tq) * _BM + half // 2, Sq - 1)
-                bhn = nx // Tq
-                _prefetch_l2(Q + ((bhn // Hq) * Sq + qr).to(gl.int64) * stride_qs + (bhn % Hq) * D
-                             + (half % 2) * (D // 2))
-            for t in range(n0, n_it):
-                g = _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, row, cnt, t, g, b, hk, Sk, Tk, D, STAGES,
-                             SKIP)
+            mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
+            if PROBE:
+                _stamp(PRB, pb, 1, cnt)
+            mbarrier.expect(q_ready, _BM * D * 2)
+            tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
+            row = IDX + lin.to(gl.int64) * Tk
+            for t in range(gl.maximum(cnt, 1)):   # an empty list: one placeholder tile (k-tile 0), discarded
+                if SKIP:
+                    j = gl.load(row + t, mask=t < cnt, other=0)
+                    j = gl.minimum(gl.maximum(j, 0), Tk - 1)
+                else:
+                    j = t
+                slot = g % STAGES
+                mbarrier.wait(empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
+                mbarrier.expect(ready.index(slot), 2 * _BN * D * 2)
+                tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
+                                                k_smem.index(slot))
+                tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
+                                                v_smem.index(slot))
+                g += 1
             if PROBE:
                 _stamp(PRB, pb, 2, g)
             k += 1
@@ -162,12 +120,11 @@ if HAS_GLUON:
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha, rmax
 
     @gluon.jit
-    def _consumer(o_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
+    def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
                   CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items,
                   qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
-                  LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, EARLY: gl.constexpr,
-                  STAGE_OUT: gl.constexpr, PV_ASYNC: gl.constexpr, TMA_OUT: gl.constexpr, KSTAGE: gl.constexpr,
-                  PROBE: gl.constexpr):
+                  LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, KSTAGE: gl.constexpr,
+                  PV_ASYNC: gl.constexpr, PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
         NW: gl.constexpr = gl.num_warps()
         RM: gl.constexpr = 16 * NW
@@ -176,31 +133,16 @@ if HAS_GLUON:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                            instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        if EARLY:   # every thread holds all NWORDS words; the next-list write is one masked scatter
-            wl2: gl.constexpr = gl.BlockedLayout([NWORDS, 1], [1, 32], [1, NW], [1, 0])
-            w_layout: gl.constexpr = gl.SliceLayout(1, wl2)
-            offs2 = (gl.expand_dims(gl.arange(0, NWORDS, layout=w_layout), 1) * 32
-                     + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, wl2)), 0))
-            col2 = offs2 % 32
-        else:
-            w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-            offs_c = gl.arange(0, 32, layout=w_layout)
+        w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         widx_w = gl.arange(0, NWORDS, layout=w_layout)
-        if STAGE_OUT:
-            qh = q_smem.index(WG)
-        else:
-            qh = q_smem.slice(RM * WG, RM)
+        offs_c = gl.arange(0, 32, layout=w_layout)
+        qh = q_smem.slice(RM * WG, RM)
         s_zero = gl.zeros([RM, _BN], gl.float32, s_layout)
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
         k = 0
-        if SKIP and EARLY:   # count / partial flag of the next owned q-tile, loaded one q-tile ahead
-            cnt_nx = gl.load(CNT + pid)
-            part_nx = False
-            if LAST_PARTIAL:
-                part_nx = (cnt_nx > 0) & (gl.load(IDX + pid.to(gl.int64) * Tk + gl.maximum(cnt_nx - 1, 0)) == Tk - 1)
         for lin in range(pid, n_items, P):
             pb = ((pid * MAXK + k) * 3 + WG).to(gl.int64) * 8   # PROBE: this q-tile's stamps of this warpgroup
             if PROBE:
@@ -209,12 +151,7 @@ if HAS_GLUON:
             pm = lin % Tq
             row = IDX + lin.to(gl.int64) * Tk
             part = False
-            if SKIP and EARLY:
-                cnt = cnt_nx
-                part = part_nx
-                nxt = lin + P
-                cnt_nx = gl.load(CNT + nxt, mask=nxt < n_items, other=0)
-            elif SKIP:
+            if SKIP:
                 cnt = gl.load(CNT + lin)
                 if LAST_PARTIAL:
                     part = (cnt > 0) & (gl.load(row + gl.maximum(cnt - 1, 0)) == Tk - 1)
@@ -276,14 +213,7 @@ if HAS_GLUON:
                 g += 1
             if PROBE:
                 _stamp(PRB, pb, 3, g)
-            if not STAGE_OUT:
-                mbarrier.arrive(q_empty)   # every Q K^T of this q-tile has completed
-            if SKIP and EARLY:
-                if LAST_PARTIAL:
-                    part_nx = (cnt_nx > 0) & (gl.load(IDX + nxt.to(gl.int64) * Tk + gl.maximum(cnt_nx - 1, 0),
-                                                      mask=nxt < n_items, other=0) == Tk - 1)
-                if WG == 0:
-                    jall = gl.load(row + offs2, mask=offs2 < cnt, other=0)
+            mbarrier.arrive(q_empty)   # every Q K^T of this q-tile has completed
             if PV_ASYNC:   # the last P V runs under the next-list exchange / write
                 o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             else:
@@ -311,27 +241,16 @@ if HAS_GLUON:
                 mbarrier.arrive(wx_empty)
                 words = gl.where(cnt > 0, words, 0)
                 dst = IDX_OUT + lin.to(gl.int64) * Tk
-                if EARLY:
-                    pc = _popc(words)
-                    wd2 = gl.expand_dims(words, 1)
-                    keep2 = (((wd2 >> col2) & 1) != 0) & (offs2 < cnt)
-                    base = gl.zeros_like(pc)   # kept words before each word (all in-thread: no shuffles)
-                    for w in gl.static_range(NWORDS - 1):
-                        base += gl.where(widx_w > w, gl.sum(gl.where(widx_w == w, pc, 0), 0), 0)
-                    pos = gl.expand_dims(base, 1) + _popc(wd2 & ((1 << col2) - 1))
-                    gl.store(dst + pos, jall, mask=keep2)
-                    out_cnt = gl.sum(pc, 0)
-                else:
-                    out_cnt = cnt * 0
-                    for w in gl.static_range(NWORDS):
-                        if w * 32 < cnt:
-                            c1 = gl.minimum(cnt - w * 32, 32)
-                            wd = gl.sum(gl.where(widx_w == w, words, 0), 0)
-                            jv = gl.load(row + w * 32 + offs_c, mask=offs_c < c1, other=0)
-                            wv = wd & gl.where(c1 >= 32, -1, (1 << c1) - 1)
-                            keep = ((wv >> offs_c) & 1) != 0
-                            gl.store(dst + out_cnt + _popc(wv & ((1 << offs_c) - 1)), jv, mask=keep)
-                            out_cnt += _popc(wv)
+                out_cnt = cnt * 0
+                for w in gl.static_range(NWORDS):
+                    if w * 32 < cnt:
+                        c1 = gl.minimum(cnt - w * 32, 32)
+                        wd = gl.sum(gl.where(widx_w == w, words, 0), 0)
+                        jv = gl.load(row + w * 32 + offs_c, mask=offs_c < c1, other=0)
+                        wv = wd & gl.where(c1 >= 32, -1, (1 << c1) - 1)
+                        keep = ((wv >> offs_c) & 1) != 0
+                        gl.store(dst + out_cnt + _popc(wv & ((1 << offs_c) - 1)), jv, mask=keep)
+                        out_cnt += _popc(wv)
                 gl.store(CNT_OUT + lin, out_cnt)
                 if PROBE:
                     _stamp(PRB, pb, 5, out_cnt)
@@ -349,7 +268,7 @@ if HAS_GLUON:
             out = (acc * gl.expand_dims(inv_l, 1)).to(O.dtype.element_ty)
             b = bh // Hq
             h = bh % Hq
-            if STAGE_OUT or KSTAGE:   # staged in shared memory: 8 columns per thread, 16-byte stores
+            if KSTAGE:   # staged in shared memory: 8 columns per thread, 16-byte stores
                 st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
             else:
                 st_layout: gl.constexpr = o_layout
@@ -358,25 +277,7 @@ if HAS_GLUON:
             o_ptrs = (O + b.to(gl.int64) * stride_ob + h * stride_oh + gl.expand_dims(o_rows, 1).to(gl.int64)
                       * stride_os + gl.expand_dims(cols, 0))
             o_mask = gl.expand_dims(o_rows < Sq, 1)
-            if STAGE_OUT:
-                qh.store(out)
-                if TMA_OUT:
-                    fence_async_shared()   # the tile visible to the TMA unit (async proxy)
-                gl.thread_barrier()
-                if TMA_OUT:
-                    if pm * _BM + RM * WG + RM <= Sq:   # a whole half (a partial one would reach the next batch's rows)
-                        tma.async_copy_shared_to_global(o_desc, [b * Sq + pm * _BM + RM * WG, h * D], qh)
-                        tma.store_wait(0)
-                    else:
-                        gl.store(o_ptrs, qh.load(st_layout), mask=o_mask)
-                else:
-                    out = qh.load(st_layout)
-                fence_async_shared()   # these reads before the next q TMA load overwrites the half
-                gl.thread_barrier()
-                mbarrier.arrive(q_empty)
-                if not TMA_OUT:
-                    gl.store(o_ptrs, out, mask=o_mask)
-            elif KSTAGE:   # through this warpgroup's 64 rows of the last tile's K (q stays loaded for the next q-tile)
+            if KSTAGE:   # through this warpgroup's 64 rows of the last tile's K (q stays loaded for the next q-tile)
                 mbarrier.wait(q_empty, k & 1)   # both warpgroups' last Q K^T (which read all of that K) are done
                 ks = k_smem.index(prev).slice(RM * WG, RM)
                 ks.store(out)
@@ -397,50 +298,41 @@ if HAS_GLUON:
             k += 1
 
     @gluon.jit
-    def _skip_gluon_kernel(q_desc, k_desc, v_desc, o_desc, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, Q, PRB, MAXK, stride_qs,
-                           stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, qk_scale, threshold,
+    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os,
+                           stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, qk_scale, threshold,
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           num_warps: gl.constexpr, SKIP: gl.constexpr = True, EARLY: gl.constexpr = False,
-                           QPF: gl.constexpr = False, STAGE_OUT: gl.constexpr = False, QSYNC: gl.constexpr = False,
-                           PV_ASYNC: gl.constexpr = False, TMA_OUT: gl.constexpr = False,
-                           KSTAGE: gl.constexpr = False, PROBE: gl.constexpr = False):
+                           num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
+                           PV_ASYNC: gl.constexpr = True, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
         dtype: gl.constexpr = q_desc.dtype
-        if STAGE_OUT:
-            q_smem = gl.allocate_shared_memory(dtype, [2, _BM // 2, D], q_desc.layout)
-        else:
-            q_smem = gl.allocate_shared_memory(dtype, [_BM, D], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [_BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, _BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, _BN, D], v_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         wx = gl.allocate_shared_memory(gl.int32, [NWORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)   # one arrive per consumer warpgroup
         mbarrier.init(bars.index(0), count=1)        # q_ready (TMA bytes)
-        mbarrier.init(bars.index(1), count=1 if STAGE_OUT else 2)   # q_empty (of q half 0 with STAGE_OUT)
+        mbarrier.init(bars.index(1), count=2)        # q_empty
         mbarrier.init(bars.index(2), count=1)        # wx_full (warpgroup 1's words)
         mbarrier.init(bars.index(3), count=1)        # wx_empty
-        mbarrier.init(bars.index(4), count=1)        # STAGE_OUT: q_ready of q half 1
-        mbarrier.init(bars.index(5), count=1)        # STAGE_OUT: q_empty of q half 1
         fence_async_shared()
-        qb1 = 4 if STAGE_OUT else 0   # warpgroup 1's q barriers
         gl.warp_specialize([
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PV_ASYNC, TMA_OUT, KSTAGE, PROBE)),
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(qb1), bars.index(qb1 + 1), wx,
-                         bars.index(2), bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob,
-                         stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, EARLY, STAGE_OUT, PV_ASYNC, TMA_OUT, KSTAGE, PROBE)),
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
+                         Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
-                         bars.index(4), bars.index(5), CNT, IDX, Q, stride_qs, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk,
-                         n_items, D, STAGES, SKIP, QPF, STAGE_OUT, QSYNC, PROBE)),
+                         CNT, IDX, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -484,8 +376,8 @@ def skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse, cfg=None):
 # and descriptor bases only. Key: every shape / stride / dtype / scalar argument and the config.
 _PLANS: dict = {}
 _DIRECT = [True]
-_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "O", "LSE", "Q", "PRB")
-_DESCS = dict(q_desc=0, k_desc=1, v_desc=2, o_desc=3)
+_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "O", "LSE", "PRB")
+_DESCS = dict(q_desc=0, k_desc=1, v_desc=2)
 
 
 def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
@@ -510,7 +402,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
     probe = cfg.get("probe")
     if probe is not None and (probe.dtype != torch.int64 or probe.numel() < grid[0] * maxk * 24):
         raise ValueError(f"cfg['probe'] must be an int64 tensor of >= {grid[0] * maxk * 24} elements")
-    tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices, O=out, LSE=lse, Q=q,
+    tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices, O=out, LSE=lse,
                    PRB=lse if probe is None else probe)
     lse_ret = lse if return_lse else q.new_empty((0,), dtype=torch.float32)
     # (the lists' 16-byte alignment is in the key: Gluon specialises pointers on it, q / k / v pass `supported`)
@@ -523,7 +415,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
         args = list(template)
         for pos, name in tslots:
             args[pos] = tensors[name]
-        qkv = (q, k, v, out)
+        qkv = (q, k, v)
         for pos, i, geometry in dslots:
             args[pos] = DescriptorArgs(qkv[i], *geometry)
         try:
@@ -537,25 +429,17 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
     lay = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
     # 2-D views (B * S, H * D): rows past a batch's S belong to the next batch; only the partial last k-tile
     # reaches them and its columns >= Sk are masked (q rows >= Sq are never stored)
-    qbm = BM // 2 if cfg["stage_out"] else BM   # stage_out: one q half per warpgroup
-    qd = TensorDescriptor(q, [B * Sq, Hq * D], [q.stride(1), 1], [qbm, D], gl.NVMMASharedLayout.get_default_for(
-        [qbm, D], dt))
+    qd = TensorDescriptor(q, [B * Sq, Hq * D], [q.stride(1), 1], [BM, D], gl.NVMMASharedLayout.get_default_for(
+        [BM, D], dt))
     kd = TensorDescriptor(k, [B * Sk, Hk * D], [k.stride(1), 1], [BN, D], lay)
     vd = TensorDescriptor(v, [B * Sk, Hk * D], [v.stride(1), 1], [BN, D], lay)
-    # tma_out: out stored by TMA from the staged q half (2-D view like q's; only whole halves are stored this way)
-    tma_out = bool(cfg["stage_out"] and cfg["tma_out"])
-    od = TensorDescriptor(out, [B * Sq, Hq * D], [out.stride(1), 1], [qbm, D], qd.layout) if tma_out else qd
-    params = dict(q_desc=qd, k_desc=kd, v_desc=vd, o_desc=od, **tensors, stride_qs=q.stride(1), MAXK=maxk, stride_ob=out.stride(0),
-                  stride_os=out.stride(1),
-                  stride_oh=out.stride(2), Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq, Tk=Tk, n_items=n_items,
+    params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, MAXK=maxk, stride_ob=out.stride(0),
+                  stride_os=out.stride(1), stride_oh=out.stride(2), Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq, Tk=Tk, n_items=n_items,
                   qk_scale=scale * LOG2E, threshold=float(threshold), D=D, STAGES=int(cfg["stages"]),
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
-                  PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, EARLY=bool(cfg["early"]),
-                  QPF=bool(cfg["qpf"]), STAGE_OUT=bool(cfg["stage_out"]),
-                  QSYNC=bool(cfg["qsync"]), PV_ASYNC=bool(cfg["pv_async"]),
-                  TMA_OUT=tma_out,
-                  KSTAGE=bool(cfg["kstage"] and not cfg["stage_out"]), PROBE=probe is not None)
+                  PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
+                  PV_ASYNC=bool(cfg["pv_async"]), PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
@@ -563,8 +447,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
             names = _skip_gluon_kernel.arg_names
             tslots = [(pos, n) for pos, n in enumerate(names) if n in _TENSORS]
             dslots = [(names.index(n), i, (params[n].shape, params[n].strides, params[n].block_shape,
-                                           params[n].padding))
-                      for n, i in dict(_DESCS, o_desc=3 if tma_out else 0).items()]
+                                           params[n].padding)) for n, i in _DESCS.items()]
             per_call = {pos for pos, _ in tslots} | {pos for pos, _, _ in dslots}
             template = [None if pos in per_call else params[n] for pos, n in enumerate(names)]
             if len(_PLANS) > 64:
