@@ -8,8 +8,11 @@ Each program (one per SM) owns q-tiles p, p + P, ...; a 1-warp producer partitio
 STAGES-deep K/V ring (and q) loaded across q-tile boundaries, so the next q-tile's first tiles are in shared memory
 while the two consumer warpgroups (64 rows each) finish the current one (last P V, next-list write, out store).
 Where the speed comes from, measured: the per-tile overlap below (Triton 3.6's kernel waits for each Q K^T before
-its softmax). The fixed cost per q-tile (~5-6 us) is not smaller than the grid kernel's: it now sits in the
-consumers (the count / last-index loads at a q-tile's start, the epilogue run by both warpgroups at once).
+its softmax), and a cheap q-tile epilogue (KSTAGE / PV_ASYNC, on by default; NOTES v10): the last P V runs under the
+next-list exchange, each warpgroup stages its out tile through its 64 rows of the last tile's K (free once both
+warpgroups' last Q K^T are done, i.e. the q_empty phase the producer waits on; that ring slot is released after the
+staging) and stores 16 bytes per thread, so q is refilled while the epilogue runs. Per q-tile fixed cost ~4.5k
+cycles (was ~8k); PROBE builds stamp %clock64 per phase (`bench_skip.py --probe-gluon`).
 
 Consumer loop (FA3's intra-warpgroup order): issue S_t = Q K_t^T, issue O += P_{t-1} V_{t-1}; wait(1); softmax
 (S_t) with the keep test; wait(0); release slot t-1; O *= alpha_t. The keep bits of the two warpgroups are OR-ed
