@@ -158,8 +158,8 @@ VARIANTS = {
     "gluon_s2": dict(gluon=True, gluon_stages=2),
     # session 9 (v10): the default stages each warpgroup's out tile through its 64 rows of the last tile's K and runs
     # the last P V under the next-list write; "gluon_plain" stores from the wgmma layout after a synchronous last
-    # P V (session 8's order). Options timed and deleted: early count / list loads, an L2 prefetch of the next q, out staged through
-    # q halves (+ refilled in step, + TMA store): NOTES v10.
+    # P V (session 8's order). Timed and deleted: early count / list loads, an L2 prefetch of the next q, out staged
+    # through q halves (+ refilled in step, + TMA store): NOTES v10.
     "gluon_plain": dict(gluon=True, gluon_kstage=False, gluon_pv_async=False),
 }
 
@@ -272,8 +272,8 @@ def probe_gluon(log, shape=(1, 12, 32760, 128), names=("gluon",), lists=("seq1",
             finally:
                 skip.SKIP_CONFIGS[(128, 128)] = base_cfg
             p = buf.double().cpu()
-            cyc_per_ns = torch.stack([(p[i, n_k[i] - 1, 2, 0] - p[i, 0, 2, 0]) / (p[i, n_k[i] - 1, 2, 3] - p[i, 0, 2, 3])
-                                      for i in range(progs) if n_k[i] > 1]).median().item()
+            first, last = p[:, 0, 2], p[torch.arange(progs), n_k - 1, 2]   # producer stamps: clock64, globaltimer
+            cyc_per_ns = ((last[:, 0] - first[:, 0]) / (last[:, 3] - first[:, 3]))[n_k > 1].median().item()
             mid = torch.zeros(progs, maxk, dtype=torch.bool)
             for i in range(progs):
                 mid[i, 1:n_k[i] - 1] = True

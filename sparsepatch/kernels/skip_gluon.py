@@ -437,7 +437,8 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
     kd = TensorDescriptor(k, [B * Sk, Hk * D], [k.stride(1), 1], [BN, D], lay)
     vd = TensorDescriptor(v, [B * Sk, Hk * D], [v.stride(1), 1], [BN, D], lay)
     params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, MAXK=maxk, stride_ob=out.stride(0),
-                  stride_os=out.stride(1), stride_oh=out.stride(2), Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq, Tk=Tk, n_items=n_items,
+                  stride_os=out.stride(1), stride_oh=out.stride(2), Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq,
+                  Tk=Tk, n_items=n_items,
                   qk_scale=scale * LOG2E, threshold=float(threshold), D=D, STAGES=int(cfg["stages"]),
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
