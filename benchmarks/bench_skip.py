@@ -161,9 +161,6 @@ VARIANTS = {
     # P V (session 8's order). Timed and deleted: early count / list loads, an L2 prefetch of the next q, out staged
     # through q halves (+ refilled in step, + TMA store): NOTES v10.
     "gluon_plain": dict(gluon=True, gluon_kstage=False, gluon_pv_async=False),
-    # v11: kv_first (the producer issues a q-tile's first STAGES - 1 K/V tiles before waiting to refill q) and
-    # meta_ahead (the consumers load the next q-tile's count / partial flag one q-tile ahead) off = run 8/9's kernel
-    "gluon_prev": dict(gluon=True, gluon_kv_first=False, gluon_meta_ahead=False),
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),

@@ -41,8 +41,7 @@ from .reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile
-GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True, kv_first=True,
-                         meta_ahead=True)
+GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True)
 
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -64,25 +63,9 @@ if HAS_GLUON:
         gl.store(PRB + base + i, t)
 
     @gluon.jit
-    def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, row, cnt, t, g, b, hk, Sk, Tk, D: gl.constexpr,
-                 STAGES: gl.constexpr, SKIP: gl.constexpr):
-        """Issue the K / V loads of list entry t (k-tile t without SKIP) into ring slot g % STAGES; -> g + 1."""
-        if SKIP:
-            j = gl.load(row + t, mask=t < cnt, other=0)
-            j = gl.minimum(gl.maximum(j, 0), Tk - 1)
-        else:
-            j = t
-        slot = g % STAGES
-        mbarrier.wait(empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
-        mbarrier.expect(ready.index(slot), 2 * _BN * D * 2)
-        tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot), k_smem.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], ready.index(slot), v_smem.index(slot))
-        return g + 1
-
-    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, PRB, MAXK,
                   Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr,
-                  KV_FIRST: gl.constexpr, PROBE: gl.constexpr):
+                  PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -102,23 +85,27 @@ if HAS_GLUON:
                 cnt = gl.load(CNT + lin)
             else:
                 cnt = Tk
-            row = IDX + lin.to(gl.int64) * Tk
-            n_it = gl.maximum(cnt, 1)   # an empty list: one placeholder tile (k-tile 0), discarded
-            # KV_FIRST: the first STAGES - 1 tiles before q (their slots are freed during the previous q-tile's loop;
-            # q only after it), so they are resident when q arrives
-            n0 = gl.minimum(n_it, STAGES - 1) if KV_FIRST else 0
-            for t in range(n0):
-                g = _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, row, cnt, t, g, b, hk, Sk, Tk, D, STAGES,
-                             SKIP)
             # q of this q-tile: its buffer is free once both consumers passed the last Q K^T of the previous one
             mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
             if PROBE:
                 _stamp(PRB, pb, 1, cnt)
             mbarrier.expect(q_ready, _BM * D * 2)
             tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
-            for t in range(n0, n_it):
-                g = _load_kv(k_desc, v_desc, k_smem, v_smem, ready, empty, row, cnt, t, g, b, hk, Sk, Tk, D, STAGES,
-                             SKIP)
+            row = IDX + lin.to(gl.int64) * Tk
+            for t in range(gl.maximum(cnt, 1)):   # an empty list: one placeholder tile (k-tile 0), discarded
+                if SKIP:
+                    j = gl.load(row + t, mask=t < cnt, other=0)
+                    j = gl.minimum(gl.maximum(j, 0), Tk - 1)
+                else:
+                    j = t
+                slot = g % STAGES
+                mbarrier.wait(empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
+                mbarrier.expect(ready.index(slot), 2 * _BN * D * 2)
+                tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
+                                                k_smem.index(slot))
+                tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
+                                                v_smem.index(slot))
+                g += 1
             if PROBE:
                 _stamp(PRB, pb, 2, g)
             k += 1
@@ -140,7 +127,7 @@ if HAS_GLUON:
                   CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items,
                   qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
                   LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, KSTAGE: gl.constexpr,
-                  PV_ASYNC: gl.constexpr, META_AHEAD: gl.constexpr, PROBE: gl.constexpr):
+                  PV_ASYNC: gl.constexpr, PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
         NW: gl.constexpr = gl.num_warps()
         RM: gl.constexpr = 16 * NW
@@ -159,11 +146,6 @@ if HAS_GLUON:
         P = gl.num_programs(0)
         g = 0
         k = 0
-        if SKIP and META_AHEAD:   # count / partial-tile flag of the next owned q-tile, loaded one q-tile ahead
-            cnt_nx = gl.load(CNT + pid)
-            part_nx = False
-            if LAST_PARTIAL:
-                part_nx = (cnt_nx > 0) & (gl.load(IDX + pid.to(gl.int64) * Tk + gl.maximum(cnt_nx - 1, 0)) == Tk - 1)
         for lin in range(pid, n_items, P):
             pb = ((pid * MAXK + k) * 3 + WG).to(gl.int64) * 8   # PROBE: this q-tile's stamps of this warpgroup
             if PROBE:
@@ -172,12 +154,7 @@ if HAS_GLUON:
             pm = lin % Tq
             row = IDX + lin.to(gl.int64) * Tk
             part = False
-            if SKIP and META_AHEAD:
-                cnt = cnt_nx
-                part = part_nx
-                nxt = lin + P
-                cnt_nx = gl.load(CNT + nxt, mask=nxt < n_items, other=0)
-            elif SKIP:
+            if SKIP:
                 cnt = gl.load(CNT + lin)
                 if LAST_PARTIAL:
                     part = (cnt > 0) & (gl.load(row + gl.maximum(cnt - 1, 0)) == Tk - 1)
@@ -240,9 +217,6 @@ if HAS_GLUON:
             if PROBE:
                 _stamp(PRB, pb, 3, g)
             mbarrier.arrive(q_empty)   # every Q K^T of this q-tile has completed
-            if SKIP and META_AHEAD and LAST_PARTIAL:
-                part_nx = (cnt_nx > 0) & (gl.load(IDX + nxt.to(gl.int64) * Tk + gl.maximum(cnt_nx - 1, 0),
-                                                  mask=nxt < n_items, other=0) == Tk - 1)
             if PV_ASYNC:   # the last P V runs under the next-list exchange / write
                 o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             else:
@@ -332,8 +306,7 @@ if HAS_GLUON:
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
-                           PV_ASYNC: gl.constexpr = True, KV_FIRST: gl.constexpr = True,
-                           META_AHEAD: gl.constexpr = True, PROBE: gl.constexpr = False):
+                           PV_ASYNC: gl.constexpr = True, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
         dtype: gl.constexpr = q_desc.dtype
@@ -356,13 +329,13 @@ if HAS_GLUON:
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, META_AHEAD, PROBE)),
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, META_AHEAD, PROBE)),
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
-                         CNT, IDX, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, KV_FIRST, PROBE)),
+                         CNT, IDX, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -470,8 +443,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
-                  PV_ASYNC=bool(cfg["pv_async"]), KV_FIRST=bool(cfg["kv_first"]),
-                  META_AHEAD=bool(cfg["meta_ahead"]), PROBE=probe is not None)
+                  PV_ASYNC=bool(cfg["pv_async"]), PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
