@@ -274,9 +274,8 @@ def probe_gluon(log, shape=(1, 12, 32760, 128), names=("gluon",), lists=("seq1",
             p = buf.double().cpu()
             first, last = p[:, 0, 2], p[torch.arange(progs), n_k - 1, 2]   # producer stamps: clock64, globaltimer
             cyc_per_ns = ((last[:, 0] - first[:, 0]) / (last[:, 3] - first[:, 3]))[n_k > 1].median().item()
-            mid = torch.zeros(progs, maxk, dtype=torch.bool)
-            for i in range(progs):
-                mid[i, 1:n_k[i] - 1] = True
+            kk = torch.arange(maxk)
+            mid = (kk >= 1) & (kk < (n_k - 1)[:, None])   # each program's q-tiles but its first and last
             us = 1e-3 / cyc_per_ns
             row = dict(variant=name, list=ln, ms_plain=t_plain, ms_probe=t_probe, ghz=cyc_per_ns)
             for wg in (0, 1):

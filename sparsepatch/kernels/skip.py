@@ -22,8 +22,8 @@ deleted; benchmarks/NOTES.md, skip forward v4 / v5.)
 
 On an sm_90 GPU with Gluon (Triton 3.6), tile 128x128 skip calls without must_do and non-causal dense calls at
 head dim 128 run `skip_gluon.py` instead (cfg key `gluon`, on by default there): a persistent warp-specialised
-kernel with the same function, ~10% faster per tile than this one's and than cuDNN (benchmarks/NOTES.md, skip
-forward v9). `skip_step` (the stateful patcher path), must_do, other tiles / head dims, causal dense and the
+kernel with the same function, ~10% faster per tile than this one's and than cuDNN, with a cheaper q-tile epilogue
+(benchmarks/NOTES.md, skip forward v9 / v10). `skip_step` (the stateful patcher path), must_do, other tiles / head dims, causal dense and the
 interpreter stay here; a Gluon compile or launch failure warns once and falls back to this kernel.
 
 Ops are registered with torch.library.custom_op (+ fake impls): `sparsepatch::skip_fwd`, `sparsepatch::dense_fwd`.
@@ -639,6 +639,12 @@ def _gluon_call(fn, *args, **kwargs):
         return None
 
 
+def _gluon_options(cfg):
+    """The Gluon kernel's options in a CONFIGS / SKIP_CONFIGS entry (keys `gluon_<option>`; benchmarks and tests set
+    them), or None for its defaults (skip_gluon.GLUON_SKIP_CONFIG)."""
+    return {kk[6:]: vv for kk, vv in cfg.items() if kk.startswith("gluon_")} or None
+
+
 def _skip_fwd_impl(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_flat, return_lse):
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
@@ -652,7 +658,7 @@ def _skip_fwd_impl(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_f
         from . import skip_gluon
         if skip_gluon.supported(q, k, v, (tm, tn), must_do):
             res = _gluon_call(skip_gluon.skip_fwd, q, k, v, counts, indices, threshold, scale, return_lse,
-                              cfg={kk[6:]: vv for kk, vv in cfg.items() if kk.startswith("gluon_")})
+                              cfg=_gluon_options(cfg))
             if res is not None:
                 return res
     if frow is not None:
@@ -690,10 +696,11 @@ def _dense_block_m(Sq):
 
 def _dense_fwd_impl(q, k, v, causal, scale, return_lse):
     B, Sq, Hq, D = q.shape
-    if not causal and CONFIGS.get((D, 128), {}).get("gluon") and _GLUON_OK[0] and not _interpret():
+    gcfg = CONFIGS.get((D, 128), {})
+    if not causal and gcfg.get("gluon") and _GLUON_OK[0] and not _interpret():
         from . import skip_gluon
         if skip_gluon.supported(q, k, v, (128, 128), None):
-            res = _gluon_call(skip_gluon.dense_fwd, q, k, v, scale, return_lse)
+            res = _gluon_call(skip_gluon.dense_fwd, q, k, v, scale, return_lse, cfg=_gluon_options(gcfg))
             if res is not None:
                 return res
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
