@@ -6,7 +6,7 @@
 One process, same inputs. Shapes (bf16, B1): H12 S32760 D128, H40 S32760 D128, H16 S4096 D128. Densities 1.0 /
 0.5 / 0.13 / 0.05 from fixed random lists (seed 0) that always include the diagonal tile; the SAME list drives
 FlexAttention (BlockMask.from_kv_blocks, full blocks, compiled flex_attention). Times are triton.testing.do_bench
-medians (ms); TFLOP/s are dense-equivalent (4 B H S^2 D / t) so sparse rows show the effective speed.
+medians (ms), each cell timed once per round in --rounds (3) interleaved rounds and the median round kept; TFLOP/s are dense-equivalent (4 B H S^2 D / t) so sparse rows show the effective speed.
 Our skip rows include the in-kernel keep test and the next-list write (threshold -5).
 Writes <out>/<gpu>-skip.json (default benchmarks/results) and $OUT/<gpu>-skip.json when OUT is set.
 """
@@ -161,6 +161,12 @@ VARIANTS = {
     # P V (session 8's order). Timed and deleted: early count / list loads, an L2 prefetch of the next q, out staged
     # through q halves (+ refilled in step, + TMA store): NOTES v10.
     "gluon_plain": dict(gluon=True, gluon_kstage=False, gluon_pv_async=False),
+    # session 10 (v12): the next q rows prefetched into L2 (qpf), the first listed index loaded before the q_empty
+    # wait (kv0), warpgroup 1 (the later one) writes the next lists (w1; 48 producer registers: 40 spill with all)
+    "gluon_qpf": dict(gluon=True, gluon_qpf=True),
+    "gluon_qk": dict(gluon=True, gluon_qpf=True, gluon_kv0_early=True),
+    "gluon_w1": dict(gluon=True, gluon_writer=1, gluon_producer_regs=48),
+    "gluon_qkw": dict(gluon=True, gluon_qpf=True, gluon_kv0_early=True, gluon_writer=1, gluon_producer_regs=48),
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),
@@ -499,7 +505,8 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="*", default=None,
                     help="only time skip-config variants (names from VARIANTS; none = all) at H12 S32760")
     ap.add_argument("--shape", default="1,12,32760,128", help="--variants: B,H,S,D")
-    ap.add_argument("--rounds", type=int, default=2, help="--variants: interleaved rounds (fastest kept)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="interleaved rounds: --variants 2 (fastest kept), the table 3 (median kept)")
     ap.add_argument("--lists", nargs="*", default=None, help="--variants: only these lists (rand0.05, seq1, ...)")
     ap.add_argument("--probe", nargs="*", default=None,
                     help="per-phase clocks (PROBE builds) for these variants (none = default), then exit")
@@ -552,7 +559,7 @@ def main(argv=None):
 
     if args.variants is not None:
         shape = tuple(int(x) for x in args.shape.split(","))
-        res = variants(log, shape=shape, names=args.variants or None, rounds=args.rounds, only=args.lists)
+        res = variants(log, shape=shape, names=args.variants or None, rounds=args.rounds or 2, only=args.lists)
         res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
         for d in filter(None, [args.out, os.environ.get("OUT")]):
             os.makedirs(d, exist_ok=True)
@@ -571,6 +578,8 @@ def main(argv=None):
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   tile=list(TILE), threshold=-5.0, rows=[], sweep=None)
     shapes = SHAPES[:1] if args.quick else SHAPES
+    rounds = args.rounds or 3
+    result["rounds"] = rounds
     table = []
     for si, (B, H, S, D) in enumerate(shapes):
         g = torch.Generator(device="cuda").manual_seed(1)
@@ -590,15 +599,10 @@ def main(argv=None):
             log(f"using dense config {best}, skip config {best_skip}")
         result["config"] = dict(dense=dict(skip.CONFIGS[(128, 128)]), skip=dict(skip.SKIP_CONFIGS[(128, 128)]))
 
-        def rec(name, density, fn, out=None):
-            try:
-                ms = bench_ms(fn, rep=300 if S < 10000 else 150)
-            except Exception as exc:  # noqa: BLE001
-                log(f"{name} S{S} H{H} rho{density}: {type(exc).__name__}: {str(exc)[:300]}")
-                return None
-            row = dict(B=B, H=H, S=S, D=D, impl=name, density=density, ms=ms, tflops=flops / ms * 1e-9)
-            result["rows"].append(row)
-            return ms
+        cells = []   # (key in t, impl, density, fn): timed in interleaved rounds below
+
+        def rec(name, density, fn, key):
+            cells.append((key, name, density, fn))
 
         # correctness spot checks against cuDNN (dense) and dense-vs-full-list
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -617,13 +621,13 @@ def main(argv=None):
                 def run(backend=backend):
                     with sdpa_kernel(backend):
                         return F.scaled_dot_product_attention(qt, kt, vt)
-                t[name] = rec(name, 1.0, run)
+                rec(name, 1.0, run, name)
             if sageattn is not None:
-                t["sageattn"] = rec("sageattn", 1.0, lambda: sageattn(q, k, v, tensor_layout="NHD", is_causal=False))
-        t["ours_dense"] = rec("sparsepatch_dense", 1.0, lambda: skip.attention(q, k, v))
+                rec("sageattn", 1.0, lambda: sageattn(q, k, v, tensor_layout="NHD", is_causal=False), "sageattn")
+        rec("sparsepatch_dense", 1.0, lambda: skip.attention(q, k, v), "ours_dense")
         for rho in DENSITIES:
             lst = lists[rho]
-            t[("ours", rho)] = rec("sparsepatch_skip", rho, lambda lst=lst: skip.skip_attention(q, k, v, lst, -5.0))
+            rec("sparsepatch_skip", rho, lambda lst=lst: skip.skip_attention(q, k, v, lst, -5.0), ("ours", rho))
             if not args.no_peers:
                 try:
                     fn, why = flex_peer(lst, S)
@@ -634,11 +638,30 @@ def main(argv=None):
                         if rho == 1.0:
                             log(f"flex compile {time.time() - t0:.1f}s, max err vs ours "
                                 f"{(fo.transpose(1, 2).float() - ours.float()).abs().max().item():.3g}")
-                        t[("flex", rho)] = rec("flex", rho, lambda fn=fn: fn(qt, kt, vt))
+                        rec("flex", rho, lambda fn=fn: fn(qt, kt, vt), ("flex", rho))
                     else:
                         log(f"flex unavailable: {why}")
                 except Exception as exc:  # noqa: BLE001
                     log(f"flex S{S} rho{rho}: {type(exc).__name__}: {str(exc)[:300]}")
+        # every cell once per round, rounds back to back, the median round kept: the SM clock of this machine moves
+        # by up to ~10% between do_bench calls (benchmarks/NOTES.md, v10), so a ratio of two single calls is noisy
+        timed = {}
+        for _ in range(rounds):
+            for key, name, density, fn in cells:
+                if key in timed and timed[key] is None:
+                    continue
+                try:
+                    timed.setdefault(key, []).append(bench_ms(fn, rep=300 if S < 10000 else 150))
+                except Exception as exc:  # noqa: BLE001
+                    log(f"{name} S{S} H{H} rho{density}: {type(exc).__name__}: {str(exc)[:300]}")
+                    timed[key] = None
+        for key, name, density, fn in cells:
+            if timed.get(key) is None:
+                continue
+            ms = sorted(timed[key])[len(timed[key]) // 2]
+            t[key] = ms
+            result["rows"].append(dict(B=B, H=H, S=S, D=D, impl=name, density=density, ms=ms,
+                                       tflops=flops / ms * 1e-9, ms_rounds=timed[key]))
         dense_own = t.get("ours_dense")
         for rho in DENSITIES:
             ms = t.get(("ours", rho))
