@@ -161,12 +161,9 @@ VARIANTS = {
     # P V (session 8's order). Timed and deleted: early count / list loads, an L2 prefetch of the next q, out staged
     # through q halves (+ refilled in step, + TMA store): NOTES v10.
     "gluon_plain": dict(gluon=True, gluon_kstage=False, gluon_pv_async=False),
-    # session 10 (v12): the next q rows prefetched into L2 (qpf), the first listed index loaded before the q_empty
-    # wait (kv0), warpgroup 1 (the later one) writes the next lists (w1; 48 producer registers: 40 spill with all)
-    "gluon_qpf": dict(gluon=True, gluon_qpf=True),
-    "gluon_qk": dict(gluon=True, gluon_qpf=True, gluon_kv0_early=True),
-    "gluon_w1": dict(gluon=True, gluon_writer=1, gluon_producer_regs=48),
-    "gluon_qkw": dict(gluon=True, gluon_qpf=True, gluon_kv0_early=True, gluon_writer=1, gluon_producer_regs=48),
+    # session 10 (v12): qpf (the next q rows prefetched into L2), kv0 (the first listed index loaded before the
+    # q_empty wait) and writer=1 (warpgroup 1 writes the next lists) were timed with the cycle probe and deleted (no
+    # gain in cycles per q-tile: NOTES v12)
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),
