@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import gpu_name, random_list, save_results  # noqa: E402
+from common import ClockSampler, gpu_name, random_list, save_results  # noqa: E402
 
 SHAPES = [(1, 12, 32760, 128), (1, 40, 32760, 128), (1, 16, 4096, 128)]
 DENSITIES = [1.0, 0.5, 0.13, 0.05]
@@ -642,29 +642,37 @@ def main(argv=None):
                     log(f"flex S{S} rho{rho}: {type(exc).__name__}: {str(exc)[:300]}")
         # every cell once per round, rounds back to back, the median round kept: the SM clock of this machine moves
         # by up to ~10% between do_bench calls (benchmarks/NOTES.md, v10), so a ratio of two single calls is noisy
-        timed = {}
+        timed, clocks = {}, {}
         for _ in range(rounds):
             for key, name, density, fn in cells:
                 if key in timed and timed[key] is None:
                     continue
                 try:
-                    timed.setdefault(key, []).append(bench_ms(fn, rep=300 if S < 10000 else 150))
+                    with ClockSampler() as cs:
+                        ms = bench_ms(fn, rep=300 if S < 10000 else 150)
+                    timed.setdefault(key, []).append(ms)
+                    clocks.setdefault(key, []).append((cs.mhz, cs.watts))
                 except Exception as exc:  # noqa: BLE001
                     log(f"{name} S{S} H{H} rho{density}: {type(exc).__name__}: {str(exc)[:300]}")
                     timed[key] = None
         for key, name, density, fn in cells:
             if timed.get(key) is None:
                 continue
-            ms = sorted(timed[key])[len(timed[key]) // 2]
+            mid = sorted(range(len(timed[key])), key=lambda i: timed[key][i])[len(timed[key]) // 2]
+            ms = timed[key][mid]
             t[key] = ms
+            t[("mhz", key)] = clocks[key][mid][0]
             result["rows"].append(dict(B=B, H=H, S=S, D=D, impl=name, density=density, ms=ms,
-                                       tflops=flops / ms * 1e-9, ms_rounds=timed[key]))
+                                       tflops=flops / ms * 1e-9, ms_rounds=timed[key],
+                                       sm_mhz_rounds=[c[0] for c in clocks[key]],
+                                       watts_rounds=[c[1] for c in clocks[key]]))
         dense_own = t.get("ours_dense")
         for rho in DENSITIES:
             ms = t.get(("ours", rho))
             if ms is None:
                 continue
             table.append(dict(shape=f"B{B} H{H} S{S} D{D}", rho=rho, ours=ms, dense_own=dense_own,
+                              mhz=t.get(("mhz", ("ours", rho))), dense_mhz=t.get(("mhz", "ours_dense")),
                               cudnn=t.get("sdpa_cudnn"), flash=t.get("sdpa_flash"), sage=t.get("sageattn"),
                               flex=t.get(("flex", rho)), flops=flops))
         del q, k, v, qt, kt, vt, lists, ours
@@ -684,8 +692,8 @@ def main(argv=None):
     print(f"## skip-list attention forward, {torch.cuda.get_device_name()}, bf16, tile {TILE}, torch "
           f"{torch.__version__}, triton {triton.__version__}")
     print("| shape | density | ours ms | ours TFLOP/s* | own dense ms | target ms | cuDNN ms | flash ms | sage ms | "
-          "Flex ms | vs cuDNN | vs Flex |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "Flex ms | vs cuDNN | vs Flex | SM MHz ours / dense | ours at dense's clock** |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in table:
         tgt = 1.1 * r["rho"] * r["dense_own"] + 0.05 if r["dense_own"] and r["rho"] < 1 else (
             1.05 * r["dense_own"] if r["dense_own"] else None)
@@ -693,11 +701,14 @@ def main(argv=None):
         vf = r["flex"] / r["ours"] if r["flex"] else None
         print(f"| {r['shape']} | {r['rho']:.2f} | {fmt(r['ours'])} | {fmt(r['flops'] / r['ours'] * 1e-9, 6, 0)} | "
               f"{fmt(r['dense_own'])} | {fmt(tgt)} | {fmt(r['cudnn'])} | {fmt(r['flash'])} | {fmt(r['sage'])} | "
-              f"{fmt(r['flex'])} | {fmt(vc, 5)}x | {fmt(vf, 5)}x |")
+              f"{fmt(r['flex'])} | {fmt(vc, 5)}x | {fmt(vf, 5)}x | {fmt(r['mhz'], 4, 0)} / {fmt(r['dense_mhz'], 4, 0)} | "
+              f"{fmt(r['ours'] * r['mhz'] / r['dense_mhz'] if r['mhz'] and r['dense_mhz'] else None)} |")
     dense_rows = [r for r in result["rows"] if r["density"] == 1.0 and r["impl"] != "sparsepatch_skip"
                   and r["impl"] != "flex"]
     print("\ndense TFLOP/s: " + "; ".join(f"{r['impl']} S{r['S']} H{r['H']} {r['tflops']:.0f}" for r in dense_rows))
     print("* dense-equivalent. target: rho<1 -> 1.1*rho*own_dense+0.05 ms; rho=1 -> 1.05*own_dense")
+    print("** ours ms x its mean SM clock / own dense's (NVML, sampled during each cell): the time at equal clocks, "
+          "if the kernel is clock-bound")
     return 0
 
 

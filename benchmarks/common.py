@@ -72,3 +72,47 @@ def graph_replay(fn, warmup: int = 3):
     with torch.cuda.graph(g):
         fn()
     return g.replay
+
+
+class ClockSampler:
+    """Mean SM clock (MHz) and board power (W) over a `with` block, sampled through NVML every `period_s` on a
+    thread (the timed GPU work is asynchronous, so the sampler does not delay it). Without NVML (no pynvml), the
+    means are None. Used to tell a slower kernel from the same kernel at a lower clock: on a power-limited H100 the
+    SM clock moves by ~10% between benchmark calls."""
+
+    def __init__(self, period_s: float = 0.002):
+        self.period_s = period_s
+        self.mhz = self.watts = None
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            index = torch.cuda.current_device()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception:  # noqa: BLE001  (no NVML here: report nothing rather than fail the benchmark)
+            self._nvml = None
+
+    def __enter__(self):
+        import threading
+        self._samples = []
+        self._stop = threading.Event()
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self):
+        nv, h = self._nvml, self._handle
+        while not self._stop.is_set():
+            self._samples.append((nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                                  nv.nvmlDeviceGetPowerUsage(h) / 1000.0))
+            self._stop.wait(self.period_s)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._nvml is not None:
+            self._thread.join()
+            if self._samples:
+                self.mhz = sum(s[0] for s in self._samples) / len(self._samples)
+                self.watts = sum(s[1] for s in self._samples) / len(self._samples)
+        return False
