@@ -161,9 +161,16 @@ VARIANTS = {
     # P V (session 8's order). Timed and deleted: early count / list loads, an L2 prefetch of the next q, out staged
     # through q halves (+ refilled in step, + TMA store): NOTES v10.
     "gluon_plain": dict(gluon=True, gluon_kstage=False, gluon_pv_async=False),
-    # session 10 (v12): qpf (the next q rows prefetched into L2), kv0 (the first listed index loaded before the
-    # q_empty wait) and writer=1 (warpgroup 1 writes the next lists) were timed with the cycle probe and deleted (no
-    # gain in cycles per q-tile: NOTES v12)
+    # session 10 (v12): the next q rows prefetched into L2 (qpf), the first listed index loaded before the q_empty
+    # wait (kv0), warpgroup 1 writes the next lists (w1; 48 producer registers: 40 spill with all three)
+    "gluon_qpf": dict(gluon=True, gluon_qpf=True),
+    "gluon_qk": dict(gluon=True, gluon_qpf=True, gluon_kv0_early=True),
+    "gluon_kv0": dict(gluon=True, gluon_kv0_early=True),
+    "gluon_w1": dict(gluon=True, gluon_writer=1, gluon_producer_regs=48),
+    "gluon_qkw": dict(gluon=True, gluon_qpf=True, gluon_kv0_early=True, gluon_writer=1, gluon_producer_regs=48),
+    "gluon_abl_keep": dict(gluon=True, gluon_ablate=1),   # no keep test (next lists = every listed tile)
+    "gluon_abl_j": dict(gluon=True, gluon_ablate=2),      # k-tile t instead of the list's t-th (= rand1.0's)
+    "gluon_wl": dict(gluon=True, gluon_word_loop=True),
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),
@@ -249,31 +256,39 @@ def probe_gluon(log, shape=(1, 12, 32760, 128), names=("gluon",), lists=("seq1",
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     all_lists = {"seq1": lambda: seq_list(B, H, S, 1), "seq13": lambda: seq_list(B, H, S, 13)}
     all_lists.update({f"rand{r}": (lambda r=r: random_list(B, H, S, r)) for r in DENSITIES})
+    all_lists["dense"] = lambda: None   # skip.attention: the dense mode (skipping compiled out), CONFIGS' options
     n_items = B * H * ((S + 127) // 128)
     progs = min(n_items, torch.cuda.get_device_properties(0).multi_processor_count)
     maxk = -(-n_items // progs)
     buf = torch.zeros((progs, maxk, 3, 8), dtype=torch.int64, device="cuda")
     n_k = torch.tensor([len(range(p, n_items, progs)) for p in range(progs)])
-    base_cfg = dict(skip.SKIP_CONFIGS[(128, 128)])
     rows = []
     for ln in lists:
         lst = all_lists[ln]()
-        for name in names:
+        table = skip.CONFIGS if lst is None else skip.SKIP_CONFIGS
+        base_cfg = dict(table[(128, 128)])
+        if lst is None:
+            def call():
+                return skip.attention(q, k, v)
+        else:
+            def call(lst=lst):
+                return skip.skip_attention(q, k, v, lst, -5.0)
+        for name in names if lst is not None else names[:1]:   # (the options are the skip epilogue's)
             cfg = dict(base_cfg, **VARIANTS[name])
             try:
-                skip.SKIP_CONFIGS[(128, 128)] = cfg
-                t_plain = bench_ms(lambda lst=lst: skip.skip_attention(q, k, v, lst, -5.0), rep=50)
-                skip.SKIP_CONFIGS[(128, 128)] = dict(cfg, gluon_probe=buf)
-                t_probe = bench_ms(lambda lst=lst: skip.skip_attention(q, k, v, lst, -5.0), rep=50)
+                table[(128, 128)] = cfg
+                t_plain = bench_ms(call, rep=50)
+                table[(128, 128)] = dict(cfg, gluon_probe=buf)
+                t_probe = bench_ms(call, rep=50)
                 buf.zero_()
                 skip_gluon._PLANS.clear()
-                skip.skip_attention(q, k, v, lst, -5.0)   # the recorded call (after do_bench's L2 flush pattern)
+                call()   # the recorded call (after do_bench's L2 flush pattern)
                 torch.cuda.synchronize()
             except Exception as exc:  # noqa: BLE001
                 log(f"probe_gluon {name} {ln}: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
             finally:
-                skip.SKIP_CONFIGS[(128, 128)] = base_cfg
+                table[(128, 128)] = base_cfg
             p = buf.double().cpu()
             first, last = p[:, 0, 2], p[torch.arange(progs), n_k - 1, 2]   # producer stamps: clock64, globaltimer
             cyc_per_ns = ((last[:, 0] - first[:, 0]) / (last[:, 3] - first[:, 3]))[n_k > 1].median().item()
