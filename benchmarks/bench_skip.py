@@ -161,16 +161,9 @@ VARIANTS = {
     # P V (session 8's order). Timed and deleted: early count / list loads, an L2 prefetch of the next q, out staged
     # through q halves (+ refilled in step, + TMA store): NOTES v10.
     "gluon_plain": dict(gluon=True, gluon_kstage=False, gluon_pv_async=False),
-    # session 10 (v12): the next q rows prefetched into L2 (qpf), the first listed index loaded before the q_empty
-    # wait (kv0), warpgroup 1 writes the next lists (w1; 48 producer registers: 40 spill with all three)
-    "gluon_qpf": dict(gluon=True, gluon_qpf=True),
-    "gluon_qk": dict(gluon=True, gluon_qpf=True, gluon_kv0_early=True),
-    "gluon_kv0": dict(gluon=True, gluon_kv0_early=True),
-    "gluon_w1": dict(gluon=True, gluon_writer=1, gluon_producer_regs=48),
-    "gluon_qkw": dict(gluon=True, gluon_qpf=True, gluon_kv0_early=True, gluon_writer=1, gluon_producer_regs=48),
-    "gluon_abl_keep": dict(gluon=True, gluon_ablate=1),   # no keep test (next lists = every listed tile)
-    "gluon_abl_j": dict(gluon=True, gluon_ablate=2),      # k-tile t instead of the list's t-th (= rand1.0's)
-    "gluon_wl": dict(gluon=True, gluon_word_loop=True),
+    # session 10 (v12): qpf (next q rows into L2), kv0_early (first listed index before the q_empty wait), writer=1
+    # (warpgroup 1 writes the next lists): no gain in cycles, deleted; the ablations that found the rho-1 loop cost
+    # (no keep test; k-tile t instead of the list's) and the run-loop A/B were deleted after the change (NOTES v12)
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),

@@ -41,8 +41,7 @@ from .reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile
-GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True, qpf=False,
-                         kv0_early=False, writer=0)
+GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True)
 
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -58,11 +57,6 @@ if HAS_GLUON:
         return gl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _prefetch_l2(ptrs):
-        return gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptrs],
-                                         dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _stamp(PRB, base, i: gl.constexpr, dep):
         """PROBE builds only (benchmarks): %clock64, read once `dep` (a scalar) is known, to PRB[base + i]."""
         t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep], dtype=gl.int64, is_pure=False, pack=1)
@@ -70,9 +64,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, PRB, MAXK,
-                  Q, stride_qs, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr,
-                  SKIP: gl.constexpr, QPF: gl.constexpr, KV0_EARLY: gl.constexpr, PROBE: gl.constexpr,
-                  ABLATE: gl.constexpr = 0):
+                  Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr,
+                  PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -88,12 +81,8 @@ if HAS_GLUON:
             b = bh // Hq
             h = bh % Hq
             hk = h // n_rep
-            row = IDX + lin.to(gl.int64) * Tk
-            j0 = 0
             if SKIP:
                 cnt = gl.load(CNT + lin)
-                if KV0_EARLY:   # the first listed index, loaded while waiting (its DRAM latency delayed tile 0)
-                    j0 = gl.load(row)
             else:
                 cnt = Tk
             # q of this q-tile: its buffer is free once both consumers passed the last Q K^T of the previous one
@@ -102,25 +91,10 @@ if HAS_GLUON:
                 _stamp(PRB, pb, 1, cnt)
             mbarrier.expect(q_ready, _BM * D * 2)
             tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
-            if QPF:   # the next owned q-tile's q rows into L2: its TMA load is issued only once this q-tile's Q K^T
-                # are done, and from DRAM it would land ~2.9 us later, after the epilogue (NOTES v12)
-                nx = gl.minimum(lin + P, n_items - 1)
-                pl: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-                half = gl.arange(0, 2 * _BM, layout=pl)
-                qr = gl.minimum((nx % Tq) * _BM + half // 2, Sq - 1)
-                bhn = nx // Tq
-                _prefetch_l2(Q + ((bhn // Hq) * Sq + qr).to(gl.int64) * stride_qs + (bhn % Hq) * D
-                             + (half % 2) * (D // 2))
+            row = IDX + lin.to(gl.int64) * Tk
             for t in range(gl.maximum(cnt, 1)):   # an empty list: one placeholder tile (k-tile 0), discarded
                 if SKIP:
-                    if KV0_EARLY:
-                        j = gl.where(t == 0, gl.where(cnt > 0, j0, 0),
-                                     gl.load(row + t, mask=(t < cnt) & (t > 0), other=0))
-                    else:
-                        if ABLATE == 2:
-                            j = t
-                        else:
-                            j = gl.load(row + t, mask=t < cnt, other=0)
+                    j = gl.load(row + t, mask=t < cnt, other=0)
                     j = gl.minimum(gl.maximum(j, 0), Tk - 1)
                 else:
                     j = t
@@ -153,12 +127,10 @@ if HAS_GLUON:
                   CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items,
                   qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
                   LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, KSTAGE: gl.constexpr,
-                  PV_ASYNC: gl.constexpr, WRITER: gl.constexpr, PROBE: gl.constexpr, ABLATE: gl.constexpr = 0,
-                  WORD_LOOP: gl.constexpr = False):
-        """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. Warpgroup WRITER also writes the next
-        lists (the other hands it its keep words)."""
+                  PV_ASYNC: gl.constexpr, PROBE: gl.constexpr):
+        """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
         NW: gl.constexpr = gl.num_warps()
-        WSPAN: gl.constexpr = 32 if (SKIP and WORD_LOOP) else (1 << 30)
+        WSPAN: gl.constexpr = 32 if SKIP else (1 << 30)   # tiles per run of the tile loop
         RM: gl.constexpr = 16 * NW
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                            instr_shape=[16, _BN, 16])
@@ -212,15 +184,15 @@ if HAS_GLUON:
                 p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, (Tk - 1) * _BN, Sk, True, s_layout)
             else:
                 p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout)
-            if SKIP and ABLATE != 1:
+            if SKIP:
                 word = ((rmax - m_i > threshold) & row_ok).to(gl.int32)
             p16 = gl.convert_layout(p.to(k_smem.dtype), p_layout)
             m_i = m_new
             prev = slot
             g += 1
-            # tiles in runs of 32 (one keep word each; dense: one run): each completed word is reduced over the
-            # rows (a cross-warp reduction through shared memory) between runs, so the tile loop has no branch
-            # (with the reduction inside it, the rho-1 loop was 2-8% slower than the dense one: NOTES v12)
+            # tiles in runs of 32, one keep word each (dense: one run); a completed word is reduced over the rows (a
+            # cross-warp reduction through shared memory) between runs, so the tile loop has no branch / barrier
+            # for it (inside the loop, it made the rho-1 loop 2.5-7% slower than the dense one: NOTES v12)
             for w in range(0, (n_it + WSPAN - 1) // WSPAN):
                 for t in range(gl.maximum(w * WSPAN, 1), gl.minimum(w * WSPAN + WSPAN, n_it)):
                     slot = g % STAGES
@@ -237,22 +209,15 @@ if HAS_GLUON:
                     acc = warpgroup_mma_wait(0, deps=[o_tok])
                     mbarrier.arrive(empty.index(prev))
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                    if SKIP and ABLATE != 1:
+                    if SKIP:
                         word = word | (((rmax - m_i > threshold) & row_ok).to(gl.int32) << (t & 31))
-                        if not WORD_LOOP:
-                            if ((t & 31) == 31) | (t == n_it - 1):
-                                words = words | gl.where(widx_w == (t >> 5), gl.reduce(word, 0, _bit_or), 0)
-                                word = gl.zeros([RM], gl.int32, row_l)
                     p16 = gl.convert_layout(p.to(k_smem.dtype), p_layout)
                     m_i = m_new
                     prev = slot
                     g += 1
-                if SKIP and WORD_LOOP and ABLATE != 1:
+                if SKIP:
                     words = words | gl.where(widx_w == w, gl.reduce(word, 0, _bit_or), 0)
                     word = gl.zeros([RM], gl.int32, row_l)
-            if SKIP and not WORD_LOOP and ABLATE != 1:
-                if n_it == 1:
-                    words = words | gl.where(widx_w == 0, gl.reduce(word, 0, _bit_or), 0)
             if PROBE:
                 _stamp(PRB, pb, 3, g)
             mbarrier.arrive(q_empty)   # every Q K^T of this q-tile has completed
@@ -265,11 +230,11 @@ if HAS_GLUON:
             if PROBE:
                 _stamp(PRB, pb, 4, k)
 
-            # next list: the two warpgroups' keep words OR-ed through shared memory, written by warpgroup WRITER
+            # next list: the two warpgroups' keep words OR-ed through shared memory, written by warpgroup 0
             if not SKIP:
                 if PROBE:
                     _stamp(PRB, pb, 5, k)
-            elif WG != WRITER:
+            elif WG == 1:
                 mbarrier.wait(wx_empty, (k + 1) & 1, pred=k > 0)
                 wx.store(words)
                 fence_async_shared()
@@ -341,14 +306,12 @@ if HAS_GLUON:
             k += 1
 
     @gluon.jit
-    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, Q, stride_qs,
-                           stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, qk_scale, threshold,
+    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os,
+                           stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, qk_scale, threshold,
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
-                           PV_ASYNC: gl.constexpr = True, QPF: gl.constexpr = False, KV0_EARLY: gl.constexpr = False,
-                           WRITER: gl.constexpr = 0, PROBE: gl.constexpr = False, ABLATE: gl.constexpr = 0,
-                           WORD_LOOP: gl.constexpr = False):
+                           PV_ASYNC: gl.constexpr = True, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
         dtype: gl.constexpr = q_desc.dtype
@@ -371,14 +334,13 @@ if HAS_GLUON:
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, WRITER, PROBE, ABLATE, WORD_LOOP)),
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, WRITER, PROBE, ABLATE, WORD_LOOP)),
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
-                         CNT, IDX, PRB, MAXK, Q, stride_qs, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, QPF,
-                         KV0_EARLY, PROBE, ABLATE)),
+                         CNT, IDX, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -422,14 +384,12 @@ def skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse, cfg=None):
 # and descriptor bases only. Key: every shape / stride / dtype / scalar argument and the config.
 _PLANS: dict = {}
 _DIRECT = [True]
-_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "O", "LSE", "PRB", "Q")
+_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "O", "LSE", "PRB")
 _DESCS = dict(q_desc=0, k_desc=1, v_desc=2)
 
 
 def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
     cfg = dict(GLUON_SKIP_CONFIG, **cfg) if cfg else GLUON_SKIP_CONFIG
-    if cfg["writer"] not in (0, 1):
-        raise ValueError(f"cfg['writer'] must be 0 or 1 (the warpgroup that writes the next lists), got {cfg['writer']!r}")
     B, Sq, Hq, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     Tq, Tk = triton.cdiv(Sq, BM), triton.cdiv(Sk, BN)
@@ -451,7 +411,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
     if probe is not None and (probe.dtype != torch.int64 or probe.numel() < grid[0] * maxk * 24):
         raise ValueError(f"cfg['probe'] must be an int64 tensor of >= {grid[0] * maxk * 24} elements")
     tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices, O=out, LSE=lse,
-                   PRB=lse if probe is None else probe, Q=q)
+                   PRB=lse if probe is None else probe)
     lse_ret = lse if return_lse else q.new_empty((0,), dtype=torch.float32)
     # (the lists' 16-byte alignment is in the key: Gluon specialises pointers on it, q / k / v pass `supported`)
     key = (dev.index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), bool(return_lse), skip,
@@ -481,16 +441,14 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
         [BM, D], dt))
     kd = TensorDescriptor(k, [B * Sk, Hk * D], [k.stride(1), 1], [BN, D], lay)
     vd = TensorDescriptor(v, [B * Sk, Hk * D], [v.stride(1), 1], [BN, D], lay)
-    params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, MAXK=maxk, stride_qs=q.stride(1), stride_ob=out.stride(0),
+    params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, MAXK=maxk, stride_ob=out.stride(0),
                   stride_os=out.stride(1), stride_oh=out.stride(2), Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq,
                   Tk=Tk, n_items=n_items,
                   qk_scale=scale * LOG2E, threshold=float(threshold), D=D, STAGES=int(cfg["stages"]),
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
-                  PV_ASYNC=bool(cfg["pv_async"]), QPF=bool(cfg["qpf"]), KV0_EARLY=bool(cfg["kv0_early"]), ABLATE=int(cfg.get("ablate", 0)),
-                  WORD_LOOP=bool(cfg.get("word_loop", False)),
-                  WRITER=int(cfg["writer"]), PROBE=probe is not None)
+                  PV_ASYNC=bool(cfg["pv_async"]), PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
