@@ -161,7 +161,6 @@ VARIANTS = {
     # P V (session 8's order). Timed and deleted: early count / list loads, an L2 prefetch of the next q, out staged
     # through q halves (+ refilled in step, + TMA store): NOTES v10.
     "gluon_plain": dict(gluon=True, gluon_kstage=False, gluon_pv_async=False),
-    "gluon_lp": dict(gluon=True, gluon_list_p=True),   # A/B: the producer warp writes the next lists
     # session 10 (v12): qpf (next q rows into L2), kv0_early (first listed index before the q_empty wait), writer=1
     # (warpgroup 1 writes the next lists): no gain in cycles, deleted; the ablations that found the rho-1 loop cost
     # (no keep test; k-tile t instead of the list's) and the run-loop A/B were deleted after the change (NOTES v12)

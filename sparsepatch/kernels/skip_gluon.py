@@ -63,47 +63,13 @@ if HAS_GLUON:
         gl.store(PRB + base + i, t)
 
     @gluon.jit
-    def _write_list(words, cnt, lin, row, IDX_OUT, CNT_OUT, Tk, NWORDS: gl.constexpr, w_layout: gl.constexpr):
-        """Next list of q-tile `lin`: the listed k-tiles (row[0:cnt]) whose keep bit is set in `words` (int32
-        [NWORDS], bit t % 32 of word t // 32 = listed tile t), compacted by popcounts; `w_layout` spreads 32 lanes."""
-        widx_w = gl.arange(0, NWORDS, layout=w_layout)
-        offs_c = gl.arange(0, 32, layout=w_layout)
-        words = gl.where(cnt > 0, words, 0)
-        dst = IDX_OUT + lin.to(gl.int64) * Tk
-        out_cnt = cnt * 0
-        for w in gl.static_range(NWORDS):
-            if w * 32 < cnt:
-                c1 = gl.minimum(cnt - w * 32, 32)
-                wd = gl.sum(gl.where(widx_w == w, words, 0), 0)
-                jv = gl.load(row + w * 32 + offs_c, mask=offs_c < c1, other=0)
-                wv = wd & gl.where(c1 >= 32, -1, (1 << c1) - 1)
-                keep = ((wv >> offs_c) & 1) != 0
-                gl.store(dst + out_cnt + _popc(wv & ((1 << offs_c) - 1)), jv, mask=keep)
-                out_cnt += _popc(wv)
-        gl.store(CNT_OUT + lin, out_cnt)
-        return out_cnt
-
-    @gluon.jit
-    def _producer_list(wx, wx_full, wx_empty, kk, lin, cnt, IDX, CNT_OUT, IDX_OUT, Tk, NWORDS: gl.constexpr,
-                       pw_layout: gl.constexpr):
-        """Producer side of LIST_P: q-tile kk's keep words of both warpgroups (wx rows 0 / 1) -> its next list."""
-        mbarrier.wait(wx_full, kk & 1)
-        words = wx.slice(0, NWORDS).load(pw_layout) | wx.slice(NWORDS, NWORDS).load(pw_layout)
-        mbarrier.arrive(wx_empty)
-        _write_list(words, cnt, lin, IDX + lin.to(gl.int64) * Tk, IDX_OUT, CNT_OUT, Tk, NWORDS, pw_layout)
-
-    @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full,
-                  wx_empty, CNT, IDX, CNT_OUT, IDX_OUT, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items,
-                  D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, SKIP: gl.constexpr,
-                  LIST_P: gl.constexpr, PROBE: gl.constexpr):
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, PRB, MAXK,
+                  Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr,
+                  PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
-        pw_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         g = 0
         k = 0
-        lin_prev = pid
-        cnt_prev = 0
         for lin in range(pid, n_items, P):
             pb = ((pid * MAXK + k) * 3 + 2).to(gl.int64) * 8   # PROBE: this q-tile's producer stamps
             if PROBE:
@@ -142,19 +108,7 @@ if HAS_GLUON:
                 g += 1
             if PROBE:
                 _stamp(PRB, pb, 2, g)
-            if SKIP and LIST_P:
-                # the previous q-tile's next list, written here (this warp waits on free ring slots most of the
-                # time) instead of by a consumer warpgroup between its last tile and its out store
-                if k > 0:
-                    _producer_list(wx, wx_full, wx_empty, k - 1, lin_prev, cnt_prev, IDX, CNT_OUT, IDX_OUT, Tk,
-                                   NWORDS, pw_layout)
-                lin_prev = lin
-                cnt_prev = cnt
             k += 1
-        if SKIP and LIST_P:
-            if k > 0:
-                _producer_list(wx, wx_full, wx_empty, k - 1, lin_prev, cnt_prev, IDX, CNT_OUT, IDX_OUT, Tk, NWORDS,
-                               pw_layout)
 
     @gluon.jit
     def _softmax(s, m_i, l_i, qk_scale, start_n, Sk, MASK: gl.constexpr, s_layout: gl.constexpr):
@@ -173,7 +127,7 @@ if HAS_GLUON:
                   CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items,
                   qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
                   LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, KSTAGE: gl.constexpr,
-                  PV_ASYNC: gl.constexpr, LIST_P: gl.constexpr, PROBE: gl.constexpr):
+                  PV_ASYNC: gl.constexpr, PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
         NW: gl.constexpr = gl.num_warps()
         WSPAN: gl.constexpr = 32 if SKIP else (1 << 30)   # tiles per run of the tile loop
@@ -186,6 +140,7 @@ if HAS_GLUON:
         w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         widx_w = gl.arange(0, NWORDS, layout=w_layout)
+        offs_c = gl.arange(0, 32, layout=w_layout)
         qh = q_smem.slice(RM * WG, RM)
         s_zero = gl.zeros([RM, _BN], gl.float32, s_layout)
         pid = gl.program_id(0)
@@ -275,14 +230,13 @@ if HAS_GLUON:
             if PROBE:
                 _stamp(PRB, pb, 4, k)
 
-            # next list: the keep words of both warpgroups OR-ed through shared memory; written by the producer
-            # (LIST_P) or by warpgroup 0
+            # next list: the two warpgroups' keep words OR-ed through shared memory, written by warpgroup 0
             if not SKIP:
                 if PROBE:
                     _stamp(PRB, pb, 5, k)
-            elif LIST_P or WG == 1:
+            elif WG == 1:
                 mbarrier.wait(wx_empty, (k + 1) & 1, pred=k > 0)
-                wx.slice(WG * NWORDS, NWORDS).store(words)
+                wx.store(words)
                 fence_async_shared()
                 gl.thread_barrier()
                 mbarrier.arrive(wx_full)
@@ -290,10 +244,22 @@ if HAS_GLUON:
                     _stamp(PRB, pb, 5, k)
             else:
                 mbarrier.wait(wx_full, k & 1)
-                words = words | wx.slice(NWORDS, NWORDS).load(w_layout)
+                words = words | wx.load(w_layout)
                 gl.thread_barrier()
                 mbarrier.arrive(wx_empty)
-                out_cnt = _write_list(words, cnt, lin, row, IDX_OUT, CNT_OUT, Tk, NWORDS, w_layout)
+                words = gl.where(cnt > 0, words, 0)
+                dst = IDX_OUT + lin.to(gl.int64) * Tk
+                out_cnt = cnt * 0
+                for w in gl.static_range(NWORDS):
+                    if w * 32 < cnt:
+                        c1 = gl.minimum(cnt - w * 32, 32)
+                        wd = gl.sum(gl.where(widx_w == w, words, 0), 0)
+                        jv = gl.load(row + w * 32 + offs_c, mask=offs_c < c1, other=0)
+                        wv = wd & gl.where(c1 >= 32, -1, (1 << c1) - 1)
+                        keep = ((wv >> offs_c) & 1) != 0
+                        gl.store(dst + out_cnt + _popc(wv & ((1 << offs_c) - 1)), jv, mask=keep)
+                        out_cnt += _popc(wv)
+                gl.store(CNT_OUT + lin, out_cnt)
                 if PROBE:
                     _stamp(PRB, pb, 5, out_cnt)
 
@@ -345,7 +311,7 @@ if HAS_GLUON:
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
-                           PV_ASYNC: gl.constexpr = True, LIST_P: gl.constexpr = False, PROBE: gl.constexpr = False):
+                           PV_ASYNC: gl.constexpr = True, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
         dtype: gl.constexpr = q_desc.dtype
@@ -355,27 +321,26 @@ if HAS_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        wx = gl.allocate_shared_memory(gl.int32, [2 * NWORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))   # per warpgroup
+        wx = gl.allocate_shared_memory(gl.int32, [NWORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)   # one arrive per consumer warpgroup
         mbarrier.init(bars.index(0), count=1)        # q_ready (TMA bytes)
         mbarrier.init(bars.index(1), count=2)        # q_empty
-        mbarrier.init(bars.index(2), count=2 if LIST_P else 1)   # wx_full: keep words handed over
+        mbarrier.init(bars.index(2), count=1)        # wx_full (warpgroup 1's words)
         mbarrier.init(bars.index(3), count=1)        # wx_empty
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, LIST_P, PROBE)),
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, LIST_P, PROBE)),
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
-                         wx, bars.index(2), bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, PRB, MAXK, Sq, Sk, Hq, n_rep,
-                         Tq, Tk, n_items, D, STAGES, NWORDS, SKIP, LIST_P, PROBE)),
+                         CNT, IDX, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -483,8 +448,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
-                  PV_ASYNC=bool(cfg["pv_async"]), LIST_P=bool(cfg.get("list_p", False)),
-                  PROBE=probe is not None)
+                  PV_ASYNC=bool(cfg["pv_async"]), PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
