@@ -15,8 +15,10 @@ staging) and stores 16 bytes per thread, so q is refilled while the epilogue run
 cycles (was ~8k); PROBE builds stamp %clock64 per phase (`bench_skip.py --probe-gluon`).
 
 Consumer loop (FA3's intra-warpgroup order): issue S_t = Q K_t^T, issue O += P_{t-1} V_{t-1}; wait(1); softmax
-(S_t) with the keep test; wait(0); release slot t-1; O *= alpha_t. The keep bits of the two warpgroups are OR-ed
-through shared memory (warpgroup 1 hands its words to warpgroup 0, which writes the next list).
+(S_t) with the keep test; wait(0); release slot t-1; O *= alpha_t. It runs in runs of 32 tiles; the keep bits of a
+run (one 32-bit word per row) are reduced over the rows between runs, not inside the loop (NOTES v12: rho 1 within
+1-3% of the dense mode). The words of the two warpgroups are OR-ed through shared memory (warpgroup 1 hands its
+words to warpgroup 0, which writes the next list).
 """
 from __future__ import annotations
 
