@@ -6,7 +6,9 @@
 One process, same inputs. Shapes (bf16, B1): H12 S32760 D128, H40 S32760 D128, H16 S4096 D128. Densities 1.0 /
 0.5 / 0.13 / 0.05 from fixed random lists (seed 0) that always include the diagonal tile; the SAME list drives
 FlexAttention (BlockMask.from_kv_blocks, full blocks, compiled flex_attention). Times are triton.testing.do_bench
-medians (ms), each cell timed once per round in --rounds (3) interleaved rounds and the median round kept; TFLOP/s are dense-equivalent (4 B H S^2 D / t) so sparse rows show the effective speed.
+medians (ms), each cell timed once per round in --rounds (3) interleaved rounds and the median round kept, with
+the mean SM clock of each cell (NVML, when pynvml is installed); TFLOP/s are dense-equivalent (4 B H S^2 D / t) so
+sparse rows show the effective speed.
 Our skip rows include the in-kernel keep test and the next-list write (threshold -5).
 Writes <out>/<gpu>-skip.json (default benchmarks/results) and $OUT/<gpu>-skip.json when OUT is set.
 """
@@ -537,8 +539,8 @@ def main(argv=None):
         lines.append(msg)
 
     if args.host:
-        res = dict(host=host_check(log), parts=host_breakdown(log), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                   triton=triton.__version__)
+        res = dict(host=host_check(log), parts=host_breakdown(log), gpu=torch.cuda.get_device_name(),
+                   torch=torch.__version__, triton=triton.__version__)
         for d in filter(None, [args.out, os.environ.get("OUT")]):
             os.makedirs(d, exist_ok=True)
             with open(os.path.join(d, f"{gpu_name()}-skip-host.json"), "w") as f:
@@ -620,9 +622,10 @@ def main(argv=None):
         result.setdefault("checks", []).append(dict(S=S, H=H, **err))
         del ref, full_out
 
-        t = {}
+        t, mhz = {}, {}   # median-round ms and that round's mean SM clock, per cell key
         if not args.no_peers:
-            for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+            for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                                  ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
                 def run(backend=backend):
                     with sdpa_kernel(backend):
                         return F.scaled_dot_product_attention(qt, kt, vt)
@@ -669,7 +672,7 @@ def main(argv=None):
             mid = sorted(range(len(timed[key])), key=lambda i: timed[key][i])[len(timed[key]) // 2]
             ms = timed[key][mid]
             t[key] = ms
-            t[("mhz", key)] = clocks[key][mid][0]
+            mhz[key] = clocks[key][mid][0]
             result["rows"].append(dict(B=B, H=H, S=S, D=D, impl=name, density=density, ms=ms,
                                        tflops=flops / ms * 1e-9, ms_rounds=timed[key],
                                        sm_mhz_rounds=[c[0] for c in clocks[key]],
@@ -680,7 +683,7 @@ def main(argv=None):
             if ms is None:
                 continue
             table.append(dict(shape=f"B{B} H{H} S{S} D{D}", rho=rho, ours=ms, dense_own=dense_own,
-                              mhz=t.get(("mhz", ("ours", rho))), dense_mhz=t.get(("mhz", "ours_dense")),
+                              mhz=mhz.get(("ours", rho)), dense_mhz=mhz.get("ours_dense"),
                               cudnn=t.get("sdpa_cudnn"), flash=t.get("sdpa_flash"), sage=t.get("sageattn"),
                               flex=t.get(("flex", rho)), flops=flops))
         del q, k, v, qt, kt, vt, lists, ours
@@ -707,10 +710,11 @@ def main(argv=None):
             1.05 * r["dense_own"] if r["dense_own"] else None)
         vc = r["cudnn"] / r["ours"] if r["cudnn"] else None
         vf = r["flex"] / r["ours"] if r["flex"] else None
+        at_dense_clock = r["ours"] * r["mhz"] / r["dense_mhz"] if r["mhz"] and r["dense_mhz"] else None
         print(f"| {r['shape']} | {r['rho']:.2f} | {fmt(r['ours'])} | {fmt(r['flops'] / r['ours'] * 1e-9, 6, 0)} | "
               f"{fmt(r['dense_own'])} | {fmt(tgt)} | {fmt(r['cudnn'])} | {fmt(r['flash'])} | {fmt(r['sage'])} | "
-              f"{fmt(r['flex'])} | {fmt(vc, 5)}x | {fmt(vf, 5)}x | {fmt(r['mhz'], 4, 0)} / {fmt(r['dense_mhz'], 4, 0)} | "
-              f"{fmt(r['ours'] * r['mhz'] / r['dense_mhz'] if r['mhz'] and r['dense_mhz'] else None)} |")
+              f"{fmt(r['flex'])} | {fmt(vc, 5)}x | {fmt(vf, 5)}x | {fmt(r['mhz'], 4, 0)} / "
+              f"{fmt(r['dense_mhz'], 4, 0)} | {fmt(at_dense_clock)} |")
     dense_rows = [r for r in result["rows"] if r["density"] == 1.0 and r["impl"] != "sparsepatch_skip"
                   and r["impl"] != "flex"]
     print("\ndense TFLOP/s: " + "; ".join(f"{r['impl']} S{r['S']} H{r['H']} {r['tflops']:.0f}" for r in dense_rows))

@@ -23,8 +23,9 @@ deleted; benchmarks/NOTES.md, skip forward v4 / v5.)
 On an sm_90 GPU with Gluon (Triton 3.6), tile 128x128 skip calls without must_do and non-causal dense calls at
 head dim 128 run `skip_gluon.py` instead (cfg key `gluon`, on by default there): a persistent warp-specialised
 kernel with the same function, ~10% faster per tile than this one's and than cuDNN, with a cheaper q-tile epilogue
-(benchmarks/NOTES.md, skip forward v9 / v10). `skip_step` (the stateful patcher path), must_do, other tiles / head dims, causal dense and the
-interpreter stay here; a Gluon compile or launch failure warns once and falls back to this kernel.
+and its rho-1 loop within 1-3% of its dense mode (benchmarks/NOTES.md, skip forward v9 / v10 / v12). `skip_step`
+(the stateful patcher path), must_do, other tiles / head dims, causal dense and the interpreter stay here; a Gluon
+compile or launch failure warns once and falls back to this kernel.
 
 Ops are registered with torch.library.custom_op (+ fake impls): `sparsepatch::skip_fwd`, `sparsepatch::dense_fwd`.
 `skip_step` is the CUDA body of `sparsepatch::skip_step` (stateful.py): it reads the call counter on the device,

@@ -194,7 +194,7 @@ if HAS_GLUON:
             g += 1
             # tiles in runs of 32, one keep word each (dense: one run); a completed word is reduced over the rows (a
             # cross-warp reduction through shared memory) between runs, so the tile loop has no branch / barrier
-            # for it (inside the loop, it made the rho-1 loop 2.5-7% slower than the dense one: NOTES v12)
+            # for it (inside the loop, it made the rho-1 loop 2-8% slower than the dense one: NOTES v12)
             for w in range(0, (n_it + WSPAN - 1) // WSPAN):
                 for t in range(gl.maximum(w * WSPAN, 1), gl.minimum(w * WSPAN + WSPAN, n_it)):
                     slot = g % STAGES
