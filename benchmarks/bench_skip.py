@@ -163,13 +163,11 @@ VARIANTS = {
     # P V (session 8's order). Timed and deleted: early count / list loads, an L2 prefetch of the next q, out staged
     # through q halves (+ refilled in step, + TMA store): NOTES v10.
     "gluon_plain": dict(gluon=True, gluon_kstage=False, gluon_pv_async=False),
-    # session 11 (v13): q rows held in registers, the q buffer released at the q-tile's start (next q loaded early)
-    "gluon_qreg": dict(gluon=True, gluon_qreg=True),
-    # + the next q-tile's start (count, q, S_0 and its softmax) under this q-tile's epilogue
-    "gluon_s0early": dict(gluon=True, gluon_qreg=True, gluon_s0early=True),
     # session 10 (v12): qpf (next q rows into L2), kv0_early (first listed index before the q_empty wait), writer=1
     # (warpgroup 1 writes the next lists): no gain in cycles, deleted; the ablations that found the rho-1 loop cost
     # (no keep test; k-tile t instead of the list's) and the run-loop A/B were deleted after the change (NOTES v12)
+    # session 11 (v13): q in registers with the q buffer released at the q-tile's start (qreg), and the next q-tile's
+    # start under this one's epilogue (s0early): slower, deleted
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),

@@ -43,8 +43,7 @@ from .reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile
-GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True, qreg=False,
-                         s0early=False)
+GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True)
 
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -126,75 +125,12 @@ if HAS_GLUON:
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha, rmax
 
     @gluon.jit
-    def _tile0(s, part, n_it, rows, Sq, Sk, Tk, qk_scale, threshold, dtype: gl.constexpr, s_layout: gl.constexpr,
-               p_layout: gl.constexpr, SKIP: gl.constexpr):
-        """A q-tile's first tile from its S (fp32 [64, _BN]): -> (P in the P V operand layout, row max, row sum, keep
-        bits of the tile per row)."""
-        m0 = gl.full([s.shape[0]], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l0 = gl.zeros([s.shape[0]], gl.float32, gl.SliceLayout(1, s_layout))
-        if part & (n_it == 1):
-            p, m_new, l_i, alpha, rmax = _softmax(s, m0, l0, qk_scale, (Tk - 1) * _BN, Sk, True, s_layout)
-        else:
-            p, m_new, l_i, alpha, rmax = _softmax(s, m0, l0, qk_scale, 0, Sk, False, s_layout)
-        word = gl.zeros([s.shape[0]], gl.int32, gl.SliceLayout(1, s_layout))
-        if SKIP:
-            word = ((rmax - m0 > threshold) & (rows < Sq)).to(gl.int32)
-        return gl.convert_layout(p.to(dtype), p_layout), m_new, l_i, word
-
-    @gluon.jit
-    def _qtile_meta(lin, k, CNT, IDX, PRB, MAXK, Tk, WG: gl.constexpr, LAST_PARTIAL: gl.constexpr, SKIP: gl.constexpr,
-                    PROBE: gl.constexpr):
-        """The k-th owned q-tile `lin`'s count and partial-last-tile flag (its list ends with the partial k-tile)."""
-        if PROBE:
-            _stamp(PRB, ((gl.program_id(0) * MAXK + k) * 3 + WG).to(gl.int64) * 8, 0, lin)
-        part = False
-        if SKIP:
-            cnt = gl.load(CNT + lin)
-            if LAST_PARTIAL:
-                part = (cnt > 0) & (gl.load(IDX + lin.to(gl.int64) * Tk + gl.maximum(cnt - 1, 0)) == Tk - 1)
-        else:
-            cnt = Tk
-            part = LAST_PARTIAL
-        return cnt, part
-
-    @gluon.jit
-    def _qtile_s0(k, g, cnt, live, qh, k_smem, ready, q_ready, q_empty, PRB, MAXK, s_zero, q_layout: gl.constexpr,
-                  STAGES: gl.constexpr, WG: gl.constexpr, QREG: gl.constexpr, PROBE: gl.constexpr):
-        """The k-th owned q-tile's q (QREG: read into registers, then the buffer released) and S_0 = Q K_0^T (ring
-        tile g) issued async. -> (q operand, S_0 token). live False (no such q-tile): no waits, and the S_0 of
-        whatever the buffers hold is issued anyway (discarded), so the token is always a wgmma's (a token merged
-        with a plain tensor at a branch makes ptxas serialise every wgmma)."""
-        pb = ((gl.program_id(0) * MAXK + k) * 3 + WG).to(gl.int64) * 8
-        mbarrier.wait(q_ready, k & 1, pred=live)
-        if QREG:
-            qa = qh.load(q_layout)
-            fence_async_shared()   # these reads before the buffer's next TMA load
-            gl.thread_barrier()
-            mbarrier.arrive(q_empty)
-        else:
-            qa = qh
-        if PROBE:
-            if live:
-                _stamp(PRB, pb, 1, cnt)
-                gl.store(PRB + pb + 7, cnt.to(gl.int64))
-        slot = g % STAGES
-        mbarrier.wait(ready.index(slot), (g // STAGES) & 1, pred=live)
-        if PROBE:
-            if live:
-                _stamp(PRB, pb, 2, g)
-        return qa, warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, k_done, wx, wx_full, wx_empty, CNT, IDX,
+    def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
                   CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items,
                   qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
                   LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, KSTAGE: gl.constexpr,
-                  PV_ASYNC: gl.constexpr, QREG: gl.constexpr, S0EARLY: gl.constexpr, PROBE: gl.constexpr):
-        """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists.
-        QREG: this warpgroup's q rows are read into registers at the q-tile's start and the q buffer is released
-        then (the producer loads the next q-tile's q during this one); else Q K^T reads q from shared memory and the
-        buffer is released after the last Q K^T. S0EARLY (needs QREG): the next q-tile's start (count, q, S_0 =
-        Q K_0^T) is issued right after this q-tile's last P V, so it runs under this one's list write and out store."""
+                  PV_ASYNC: gl.constexpr, PROBE: gl.constexpr):
+        """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
         NW: gl.constexpr = gl.num_warps()
         WSPAN: gl.constexpr = 32 if SKIP else (1 << 30)   # tiles per run of the tile loop
         RM: gl.constexpr = 16 * NW
@@ -203,7 +139,6 @@ if HAS_GLUON:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                            instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         widx_w = gl.arange(0, NWORDS, layout=w_layout)
@@ -214,34 +149,48 @@ if HAS_GLUON:
         P = gl.num_programs(0)
         g = 0
         k = 0
-        if S0EARLY:
-            cnt, part = _qtile_meta(pid, 0, CNT, IDX, PRB, MAXK, Tk, WG, LAST_PARTIAL, SKIP, PROBE)
-            qa, s0_tok = _qtile_s0(0, 0, cnt, True, qh, k_smem, ready, q_ready, q_empty, PRB, MAXK, s_zero, q_layout,
-                                   STAGES, WG, QREG, PROBE)
-            s0 = warpgroup_mma_wait(0, deps=[s0_tok])
-            p16, m_i, l_i, word = _tile0(s0, part, gl.maximum(cnt, 1), (pid % Tq) * _BM + RM * WG +
-                                         gl.arange(0, RM, layout=row_l), Sq, Sk, Tk, qk_scale, threshold,
-                                         k_smem.dtype, s_layout, p_layout, SKIP)
         for lin in range(pid, n_items, P):
             pb = ((pid * MAXK + k) * 3 + WG).to(gl.int64) * 8   # PROBE: this q-tile's stamps of this warpgroup
-            if not S0EARLY:
-                cnt, part = _qtile_meta(lin, k, CNT, IDX, PRB, MAXK, Tk, WG, LAST_PARTIAL, SKIP, PROBE)
-                qa, s_tok = _qtile_s0(k, g, cnt, True, qh, k_smem, ready, q_ready, q_empty, PRB, MAXK, s_zero, q_layout,
-                                      STAGES, WG, QREG, PROBE)
+            if PROBE:
+                _stamp(PRB, pb, 0, lin)
             bh = lin // Tq
             pm = lin % Tq
             row = IDX + lin.to(gl.int64) * Tk
+            part = False
+            if SKIP:
+                cnt = gl.load(CNT + lin)
+                if LAST_PARTIAL:
+                    part = (cnt > 0) & (gl.load(row + gl.maximum(cnt - 1, 0)) == Tk - 1)
+            else:
+                cnt = Tk
+                part = LAST_PARTIAL
             n_it = gl.maximum(cnt, 1)
             rows = pm * _BM + RM * WG + gl.arange(0, RM, layout=row_l)
             row_ok = rows < Sq
+            m_i = gl.full([RM], float("-inf"), gl.float32, row_l)
+            l_i = gl.zeros([RM], gl.float32, row_l)
             acc = gl.zeros([RM, D], gl.float32, o_layout)
+            word = gl.zeros([RM], gl.int32, row_l)         # keep bits of the current 32-tile word, per row
             words = gl.zeros([NWORDS], gl.int32, w_layout)  # completed words, OR-ed over this warpgroup's rows
-            # tile 0 (S0EARLY: done in the previous q-tile's epilogue): its softmax, keep bits (`word`: the current
-            # 32-tile word, per row); its P V is issued with the next tile's S (or in the tail)
-            if not S0EARLY:
-                p16, m_i, l_i, word = _tile0(warpgroup_mma_wait(0, deps=[s_tok]), part, n_it, rows, Sq, Sk, Tk, qk_scale,
-                                             threshold, k_smem.dtype, s_layout, p_layout, SKIP)
-            prev = g % STAGES
+            mbarrier.wait(q_ready, k & 1)
+            if PROBE:
+                _stamp(PRB, pb, 1, cnt)
+                gl.store(PRB + pb + 7, cnt.to(gl.int64))
+            # tile 0: S synchronously, its softmax; its P V is issued with the next tile's S (or in the tail)
+            slot = g % STAGES
+            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+            if PROBE:
+                _stamp(PRB, pb, 2, g)
+            s = warpgroup_mma(qh, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            if part & (n_it == 1):
+                p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, (Tk - 1) * _BN, Sk, True, s_layout)
+            else:
+                p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout)
+            if SKIP:
+                word = ((rmax - m_i > threshold) & row_ok).to(gl.int32)
+            p16 = gl.convert_layout(p.to(k_smem.dtype), p_layout)
+            m_i = m_new
+            prev = slot
             g += 1
             # tiles in runs of 32, one keep word each (dense: one run); a completed word is reduced over the rows (a
             # cross-warp reduction through shared memory) between runs, so the tile loop has no branch / barrier
@@ -250,7 +199,7 @@ if HAS_GLUON:
                 for t in range(gl.maximum(w * WSPAN, 1), gl.minimum(w * WSPAN + WSPAN, n_it)):
                     slot = g % STAGES
                     mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-                    s_tok = warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                    s_tok = warpgroup_mma(qh, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                                           is_async=True)
                     o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
                     s = warpgroup_mma_wait(1, deps=[s_tok])
@@ -273,9 +222,7 @@ if HAS_GLUON:
                     word = gl.zeros([RM], gl.int32, row_l)
             if PROBE:
                 _stamp(PRB, pb, 3, g)
-            mbarrier.arrive(k_done)   # every Q K^T of this q-tile has completed
-            if not QREG:
-                mbarrier.arrive(q_empty)
+            mbarrier.arrive(q_empty)   # every Q K^T of this q-tile has completed
             if PV_ASYNC:   # the last P V runs under the next-list exchange / write
                 o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             else:
@@ -284,10 +231,6 @@ if HAS_GLUON:
                     mbarrier.arrive(empty.index(prev))
             if PROBE:
                 _stamp(PRB, pb, 4, k)
-            if S0EARLY:   # the next owned q-tile's count / flag loads, under the next-list write
-                has_next = lin + P < n_items
-                cnt_n, part_n = _qtile_meta(gl.minimum(lin + P, n_items - 1), k + 1, CNT, IDX, PRB, MAXK, Tk, WG,
-                                            LAST_PARTIAL, SKIP, PROBE)
 
             # next list: the two warpgroups' keep words OR-ed through shared memory, written by warpgroup 0
             if not SKIP:
@@ -333,9 +276,6 @@ if HAS_GLUON:
             # instructions per thread here)
             inv_l = gl.where(real & (l_o != 0.0), 1.0 / gl.where(l_o == 0.0, 1.0, l_o), 0.0)
             out = (acc * gl.expand_dims(inv_l, 1)).to(O.dtype.element_ty)
-            if S0EARLY:   # the next q-tile's S_0 runs under this out staging / store
-                qa, s0_tok = _qtile_s0(k + 1, g, cnt_n, has_next, qh, k_smem, ready, q_ready, q_empty, PRB, MAXK,
-                                       s_zero, q_layout, STAGES, WG, QREG, PROBE)
             b = bh // Hq
             h = bh % Hq
             if KSTAGE:   # staged in shared memory: 8 columns per thread, 16-byte stores
@@ -348,7 +288,7 @@ if HAS_GLUON:
                       * stride_os + gl.expand_dims(cols, 0))
             o_mask = gl.expand_dims(o_rows < Sq, 1)
             if KSTAGE:   # through this warpgroup's 64 rows of the last tile's K (q stays loaded for the next q-tile)
-                mbarrier.wait(k_done, k & 1)   # both warpgroups' last Q K^T (which read all of that K) are done
+                mbarrier.wait(q_empty, k & 1)   # both warpgroups' last Q K^T (which read all of that K) are done
                 ks = k_smem.index(prev).slice(RM * WG, RM)
                 ks.store(out)
                 gl.thread_barrier()
@@ -365,14 +305,6 @@ if HAS_GLUON:
                 gl.store(LSE + bh.to(gl.int64) * Sq + rows, lse, mask=row_ok)
             if PROBE:
                 _stamp(PRB, pb, 6, k)
-            if S0EARLY:   # the next q-tile's first tile, from its S_0 (issued above)
-                # (waited here, not at the next q-tile's top: an async token carried across the loop edge makes ptxas
-                # spill in the tile loop, and a waited S carried across it serialise every wgmma)
-                cnt = cnt_n
-                part = part_n
-                p16, m_i, l_i, word = _tile0(warpgroup_mma_wait(0, deps=[s0_tok]), part, gl.maximum(cnt, 1),
-                                             ((lin + P) % Tq) * _BM + RM * WG + gl.arange(0, RM, layout=row_l), Sq,
-                                             Sk, Tk, qk_scale, threshold, k_smem.dtype, s_layout, p_layout, SKIP)
             k += 1
 
     @gluon.jit
@@ -381,8 +313,7 @@ if HAS_GLUON:
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
-                           PV_ASYNC: gl.constexpr = True, QREG: gl.constexpr = False, S0EARLY: gl.constexpr = False,
-                           PROBE: gl.constexpr = False):
+                           PV_ASYNC: gl.constexpr = True, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
         dtype: gl.constexpr = q_desc.dtype
@@ -391,7 +322,7 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, _BN, D], v_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         wx = gl.allocate_shared_memory(gl.int32, [NWORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -400,17 +331,16 @@ if HAS_GLUON:
         mbarrier.init(bars.index(1), count=2)        # q_empty
         mbarrier.init(bars.index(2), count=1)        # wx_full (warpgroup 1's words)
         mbarrier.init(bars.index(3), count=1)        # wx_empty
-        mbarrier.init(bars.index(4), count=2)        # k_done: both warpgroups' last Q K^T of a q-tile completed
         fence_async_shared()
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), bars.index(4), wx,
-                         bars.index(2), bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, QREG, S0EARLY, PROBE)),
-            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), bars.index(4), wx,
-                         bars.index(2), bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, QREG, S0EARLY, PROBE)),
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
                          CNT, IDX, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -462,8 +392,6 @@ _DESCS = dict(q_desc=0, k_desc=1, v_desc=2)
 
 def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
     cfg = dict(GLUON_SKIP_CONFIG, **cfg) if cfg else GLUON_SKIP_CONFIG
-    if cfg["s0early"] and not (cfg["qreg"] and cfg["kstage"] and cfg["pv_async"]):
-        raise ValueError("cfg: s0early needs qreg, kstage and pv_async")
     B, Sq, Hq, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     Tq, Tk = triton.cdiv(Sq, BM), triton.cdiv(Sk, BN)
@@ -522,8 +450,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
-                  PV_ASYNC=bool(cfg["pv_async"]), QREG=bool(cfg["qreg"]),
-                  S0EARLY=bool(cfg["s0early"]), PROBE=probe is not None)
+                  PV_ASYNC=bool(cfg["pv_async"]), PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
