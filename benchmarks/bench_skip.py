@@ -167,8 +167,8 @@ VARIANTS = {
     # (warpgroup 1 writes the next lists): no gain in cycles, deleted; the ablations that found the rho-1 loop cost
     # (no keep test; k-tile t instead of the list's) and the run-loop A/B were deleted after the change (NOTES v12)
     # session 11 (v13): q in registers with the q buffer released at the q-tile's start (qreg), and the next q-tile's
-    # start under this one's epilogue (s0early): slower, deleted
-    "gluon_meta": dict(gluon=True, gluon_meta=True),     # count / k-tile indices handed over in shared memory
+    # start under this one's epilogue (s0early): slower, deleted; the count / k-tile indices handed over in shared
+    # memory (meta): neutral, deleted
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),

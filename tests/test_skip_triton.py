@@ -207,8 +207,7 @@ def test_bad_inputs():
 # ------------------------------------------------------------------------------------------------- GPU
 
 
-GLUON_VARIANTS = {"gluon": {}, "gluon_plain": dict(gluon_kstage=False, gluon_pv_async=False),
-                  "gluon_meta": dict(gluon_meta=True)}
+GLUON_VARIANTS = {"gluon": {}, "gluon_plain": dict(gluon_kstage=False, gluon_pv_async=False)}
 
 
 def _use_gluon(monkeypatch, on, *tables, variant="gluon"):
@@ -231,7 +230,7 @@ def _assert_gluon_ran(q, k, v, tile):
 @pytest.mark.parametrize("S,D,tile,H", [(4096, 128, (128, 128), (4, 2)), (4000, 64, (64, 64), (2, 2)),
                                         (32760, 128, (128, 128), (1, 1)), (8000, 128, (128, 128), (3, 1)),
                                         (4000, 64, (128, 128), (2, 1))])
-@pytest.mark.parametrize("gluon", [False, "gluon", "gluon_plain", "gluon_meta"])
+@pytest.mark.parametrize("gluon", [False, "gluon", "gluon_plain"])
 def test_skip_gpu(monkeypatch, dtype, S, D, tile, H, gluon):
     if gluon and tile != (128, 128):
         pytest.skip("the Gluon kernel serves tile (128, 128) only")

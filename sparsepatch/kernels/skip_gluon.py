@@ -43,8 +43,7 @@ from .reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile
-GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True,
-                         meta=False)
+GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True)
 
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -66,12 +65,11 @@ if HAS_GLUON:
         gl.store(PRB + base + i, t)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, meta, CNT, IDX, PRB,
-                  MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr,
-                  META: gl.constexpr, PROBE: gl.constexpr):
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, PRB, MAXK,
+                  Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr,
+                  PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
-        one_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         g = 0
         k = 0
         for lin in range(pid, n_items, P):
@@ -93,8 +91,6 @@ if HAS_GLUON:
             mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
             if PROBE:
                 _stamp(PRB, pb, 1, cnt)
-            if SKIP and META:   # the count for the consumers, published by q_ready's arrive
-                meta.index(STAGES).store(gl.full([1], cnt, gl.int32, one_l))
             mbarrier.expect(q_ready, _BM * D * 2)
             tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
             row = IDX + lin.to(gl.int64) * Tk
@@ -106,8 +102,6 @@ if HAS_GLUON:
                     j = t
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
-                if SKIP and META:   # the k-tile index for the consumers (partial-tile mask), published by ready's arrive
-                    meta.index(slot).store(gl.full([1], j, gl.int32, one_l))
                 mbarrier.expect(ready.index(slot), 2 * _BN * D * 2)
                 tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
                                                 k_smem.index(slot))
@@ -131,11 +125,11 @@ if HAS_GLUON:
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha, rmax
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, meta, CNT, IDX,
+    def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
                   CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items,
                   qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
                   LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, KSTAGE: gl.constexpr,
-                  PV_ASYNC: gl.constexpr, META: gl.constexpr, PROBE: gl.constexpr):
+                  PV_ASYNC: gl.constexpr, PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
         NW: gl.constexpr = gl.num_warps()
         WSPAN: gl.constexpr = 32 if SKIP else (1 << 30)   # tiles per run of the tile loop
@@ -146,8 +140,6 @@ if HAS_GLUON:
                                                            instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        one_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        MSK: gl.constexpr = SKIP and META and LAST_PARTIAL   # partial-tile mask from the slot's k-tile index
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         widx_w = gl.arange(0, NWORDS, layout=w_layout)
         offs_c = gl.arange(0, 32, layout=w_layout)
@@ -165,18 +157,13 @@ if HAS_GLUON:
             pm = lin % Tq
             row = IDX + lin.to(gl.int64) * Tk
             part = False
-            if SKIP and META:   # count and k-tile indices from the producer, in shared memory (no global loads)
-                mbarrier.wait(q_ready, k & 1)
-                cnt = gl.sum(meta.index(STAGES).load(one_l), 0)
-            elif SKIP:
+            if SKIP:
                 cnt = gl.load(CNT + lin)
                 if LAST_PARTIAL:
                     part = (cnt > 0) & (gl.load(row + gl.maximum(cnt - 1, 0)) == Tk - 1)
             else:
                 cnt = Tk
                 part = LAST_PARTIAL
-            if SKIP and META and WG == 0:   # the list's first 32 indices, for the next-list write
-                jv0 = gl.load(row + offs_c, mask=offs_c < gl.minimum(cnt, 32), other=0)
             n_it = gl.maximum(cnt, 1)
             rows = pm * _BM + RM * WG + gl.arange(0, RM, layout=row_l)
             row_ok = rows < Sq
@@ -185,8 +172,7 @@ if HAS_GLUON:
             acc = gl.zeros([RM, D], gl.float32, o_layout)
             word = gl.zeros([RM], gl.int32, row_l)         # keep bits of the current 32-tile word, per row
             words = gl.zeros([NWORDS], gl.int32, w_layout)  # completed words, OR-ed over this warpgroup's rows
-            if not (SKIP and META):
-                mbarrier.wait(q_ready, k & 1)
+            mbarrier.wait(q_ready, k & 1)
             if PROBE:
                 _stamp(PRB, pb, 1, cnt)
                 gl.store(PRB + pb + 7, cnt.to(gl.int64))
@@ -196,11 +182,7 @@ if HAS_GLUON:
             if PROBE:
                 _stamp(PRB, pb, 2, g)
             s = warpgroup_mma(qh, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
-            if MSK:
-                masked = gl.sum(meta.index(slot).load(one_l), 0) == Tk - 1
-            else:
-                masked = part & (n_it == 1)
-            if masked:
+            if part & (n_it == 1):
                 p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, (Tk - 1) * _BN, Sk, True, s_layout)
             else:
                 p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout)
@@ -217,15 +199,11 @@ if HAS_GLUON:
                 for t in range(gl.maximum(w * WSPAN, 1), gl.minimum(w * WSPAN + WSPAN, n_it)):
                     slot = g % STAGES
                     mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-                    if MSK:
-                        masked = gl.sum(meta.index(slot).load(one_l), 0) == Tk - 1
-                    else:
-                        masked = part & (t == n_it - 1)
                     s_tok = warpgroup_mma(qh, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                                           is_async=True)
                     o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
                     s = warpgroup_mma_wait(1, deps=[s_tok])
-                    if masked:
+                    if part & (t == n_it - 1):
                         p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, (Tk - 1) * _BN, Sk, True,
                                                               s_layout)
                     else:
@@ -278,10 +256,7 @@ if HAS_GLUON:
                     if w * 32 < cnt:
                         c1 = gl.minimum(cnt - w * 32, 32)
                         wd = gl.sum(gl.where(widx_w == w, words, 0), 0)
-                        if SKIP and META and w == 0:
-                            jv = jv0
-                        else:
-                            jv = gl.load(row + w * 32 + offs_c, mask=offs_c < c1, other=0)
+                        jv = gl.load(row + w * 32 + offs_c, mask=offs_c < c1, other=0)
                         wv = wd & gl.where(c1 >= 32, -1, (1 << c1) - 1)
                         keep = ((wv >> offs_c) & 1) != 0
                         gl.store(dst + out_cnt + _popc(wv & ((1 << offs_c) - 1)), jv, mask=keep)
@@ -338,7 +313,7 @@ if HAS_GLUON:
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
-                           PV_ASYNC: gl.constexpr = True, META: gl.constexpr = False, PROBE: gl.constexpr = False):
+                           PV_ASYNC: gl.constexpr = True, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
         dtype: gl.constexpr = q_desc.dtype
@@ -349,8 +324,6 @@ if HAS_GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         wx = gl.allocate_shared_memory(gl.int32, [NWORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        # META: [slot] the k-tile index in ring slot `slot`, [STAGES] the current q-tile's count
-        meta = gl.allocate_shared_memory(gl.int32, [8, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)   # one arrive per consumer warpgroup
@@ -361,15 +334,15 @@ if HAS_GLUON:
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
-                         bars.index(3), meta, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, META, PROBE)),
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
-                         bars.index(3), meta, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, META, PROBE)),
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
-                         meta, CNT, IDX, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, META, PROBE)),
+                         CNT, IDX, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -477,7 +450,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
-                  PV_ASYNC=bool(cfg["pv_async"]), META=bool(cfg["meta"]), PROBE=probe is not None)
+                  PV_ASYNC=bool(cfg["pv_async"]), PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
