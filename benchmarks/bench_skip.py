@@ -507,6 +507,54 @@ def variants(log, shape=(1, 12, 32760, 128), names=None, rounds=2, only=None):
     return dict(dense_ms=t_dense, rows=rows, base_cfg=base_cfg)
 
 
+def step_check(log, shapes=((1, 12, 32760, 128), (1, 40, 32760, 128)), densities=(0.5, 0.13, 0.05)):
+    """The patcher's stateful path (`skip.skip_step`) on the Triton vs the Gluon kernel, same process and inputs:
+    a warm-up call (every tile, no list written) and calls reading a fixed random list (the call counter is reset
+    before each call, so every call reads the same slot). Checks out (max abs diff) and the written list slot
+    (exact) between the two kernels; ms by do_bench."""
+    from sparsepatch.kernels import skip, stateful
+    key = (128, 128)
+    rows = []
+    for (B, H, S, D) in shapes:
+        g = torch.Generator(device="cuda").manual_seed(3)
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        for rho in ("warm",) + tuple(densities):
+            res = {}
+            for name, on in (("triton", False), ("gluon", True)):
+                base = dict(skip.SKIP_CONFIGS[key])
+                skip.SKIP_CONFIGS[key] = dict(base, gluon=on)
+                try:
+                    bufs = stateful.SkipListBuffers.create(B, H, S, S, key, "cuda")
+                    if rho != "warm":
+                        lst = random_list(B, H, S, rho)
+                        bufs.counts[0].copy_(lst.counts)
+                        bufs.indices[0].copy_(lst.indices)
+                    warmup = 1 if rho == "warm" else 0
+
+                    def call(bufs=bufs, warmup=warmup):
+                        bufs.step.zero_()
+                        return skip.skip_step(q, k, v, bufs.counts, bufs.indices, bufs.step, bufs.density, -5.0,
+                                              warmup, 128, 128, 1 / math.sqrt(D), [])
+                    out = call()
+                    torch.cuda.synchronize()
+                    written = (bufs.counts[1].clone(), bufs.indices[1].clone())
+                    res[name] = (bench_ms(call), out, written, skip._GLUON_OK[0])
+                finally:
+                    skip.SKIP_CONFIGS[key] = base
+            (tt, to, tw, _), (gt, go, gw, ok) = res["triton"], res["gluon"]
+            row = dict(shape=f"B{B} H{H} S{S} D{D}", list=str(rho), triton_ms=tt, gluon_ms=gt, gluon_ran=ok,
+                       out_max_abs=(to.float() - go.float()).abs().max().item(),
+                       lists_equal=bool(torch.equal(tw[0], gw[0]) and torch.equal(tw[1], gw[1])))
+            rows.append(row)
+            log(f"step {row}")
+    print("\n| shape | list | skip_step Triton ms | Gluon ms | Triton / Gluon | out max abs diff | next list equal |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['list']} | {r['triton_ms']:.3f} | {r['gluon_ms']:.3f} | "
+              f"{r['triton_ms'] / r['gluon_ms']:.2f}x | {r['out_max_abs']:.2e} | {r['lists_equal']} |")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="first shape only")
@@ -525,6 +573,8 @@ def main(argv=None):
                          "(none = gluon) on --lists (default seq1 rand0.05 rand1.0); exit")
     ap.add_argument("--host", action="store_true",
                     help="host us per call vs GPU time (do_bench and host-hidden), cProfile of the host path; exit")
+    ap.add_argument("--step", action="store_true",
+                    help="the patcher's stateful skip_step on the Triton vs the Gluon kernel (checks + ms); exit")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -540,6 +590,12 @@ def main(argv=None):
     def log(msg):
         print(msg, flush=True)
         lines.append(msg)
+
+    if args.step:
+        res = dict(step=step_check(log), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=triton.__version__)
+        save_results(res, f"{gpu_name()}-skip-step-gluon.json", args.out)
+        return 0
 
     if args.host:
         res = dict(host=host_check(log), parts=host_breakdown(log), gpu=torch.cuda.get_device_name(),

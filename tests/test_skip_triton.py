@@ -373,8 +373,14 @@ def _step_inputs(S, D, dtype, seed, assign, tile):
 
 @gpu
 @needs_cuda
-def test_skip_step_gpu_graph_compile():
-    S, D, tile, dtype = 4096, 128, (128, 128), torch.bfloat16
+@pytest.mark.parametrize("S", [4096, 4000])
+@pytest.mark.parametrize("gluon", [False, True])
+def test_skip_step_gpu_graph_compile(monkeypatch, S, gluon):
+    """skip_step (the patcher's stateful path) against the reference over 3 calls (a dense warm-up call, then lists
+    carried between the slots), a CUDA graph replayed, and torch.compile without recompilation; on the Triton and
+    the Gluon kernel, with and without a partial last tile."""
+    D, tile, dtype = 128, (128, 128), torch.bfloat16
+    _use_gluon(monkeypatch, gluon, skip.SKIP_CONFIGS)
     thr = lattice_threshold(D)
     bufs = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))
     refb = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))
@@ -388,6 +394,8 @@ def test_skip_step_gpu_graph_compile():
         assert bufs.current(1).equal(refb.current(1))
         torch.testing.assert_close(bufs.history(), refb.history())
     assert bufs.current(1).density().item() < 0.9
+    if gluon:
+        _assert_gluon_ran(q, k, v, tile)
 
     # CUDA graph: capture one step, replay twice; the device step counter drives slot choice.
     gb = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))

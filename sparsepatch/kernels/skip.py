@@ -23,9 +23,9 @@ deleted; benchmarks/NOTES.md, skip forward v4 / v5.)
 On an sm_90 GPU with Gluon (Triton 3.6), tile 128x128 skip calls without must_do and non-causal dense calls at
 head dim 128 run `skip_gluon.py` instead (cfg key `gluon`, on by default there): a persistent warp-specialised
 kernel with the same function, ~10% faster per tile than this one's and than cuDNN, with a cheaper q-tile epilogue
-and its rho-1 loop within 1-3% of its dense mode (benchmarks/NOTES.md, skip forward v9 / v10 / v12). `skip_step`
-(the stateful patcher path), must_do, other tiles / head dims, causal dense and the interpreter stay here; a Gluon
-compile or launch failure warns once and falls back to this kernel.
+and its rho-1 loop within 1-3% of its dense mode (benchmarks/NOTES.md, skip forward v9 / v10 / v12); so does
+`skip_step` (the stateful patcher path) without must_do. must_do, other tiles / head dims, causal dense and the
+interpreter stay here; a Gluon compile or launch failure warns once and falls back to this kernel.
 
 Ops are registered with torch.library.custom_op (+ fake impls): `sparsepatch::skip_fwd`, `sparsepatch::dense_fwd`.
 `skip_step` is the CUDA body of `sparsepatch::skip_step` (stateful.py): it reads the call counter on the device,
@@ -802,11 +802,19 @@ def skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, 
     read = torch.remainder(n - warmup_steps, 2).clamp(min=0)
     dens = cnt_in.index_select(0, read).to(torch.float32).mean(dim=(2, 3)).reshape(B) / Tk
     dens = torch.where(warm, torch.ones_like(dens), dens)
-    out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
-    _launch(q, k, v, out, None, cnt_in=cnt_in, idx_in=idx_in, cnt_out=counts, idx_out=indices, frow=frow,
-            fcol=fcol, step=step, Tq=Tq, Tk=Tk, slot_cnt=counts.stride(0), slot_idx=indices.stride(0),
-            warmup=int(warmup_steps), scale=float(scale), threshold=threshold, tm=tm, tn=tn, skip=True,
-            stateful=True, causal=False, cfg=_config(D, triton.next_power_of_2(tm), tn))
+    cfg = _config(D, triton.next_power_of_2(tm), tn)
+    out = None
+    if frow is None and cfg.get("gluon") and _GLUON_OK[0] and not _interpret():
+        from . import skip_gluon
+        if skip_gluon.supported(q, k, v, (tm, tn), None) and counts[0].is_contiguous() and indices[0].is_contiguous():
+            out = _gluon_call(skip_gluon.skip_step, q, k, v, counts, indices, step, warmup_steps, threshold,
+                              float(scale), cfg=_gluon_options(cfg))
+    if out is None:
+        out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
+        _launch(q, k, v, out, None, cnt_in=cnt_in, idx_in=idx_in, cnt_out=counts, idx_out=indices, frow=frow,
+                fcol=fcol, step=step, Tq=Tq, Tk=Tk, slot_cnt=counts.stride(0), slot_idx=indices.stride(0),
+                warmup=int(warmup_steps), scale=float(scale), threshold=threshold, tm=tm, tn=tn, skip=True,
+                stateful=True, causal=False, cfg=cfg)
     cap = density.shape[0]
     at = n.clamp(max=cap - 1)
     old = density.index_select(0, at)

@@ -1,8 +1,9 @@
 """Persistent, warp-specialised skip-list attention forward in Gluon (Hopper, sm_90), and its dense mode.
 
-Same function as `skip.skip_attention` (non-stateful, no must_do, tile 128 x 128, head dim 64 / 128, fp16 / bf16)
-and, with skipping compiled out (SKIP=False), as non-causal `skip.attention`; `skip.py` dispatches here by default
-on sm_90 at head dim 128 (cfg key `gluon`). H100: ~10% faster per tile than the Triton kernel, dense 641-658
+Same function as `skip.skip_attention` (no must_do, tile 128 x 128, head dim 64 / 128, fp16 / bf16), as the stateful
+`skip.skip_step` (STATEFUL: the list slots and the call counter of the patcher's buffers) and, with skipping
+compiled out (SKIP=False), as non-causal `skip.attention`; `skip.py` dispatches here by default on sm_90 at head
+dim 128 (cfg key `gluon`). H100: ~10% faster per tile than the Triton kernel, dense 641-658
 TFLOP/s vs cuDNN 564-590 (benchmarks/NOTES.md, skip forward v9).
 Each program (one per SM) owns q-tiles p, p + P, ...; a 1-warp producer partition walks their lists and keeps a
 STAGES-deep K/V ring (and q) loaded across q-tile boundaries, so the next q-tile's first tiles are in shared memory
@@ -65,9 +66,9 @@ if HAS_GLUON:
         gl.store(PRB + base + i, t)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, PRB, MAXK,
-                  Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr,
-                  PROBE: gl.constexpr):
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, warm, PRB,
+                  MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr,
+                  STATEFUL: gl.constexpr, PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -85,6 +86,8 @@ if HAS_GLUON:
             hk = h // n_rep
             if SKIP:
                 cnt = gl.load(CNT + lin)
+                if STATEFUL:
+                    cnt = gl.where(warm, Tk, cnt)   # a warm-up call visits every tile
             else:
                 cnt = Tk
             # q of this q-tile: its buffer is free once both consumers passed the last Q K^T of the previous one
@@ -98,6 +101,8 @@ if HAS_GLUON:
                 if SKIP:
                     j = gl.load(row + t, mask=t < cnt, other=0)
                     j = gl.minimum(gl.maximum(j, 0), Tk - 1)
+                    if STATEFUL:
+                        j = gl.where(warm, t, j)
                 else:
                     j = t
                 slot = g % STAGES
@@ -126,11 +131,12 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
-                  CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items,
+                  CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items,
                   qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, WG: gl.constexpr,
                   LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr, KSTAGE: gl.constexpr,
-                  PV_ASYNC: gl.constexpr, PROBE: gl.constexpr):
-        """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists."""
+                  PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr, PROBE: gl.constexpr):
+        """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists
+        (STATEFUL: not on a warm-up call, which visits every tile)."""
         NW: gl.constexpr = gl.num_warps()
         WSPAN: gl.constexpr = 32 if SKIP else (1 << 30)   # tiles per run of the tile loop
         RM: gl.constexpr = 16 * NW
@@ -161,6 +167,10 @@ if HAS_GLUON:
                 cnt = gl.load(CNT + lin)
                 if LAST_PARTIAL:
                     part = (cnt > 0) & (gl.load(row + gl.maximum(cnt - 1, 0)) == Tk - 1)
+                    if STATEFUL:
+                        part = part | warm
+                if STATEFUL:
+                    cnt = gl.where(warm, Tk, cnt)
             else:
                 cnt = Tk
                 part = LAST_PARTIAL
@@ -250,18 +260,23 @@ if HAS_GLUON:
                 gl.thread_barrier()
                 mbarrier.arrive(wx_empty)
                 words = gl.where(cnt > 0, words, 0)
-                dst = IDX_OUT + lin.to(gl.int64) * Tk
-                out_cnt = cnt * 0
-                for w in gl.static_range(NWORDS):
-                    if w * 32 < cnt:
-                        c1 = gl.minimum(cnt - w * 32, 32)
-                        wd = gl.sum(gl.where(widx_w == w, words, 0), 0)
-                        jv = gl.load(row + w * 32 + offs_c, mask=offs_c < c1, other=0)
-                        wv = wd & gl.where(c1 >= 32, -1, (1 << c1) - 1)
-                        keep = ((wv >> offs_c) & 1) != 0
-                        gl.store(dst + out_cnt + _popc(wv & ((1 << offs_c) - 1)), jv, mask=keep)
-                        out_cnt += _popc(wv)
-                gl.store(CNT_OUT + lin, out_cnt)
+                if STATEFUL:
+                    write = warm == 0
+                else:
+                    write = True
+                if write:
+                    dst = IDX_OUT + lin.to(gl.int64) * Tk
+                    out_cnt = cnt * 0
+                    for wi in gl.static_range(NWORDS):
+                        if wi * 32 < cnt:
+                            c1 = gl.minimum(cnt - wi * 32, 32)
+                            wd = gl.sum(gl.where(widx_w == wi, words, 0), 0)
+                            jv = gl.load(row + wi * 32 + offs_c, mask=offs_c < c1, other=0)
+                            wv = wd & gl.where(c1 >= 32, -1, (1 << c1) - 1)
+                            keep = ((wv >> offs_c) & 1) != 0
+                            gl.store(dst + out_cnt + _popc(wv & ((1 << offs_c) - 1)), jv, mask=keep)
+                            out_cnt += _popc(wv)
+                    gl.store(CNT_OUT + lin, out_cnt)
                 if PROBE:
                     _stamp(PRB, pb, 5, out_cnt)
 
@@ -308,14 +323,28 @@ if HAS_GLUON:
             k += 1
 
     @gluon.jit
-    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os,
+    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, STEP, O, LSE, PRB, MAXK, n_warmup, slot_cnt,
+                           slot_idx, stride_ob, stride_os,
                            stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, qk_scale, threshold,
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
-                           PV_ASYNC: gl.constexpr = True, PROBE: gl.constexpr = False):
+                           PV_ASYNC: gl.constexpr = True, STATEFUL: gl.constexpr = False, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
-        q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads."""
+        q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads.
+        STATEFUL (the patcher's skip_step): CNT / IDX are two list slots (slot strides slot_cnt / slot_idx) and
+        CNT_OUT / IDX_OUT ignored; the call counter *STEP decides: calls < n_warmup visit every tile and write no
+        list, later calls read slot (step - n_warmup) % 2 and write the other one."""
+        if STATEFUL:
+            n = gl.load(STEP)
+            warm = n < n_warmup
+            rs = gl.where(warm, 0, (n - n_warmup) % 2)
+            CNT_OUT = CNT + (1 - rs) * slot_cnt
+            IDX_OUT = IDX + (1 - rs) * slot_idx
+            CNT = CNT + rs * slot_cnt
+            IDX = IDX + rs * slot_idx
+        else:
+            warm = False
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [_BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, _BN, D], k_desc.layout)
@@ -334,15 +363,16 @@ if HAS_GLUON:
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
-                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
-                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh,
                          Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1, LAST_PARTIAL,
-                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, PROBE)),
+                         WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
-                         CNT, IDX, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, PROBE)),
+                         CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, STATEFUL,
+                         PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -381,16 +411,30 @@ def skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse, cfg=None):
     return _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip=True)
 
 
+def skip_step(q, k, v, counts, indices, step, warmup, threshold, scale, cfg=None):
+    """Gluon body of `skip.skip_step` (tile (128, 128), no must_do) -> out. counts int32 (2, B, H, Tq) / indices
+    int32 (2, B, H, Tq, Tk) are the list slots (each slot contiguous), step int64 (1,) the call counter, read by the
+    kernel: calls < warmup visit every tile and leave the lists alone, later calls read slot (step - warmup) % 2 and
+    write the other. The counter is not incremented here."""
+    for name, t in (("counts", counts), ("indices", indices)):
+        if t.dim() < 2 or t.shape[0] != 2 or not t[0].is_contiguous() or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 list slots (2, ...) with contiguous slots")
+    if step.numel() != 1 or step.dtype != torch.int64:
+        raise ValueError("step must be an int64 tensor of one element")
+    return _launch(q, k, v, counts, indices, threshold, scale, False, cfg, skip=True, step=step,
+                   warmup=int(warmup))[0]
+
+
 # Launch plans, as skip._launch's (host time: benchmarks/NOTES.md, skip forward v7): the first call of a key goes
 # through Gluon's JIT launcher and records the compiled kernel's direct launcher; later calls fill in the tensors
 # and descriptor bases only. Key: every shape / stride / dtype / scalar argument and the config.
 _PLANS: dict = {}
 _DIRECT = [True]
-_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "O", "LSE", "PRB")
+_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "STEP", "O", "LSE", "PRB")
 _DESCS = dict(q_desc=0, k_desc=1, v_desc=2)
 
 
-def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
+def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, step=None, warmup=0):
     cfg = dict(GLUON_SKIP_CONFIG, **cfg) if cfg else GLUON_SKIP_CONFIG
     B, Sq, Hq, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
@@ -398,7 +442,10 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
     dev = q.device
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=dev)
     lse = torch.empty((B, Hq, Sq) if return_lse else (1,), dtype=torch.float32, device=dev)
-    if skip:
+    stateful = step is not None
+    if stateful:   # the kernel picks the read / write slots from *step
+        next_counts, next_indices = counts, indices
+    elif skip:
         next_counts = torch.empty((B, Hq, Tq), dtype=torch.int32, device=dev)
         next_indices = torch.empty((B, Hq, Tq, Tk), dtype=torch.int32, device=dev)
         counts, indices = counts.contiguous(), indices.contiguous()
@@ -412,13 +459,14 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
     probe = cfg.get("probe")
     if probe is not None and (probe.dtype != torch.int64 or probe.numel() < grid[0] * maxk * 24):
         raise ValueError(f"cfg['probe'] must be an int64 tensor of >= {grid[0] * maxk * 24} elements")
-    tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices, O=out, LSE=lse,
-                   PRB=lse if probe is None else probe)
+    tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices,
+                   STEP=step if stateful else next_counts, O=out, LSE=lse, PRB=lse if probe is None else probe)
+    slot_cnt, slot_idx = (counts.stride(0), indices.stride(0)) if stateful else (0, 0)
     lse_ret = lse if return_lse else q.new_empty((0,), dtype=torch.float32)
     # (the lists' 16-byte alignment is in the key: Gluon specialises pointers on it, q / k / v pass `supported`)
     key = (dev.index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), bool(return_lse), skip,
            counts.data_ptr() % 16 == 0, indices.data_ptr() % 16 == 0, float(threshold), float(scale),
-           tuple(sorted(cfg.items())))
+           tuple(sorted(cfg.items())), stateful, warmup, slot_cnt, slot_idx)
     plan = _PLANS.get(key) if _DIRECT[0] and probe is None else None
     if plan is not None:
         relaunch, template, tslots, dslots = plan
@@ -443,14 +491,15 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip):
         [BM, D], dt))
     kd = TensorDescriptor(k, [B * Sk, Hk * D], [k.stride(1), 1], [BN, D], lay)
     vd = TensorDescriptor(v, [B * Sk, Hk * D], [v.stride(1), 1], [BN, D], lay)
-    params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, MAXK=maxk, stride_ob=out.stride(0),
+    params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, MAXK=maxk, n_warmup=warmup, slot_cnt=slot_cnt,
+                  slot_idx=slot_idx, stride_ob=out.stride(0),
                   stride_os=out.stride(1), stride_oh=out.stride(2), Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq,
                   Tk=Tk, n_items=n_items,
                   qk_scale=scale * LOG2E, threshold=float(threshold), D=D, STAGES=int(cfg["stages"]),
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
-                  PV_ASYNC=bool(cfg["pv_async"]), PROBE=probe is not None)
+                  PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
