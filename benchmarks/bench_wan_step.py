@@ -6,8 +6,10 @@ diffusers WanTransformer3DModel with Wan2.1-T2V-1.3B's shape (30 layers, 12 head
 freq_dim 256, patch (1, 2, 2)), random weights, bf16, latent (1, 16, 21, 60, 104) = 480p x 81 frames = 32760
 tokens, 512 text tokens. Dense: every attention on SDPA cuDNN. Sparse: self-attention calls go to
 sparsepatch.kernels.skip.skip_attention with fixed random lists at density 0.5 / 0.25 (diagonal always listed;
-the kernel still runs its keep test and writes the next list); cross-attention stays on cuDNN. The attention
-call is swapped locally in this script (module attribute of transformer_wan), not through sparsepatch.patcher.
+the kernel still runs its keep test and writes the next list); cross-attention stays on cuDNN. Stateful ("step_*"):
+the same lists through `skip.skip_step`, the op the patcher's SkipConfig calls (list slots + call counter, density
+bookkeeping; the counter is reset before each call so every call reads the forced list). The attention call is
+swapped locally in this script (module attribute of transformer_wan), not through sparsepatch.patcher.
 Writes <out>/<gpu>-wan-step-skip.json and $OUT/... when OUT is set.
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ def main(argv=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from common import gpu_name, random_list, save_results, wan_1_3b_shaped
-    from sparsepatch.kernels import skip
+    from sparsepatch.kernels import skip, stateful
 
     model = wan_1_3b_shaped(args.layers)
     x = torch.randn(1, 16, 21, 60, 104, device="cuda", dtype=torch.bfloat16)
@@ -44,11 +46,23 @@ def main(argv=None):
     ts = torch.tensor([500], device="cuda")
     S = 21 * 30 * 52
     lists = {rho: random_list(1, 12, S, rho) for rho in (0.5, 0.25)}
-    state = {"list": None, "self_calls": 0}
+    state = {"list": None, "bufs": None, "self_calls": 0}
+    step_bufs = {}
+    for rho, lst in lists.items():   # slot 0 holds the forced list; calls write slot 1
+        b = stateful.SkipListBuffers.create(1, 12, S, S, (128, 128), "cuda")
+        b.counts[0].copy_(lst.counts)
+        b.indices[0].copy_(lst.indices)
+        step_bufs[rho] = b
     orig = transformer_wan.dispatch_attention_fn
 
     def patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=None,
                 parallel_config=None, **kw):
+        if state["bufs"] is not None and attn_mask is None and query.shape[1] == key.shape[1]:
+            state["self_calls"] += 1
+            b = state["bufs"]
+            b.step.zero_()
+            return skip.skip_step(query, key, value, b.counts, b.indices, b.step, b.density, -5.0, 0, 128, 128,
+                                  query.shape[-1] ** -0.5, [])
         if state["list"] is not None and attn_mask is None and query.shape[1] == key.shape[1]:
             state["self_calls"] += 1
             out, _ = skip.skip_attention(query, key, value, state["list"], -5.0)
@@ -62,8 +76,8 @@ def main(argv=None):
         with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return model(x, ts, ctx, return_dict=False)[0]
 
-    def time_mode(lst):
-        state["list"] = lst
+    def time_mode(lst, bufs=None):
+        state["list"], state["bufs"] = lst, bufs
         out = step()                     # warm-up (compiles)
         torch.cuda.synchronize()
         ms = []
@@ -84,8 +98,11 @@ def main(argv=None):
         cos = torch.nn.functional.cosine_similarity(out.float().flatten(), dense_out.float().flatten(), 0).item()
         res["modes"][f"skip_{rho}"] = ms
         res[f"cos_vs_dense_{rho}"] = cos
+        ms, out_step = time_mode(None, step_bufs[rho])
+        res["modes"][f"step_{rho}"] = ms
+        res[f"step_max_abs_vs_skip_{rho}"] = (out_step.float() - out.float()).abs().max().item()
     transformer_wan.dispatch_attention_fn = orig
-    res["self_attn_calls_per_step"] = state["self_calls"] // (2 * (args.reps + 1))
+    res["self_attn_calls_per_step"] = state["self_calls"] // (2 * len(lists) * (args.reps + 1))
     save_results(res, f"{gpu_name()}-wan-step-skip.json", args.out)
     print(f"\n## Wan2.1-1.3B-shaped transformer step ({args.layers} layers, {S} tokens, bf16), "
           f"{torch.cuda.get_device_name()}")
@@ -95,6 +112,8 @@ def main(argv=None):
     for rho, tgt in ((0.5, 1.30), (0.25, 1.55)):
         ms = res["modes"][f"skip_{rho}"]
         print(f"| skip lists, density {rho} | {ms:.1f} | {dense_ms / ms:.2f}x | >= {tgt:.2f}x |")
+        ms = res["modes"][f"step_{rho}"]
+        print(f"| skip_step (patcher path), density {rho} | {ms:.1f} | {dense_ms / ms:.2f}x | >= {tgt:.2f}x |")
     print("(cos vs dense is not a quality figure: random weights, forced random lists)")
     return 0
 
