@@ -447,6 +447,52 @@ def host_breakdown(log, shape=(1, 16, 4096, 128)):
     return rows
 
 
+def host_step(log, shape=(1, 16, 4096, 128)):
+    """Host us per call of the patcher's stateful path (GPU kept busy): the sparsepatch::skip_step op, its body
+    (skip.skip_step), the fused density / step launch, and the ~12 torch ops that launch replaced (as they were)."""
+    from sparsepatch.kernels import skip, stateful
+    B, H, S, D = shape
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    bufs = stateful.SkipListBuffers.create(B, H, S, S, (128, 128), "cuda")
+    lst = random_list(B, H, S, 0.05)
+    bufs.counts[:].copy_(lst.counts)
+    bufs.indices[:].copy_(lst.indices)
+    Tk = lst.indices.shape[-1]
+    scale = 1.0 / math.sqrt(D)
+
+    def old_bookkeeping(cnt=bufs.counts, step=bufs.step, density=bufs.density, warmup_steps=0):
+        n = step.reshape(1)
+        warm = n < warmup_steps
+        read = torch.remainder(n - warmup_steps, 2).clamp(min=0)
+        dens = cnt.index_select(0, read).to(torch.float32).mean(dim=(2, 3)).reshape(B) / Tk
+        dens = torch.where(warm, torch.ones_like(dens), dens)
+        cap = density.shape[0]
+        at = n.clamp(max=cap - 1)
+        old = density.index_select(0, at)
+        density.index_copy_(0, at, torch.where((n < cap)[:, None], dens[None, :], old))
+        step.add_(1)
+
+    parts = {
+        "stateful.skip_step (sparsepatch::skip_step op)": lambda: stateful.skip_step(q, k, v, bufs, -5.0, 0),
+        "skip.skip_step (op body)": lambda: skip.skip_step(q, k, v, bufs.counts, bufs.indices, bufs.step,
+                                                           bufs.density, -5.0, 0, 128, 128, scale, []),
+        "skip_attention (stateless)": lambda: skip.skip_attention(q, k, v, lst, -5.0),
+        "fused density / step launch": lambda: skip._step_density(bufs.counts, bufs.step, bufs.density, 0, Tk),
+        "old density / step torch ops": old_bookkeeping,
+    }
+    rows = []
+    for name, fn in parts.items():
+        bufs.step.zero_()
+        rows.append(dict(part=name, host_us=_host_us(fn, calls=300)))
+        log(f"host step part {rows[-1]}")
+    print("\n| stateful host path part (S4096 H16, rand0.05) | us per call |")
+    print("|---|---|")
+    for r in rows:
+        print(f"| {r['part']} | {r['host_us']:.1f} |")
+    return rows
+
+
 def variants(log, shape=(1, 12, 32760, 128), names=None, rounds=2, only=None):
     """Time skip-config variants (exact: outputs and next lists must equal the base config's) on random lists at
     DENSITIES and on sequential lists of n tiles (fixed cost vs per-tile cost). Returns result rows."""
@@ -598,7 +644,8 @@ def main(argv=None):
         return 0
 
     if args.host:
-        res = dict(host=host_check(log), parts=host_breakdown(log), gpu=torch.cuda.get_device_name(),
+        res = dict(host=host_check(log), parts=host_breakdown(log), step=host_step(log),
+                   gpu=torch.cuda.get_device_name(),
                    torch=torch.__version__, triton=triton.__version__)
         for d in filter(None, [args.out, os.environ.get("OUT")]):
             os.makedirs(d, exist_ok=True)

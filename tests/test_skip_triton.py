@@ -171,11 +171,13 @@ def test_dense_interp():
 
 
 @cpu_only
-def test_skip_step_interp():
-    B, S, Hq, Hk, D, tile = 1, 200, 2, 1, 64, (64, 64)
+@pytest.mark.parametrize("B,must_do", [(1, [0, 20]), (2, [])])
+def test_skip_step_interp(B, must_do):
+    """skip_step against the reference over 3 calls: output, the carried lists, the call counter and the density
+    history (kept by one fused launch per call)."""
+    S, Hq, Hk, D, tile = 200, 2, 1, 64, (64, 64)
     dtype = torch.float16
     thr = lattice_threshold(D)
-    must_do = [0, 20]
     bufs = stateful.SkipListBuffers.create(B, Hq, S, S, tile, "cpu")
     refb = stateful.SkipListBuffers.create(B, Hq, S, S, tile, "cpu")
     assign = None
