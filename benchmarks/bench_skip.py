@@ -474,7 +474,9 @@ def host_step(log, shape=(1, 16, 4096, 128)):
         step.add_(1)
 
     parts = {
-        "stateful.skip_step (sparsepatch::skip_step op)": lambda: stateful.skip_step(q, k, v, bufs, -5.0, 0),
+        "stateful.skip_step (the patcher's call)": lambda: stateful.skip_step(q, k, v, bufs, -5.0, 0),
+        "the sparsepatch::skip_step op": lambda: stateful._skip_step_op(q, k, v, bufs.counts, bufs.indices, bufs.step,
+                                                                        bufs.density, -5.0, 0, 128, 128, scale, []),
         "skip.skip_step (op body)": lambda: skip.skip_step(q, k, v, bufs.counts, bufs.indices, bufs.step,
                                                            bufs.density, -5.0, 0, 128, 128, scale, []),
         "skip_attention (stateless)": lambda: skip.skip_attention(q, k, v, lst, -5.0),
@@ -484,7 +486,8 @@ def host_step(log, shape=(1, 16, 4096, 128)):
     rows = []
     for name, fn in parts.items():
         bufs.step.zero_()
-        rows.append(dict(part=name, host_us=_host_us(fn, calls=300)))
+        # (at most ~1000 launches per timing: beyond the GPU's launch queue the host would wait for the GPU)
+        rows.append(dict(part=name, host_us=_host_us(fn, calls=60 if name.startswith("old") else 300)))
         log(f"host step part {rows[-1]}")
     print("\n| stateful host path part (S4096 H16, rand0.05) | us per call |")
     print("|---|---|")
