@@ -2,7 +2,8 @@
 
 A `SkipListBuffers` holds device tensors only: two list slots (double buffering), a call counter and a density
 history. `skip_step` reads slot `(step - warmup) % 2`, computes, writes the next list into the other slot and
-increments the counter — all inside the `sparsepatch::skip_step` custom op (no host sync on the Triton path).
+increments the counter, all on the device (no host sync on the Triton / Gluon path): inside the
+`sparsepatch::skip_step` custom op when compiled or when autograd is on, the op's body directly in eager mode.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Per-patch state: skip lists per (layer, branch) across denoising steps, call counts, densities.
 
 The patcher adapters (diffusers.py, transformers.py, sdpa_mode.py) hand every attention call they intercept to
-`PatchHandle.attend`. Lists live in `SkipListBuffers` (device tensors updated inside the `sparsepatch::skip_step`
-op), keyed by (layer, context); a context is the pipeline's cache-context name ("cond", "uncond", ...).
+`PatchHandle.attend`. Lists live in `SkipListBuffers` (device tensors updated by `stateful.skip_step`: the
+`sparsepatch::skip_step` op when compiled, its body when eager), keyed by (layer, context); a context is the
+pipeline's cache-context name ("cond", "uncond", ...).
 """
 from __future__ import annotations
 
