@@ -169,6 +169,7 @@ VARIANTS = {
     # session 11 (v13): q in registers with the q buffer released at the q-tile's start (qreg), and the next q-tile's
     # start under this one's epilogue (s0early): slower, deleted; the count / k-tile indices handed over in shared
     # memory (meta): neutral, deleted
+    "gluon_kvsplit": dict(gluon=True, gluon_kvsplit=True),   # K and V on separate ready barriers
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),
