@@ -169,7 +169,7 @@ VARIANTS = {
     # session 11 (v13): q in registers with the q buffer released at the q-tile's start (qreg), and the next q-tile's
     # start under this one's epilogue (s0early): slower, deleted; the count / k-tile indices handed over in shared
     # memory (meta): neutral, deleted
-    "gluon_kvsplit": dict(gluon=True, gluon_kvsplit=True),   # K and V on separate ready barriers
+    # K and V on separate ready barriers (kvsplit): no gain, deleted (NOTES v13c)
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),
@@ -283,6 +283,8 @@ def probe_gluon(log, shape=(1, 12, 32760, 128), names=("gluon",), lists=("seq1",
                 skip_gluon._PLANS.clear()
                 call()   # the recorded call (after do_bench's L2 flush pattern)
                 torch.cuda.synchronize()
+                if not skip._GLUON_OK[0]:   # a failed Gluon build falls back to Triton for the whole process
+                    raise RuntimeError("the Gluon kernel (or its PROBE build) failed; see the warning above")
             except Exception as exc:  # noqa: BLE001
                 log(f"probe_gluon {name} {ln}: {type(exc).__name__}: {str(exc)[:300]}")
                 continue

@@ -209,8 +209,7 @@ def test_bad_inputs():
 # ------------------------------------------------------------------------------------------------- GPU
 
 
-GLUON_VARIANTS = {"gluon": {}, "gluon_plain": dict(gluon_kstage=False, gluon_pv_async=False),
-                  "gluon_kvsplit": dict(gluon_kvsplit=True)}
+GLUON_VARIANTS = {"gluon": {}, "gluon_plain": dict(gluon_kstage=False, gluon_pv_async=False)}
 
 
 def _use_gluon(monkeypatch, on, *tables, variant="gluon"):
@@ -233,7 +232,7 @@ def _assert_gluon_ran(q, k, v, tile):
 @pytest.mark.parametrize("S,D,tile,H", [(4096, 128, (128, 128), (4, 2)), (4000, 64, (64, 64), (2, 2)),
                                         (32760, 128, (128, 128), (1, 1)), (8000, 128, (128, 128), (3, 1)),
                                         (4000, 64, (128, 128), (2, 1))])
-@pytest.mark.parametrize("gluon", [False, "gluon", "gluon_plain", "gluon_kvsplit"])
+@pytest.mark.parametrize("gluon", [False, "gluon", "gluon_plain"])
 def test_skip_gpu(monkeypatch, dtype, S, D, tile, H, gluon):
     if gluon and tile != (128, 128):
         pytest.skip("the Gluon kernel serves tile (128, 128) only")
@@ -316,11 +315,11 @@ def test_skip_gluon_plans_gpu(monkeypatch):
 @pytest.mark.parametrize("Sq,Sk,D,causal", [(4096, 4096, 128, False), (4000, 4100, 64, True),
                                             (1, 5000, 128, True), (32760, 32760, 128, False),
                                             (4000, 4100, 64, False)])
-@pytest.mark.parametrize("gluon", [False, "gluon", "gluon_kvsplit"])
+@pytest.mark.parametrize("gluon", [False, True])
 def test_dense_gpu(monkeypatch, dtype, Sq, Sk, D, causal, gluon):
     if gluon and causal:
         pytest.skip("the Gluon kernel is non-causal only")
-    _use_gluon(monkeypatch, bool(gluon), skip.CONFIGS, variant=gluon or "gluon")
+    _use_gluon(monkeypatch, gluon, skip.CONFIGS)
     g = torch.Generator(device="cuda").manual_seed(6)
     H = 2 if Sq > 10000 else 4
     q = torch.randn(1, Sq, H, D, device="cuda", generator=g).to(dtype)

@@ -44,8 +44,7 @@ from .reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile
-GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True,
-                         kvsplit=False)
+GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True)
 
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -67,9 +66,9 @@ if HAS_GLUON:
         gl.store(PRB + base + i, t)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, vready, empty, q_ready, q_empty, CNT, IDX,
-                  warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr,
-                  SKIP: gl.constexpr, STATEFUL: gl.constexpr, KVSPLIT: gl.constexpr, PROBE: gl.constexpr):
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, warm, PRB,
+                  MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr,
+                  STATEFUL: gl.constexpr, PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -108,19 +107,11 @@ if HAS_GLUON:
                     j = t
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
-                if KVSPLIT:   # K and V on their own barriers: Q K^T may start before V has landed
-                    mbarrier.expect(ready.index(slot), _BN * D * 2)
-                    tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
-                                                    k_smem.index(slot))
-                    mbarrier.expect(vready.index(slot), _BN * D * 2)
-                    tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], vready.index(slot),
-                                                    v_smem.index(slot))
-                else:
-                    mbarrier.expect(ready.index(slot), 2 * _BN * D * 2)
-                    tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
-                                                    k_smem.index(slot))
-                    tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
-                                                    v_smem.index(slot))
+                mbarrier.expect(ready.index(slot), 2 * _BN * D * 2)
+                tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
+                                                k_smem.index(slot))
+                tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
+                                                v_smem.index(slot))
                 g += 1
             if PROBE:
                 _stamp(PRB, pb, 2, g)
@@ -139,12 +130,11 @@ if HAS_GLUON:
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha, rmax
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, ready, vready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
+    def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
                   CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk,
                   n_items, qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr,
                   WG: gl.constexpr, LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr,
-                  KSTAGE: gl.constexpr, PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr, KVSPLIT: gl.constexpr,
-                  PROBE: gl.constexpr):
+                  KSTAGE: gl.constexpr, PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr, PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists
         (STATEFUL: not on a warm-up call, which visits every tile)."""
         NW: gl.constexpr = gl.num_warps()
@@ -221,8 +211,6 @@ if HAS_GLUON:
                     mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
                     s_tok = warpgroup_mma(qh, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                                           is_async=True)
-                    if KVSPLIT:
-                        mbarrier.wait(vready.index(prev), ((g - 1) // STAGES) & 1)
                     o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
                     s = warpgroup_mma_wait(1, deps=[s_tok])
                     if part & (t == n_it - 1):
@@ -245,8 +233,6 @@ if HAS_GLUON:
             if PROBE:
                 _stamp(PRB, pb, 3, g)
             mbarrier.arrive(q_empty)   # every Q K^T of this q-tile has completed
-            if KVSPLIT:
-                mbarrier.wait(vready.index(prev), ((g - 1) // STAGES) & 1)
             if PV_ASYNC:   # the last P V runs under the next-list exchange / write
                 o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             else:
@@ -278,9 +264,9 @@ if HAS_GLUON:
                     write = warm == 0
                 else:
                     write = True
+                out_cnt = cnt * 0
                 if write:
                     dst = IDX_OUT + lin.to(gl.int64) * Tk
-                    out_cnt = cnt * 0
                     for wi in gl.static_range(NWORDS):
                         if wi * 32 < cnt:
                             c1 = gl.minimum(cnt - wi * 32, 32)
@@ -343,8 +329,7 @@ if HAS_GLUON:
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
-                           PV_ASYNC: gl.constexpr = True, STATEFUL: gl.constexpr = False, KVSPLIT: gl.constexpr = False,
-                           PROBE: gl.constexpr = False):
+                           PV_ASYNC: gl.constexpr = True, STATEFUL: gl.constexpr = False, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads.
         STATEFUL (the patcher's skip_step): CNT / IDX are two list slots (slot strides slot_cnt / slot_idx) and
@@ -365,13 +350,11 @@ if HAS_GLUON:
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, _BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, _BN, D], v_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        vready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())   # (KVSPLIT: V's)
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         wx = gl.allocate_shared_memory(gl.int32, [NWORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(vready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)   # one arrive per consumer warpgroup
         mbarrier.init(bars.index(0), count=1)        # q_ready (TMA bytes)
         mbarrier.init(bars.index(1), count=2)        # q_empty
@@ -379,17 +362,17 @@ if HAS_GLUON:
         mbarrier.init(bars.index(3), count=1)        # wx_empty
         fence_async_shared()
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, ready, vready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os,
                          stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0,
-                         LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, KVSPLIT, PROBE)),
-            (_consumer, (q_smem, k_smem, v_smem, ready, vready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
+                         LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, PROBE)),
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os,
                          stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1,
-                         LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, KVSPLIT, PROBE)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, vready, empty, bars.index(0),
-                         bars.index(1), CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP,
-                         STATEFUL, KVSPLIT, PROBE)),
+                         LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, PROBE)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
+                         CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, STATEFUL,
+                         PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -516,8 +499,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
-                  PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, KVSPLIT=bool(cfg["kvsplit"]),
-                  PROBE=probe is not None)
+                  PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
