@@ -439,11 +439,19 @@ def host_breakdown(log, shape=(1, 16, 4096, 128)):
         "_check_inputs": lambda: skip._check_inputs(q, k, v),
         "SkipList(...)": lambda: type(lst)(nc, ni, (128, 128), S, S),
     }
+    return _host_parts(log, parts, "host path part (S4096 H16, rand0.05)")
+
+
+def _host_parts(log, parts, title, calls=None, before=None):
+    """_host_us of each fn in parts {name: fn} (calls[name] calls, default 300; before() ahead of each timing);
+    prints a table headed `title`, returns the rows."""
     rows = []
     for name, fn in parts.items():
-        rows.append(dict(part=name, host_us=_host_us(fn, calls=300)))
+        if before is not None:
+            before()
+        rows.append(dict(part=name, host_us=_host_us(fn, calls=(calls or {}).get(name, 300))))
         log(f"host part {rows[-1]}")
-    print("\n| host path part (S4096 H16, rand0.05) | us per call |")
+    print(f"\n| {title} | us per call |")
     print("|---|---|")
     for r in rows:
         print(f"| {r['part']} | {r['host_us']:.1f} |")
@@ -486,17 +494,9 @@ def host_step(log, shape=(1, 16, 4096, 128)):
         "fused density / step launch": lambda: skip._step_density(bufs.counts, bufs.step, bufs.density, 0, Tk),
         "old density / step torch ops": old_bookkeeping,
     }
-    rows = []
-    for name, fn in parts.items():
-        bufs.step.zero_()
-        # (at most ~1000 launches per timing: beyond the GPU's launch queue the host would wait for the GPU)
-        rows.append(dict(part=name, host_us=_host_us(fn, calls=60 if name.startswith("old") else 300)))
-        log(f"host step part {rows[-1]}")
-    print("\n| stateful host path part (S4096 H16, rand0.05) | us per call |")
-    print("|---|---|")
-    for r in rows:
-        print(f"| {r['part']} | {r['host_us']:.1f} |")
-    return rows
+    # (at most ~1000 launches per timing: beyond the GPU's launch queue the host would wait for the GPU)
+    return _host_parts(log, parts, "stateful host path part (S4096 H16, rand0.05)",
+                       calls={"old density / step torch ops": 60}, before=bufs.step.zero_)
 
 
 def variants(log, shape=(1, 12, 32760, 128), names=None, rounds=2, only=None):
