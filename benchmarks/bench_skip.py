@@ -442,19 +442,23 @@ def host_breakdown(log, shape=(1, 16, 4096, 128)):
     return _host_parts(log, parts, "host path part (S4096 H16, rand0.05)")
 
 
-def _host_parts(log, parts, title, calls=None, before=None):
-    """_host_us of each fn in parts {name: fn} (calls[name] calls, default 300; before() ahead of each timing);
-    prints a table headed `title`, returns the rows."""
-    rows = []
-    for name, fn in parts.items():
-        if before is not None:
-            before()
-        rows.append(dict(part=name, host_us=_host_us(fn, calls=(calls or {}).get(name, 300))))
-        log(f"host part {rows[-1]}")
-    print(f"\n| {title} | us per call |")
-    print("|---|---|")
+def _host_parts(log, parts, title, calls=None, before=None, rounds=5):
+    """_host_us of each fn in parts {name: fn} (calls[name] calls, default 300; before() ahead of each timing), in
+    `rounds` interleaved rounds (this host's timings of one call move by 2-3x between timings); the median round
+    is kept. Prints a table headed `title`, returns the rows."""
+    samples = {name: [] for name in parts}
+    for _ in range(rounds):
+        for name, fn in parts.items():
+            if before is not None:
+                before()
+            samples[name].append(_host_us(fn, calls=(calls or {}).get(name, 300)))
+    rows = [dict(part=name, host_us=sorted(v)[len(v) // 2], rounds=v) for name, v in samples.items()]
     for r in rows:
-        print(f"| {r['part']} | {r['host_us']:.1f} |")
+        log(f"host part {r}")
+    print(f"\n| {title} | us per call (median of {rounds} rounds) | min / max |")
+    print("|---|---|---|")
+    for r in rows:
+        print(f"| {r['part']} | {r['host_us']:.1f} | {min(r['rounds']):.1f} / {max(r['rounds']):.1f} |")
     return rows
 
 
