@@ -120,8 +120,8 @@ def skip_step(q, k, v, buffers: SkipListBuffers, threshold: float, warmup_steps:
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     tm, tn = buffers.tile
-    # Eager calls without autograd run the op's body directly: the same function, without the dispatcher's ~80 us
-    # of host time per call (NOTES skip forward v14b). Compiled callers go through the op, and so do inputs that
+    # Eager calls without autograd run the op's body directly: the same function, without the dispatcher's
+    # ~35-80 us of host time per call (NOTES skip forward v14b). Compiled callers go through the op, and so do inputs that
     # require grad (the op then raises at backward: it has no autograd formula; skip_step_differentiable has one).
     needs_op = torch.compiler.is_compiling() or (torch.is_grad_enabled() and
                                                   (q.requires_grad or k.requires_grad or v.requires_grad))
