@@ -57,13 +57,14 @@ def main(argv=None):
 
     def patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=None,
                 parallel_config=None, **kw):
-        if state["bufs"] is not None and attn_mask is None and query.shape[1] == key.shape[1]:
+        self_attn = attn_mask is None and query.shape[1] == key.shape[1]
+        if self_attn and state["bufs"] is not None:
             state["self_calls"] += 1
             b = state["bufs"]
             b.step.zero_()
             return skip.skip_step(query, key, value, b.counts, b.indices, b.step, b.density, -5.0, 0, 128, 128,
                                   query.shape[-1] ** -0.5, [])
-        if state["list"] is not None and attn_mask is None and query.shape[1] == key.shape[1]:
+        if self_attn and state["list"] is not None:
             state["self_calls"] += 1
             out, _ = skip.skip_attention(query, key, value, state["list"], -5.0)
             return out

@@ -193,6 +193,23 @@ def test_skip_step_interp(B, must_do):
     assert bufs.current(1).density().item() < 1.0
 
 
+@cpu_only
+def test_step_density_any_density_layout():
+    """The fused density / step launch of skip_step: a warm-up call records 1, later calls the read slot's counts
+    / (H * Tq * Tk) per batch element, into a density history of any strides; the counter advances each call."""
+    B, H, Tq, Tk, cap = 2, 3, 5, 7, 4
+    g = torch.Generator().manual_seed(3)
+    cnt = torch.randint(0, Tk + 1, (2, B, H, Tq), generator=g, dtype=torch.int32)
+    step = torch.zeros(1, dtype=torch.int64)
+    density = torch.full((B, cap), -1.0).t()          # (cap, B) view with strides (1, cap)
+    for call in range(cap + 1):                      # the last call is past the history: not recorded
+        skip._step_density(cnt, step, density, 1, Tk)
+        assert step.item() == call + 1
+    want = torch.stack([torch.ones(B)] + [cnt[(n - 1) % 2].float().sum((1, 2)) / (H * Tq * Tk)
+                                          for n in range(1, cap)])
+    torch.testing.assert_close(density, want)
+
+
 def test_bad_inputs():
     q = torch.randn(1, 16, 2, 96, dtype=torch.float16)
     assert not skip.supports(q)

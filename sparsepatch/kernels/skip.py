@@ -784,7 +784,8 @@ def skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, 
 
     counts (2, B, H, Tq) / indices (2, B, H, Tq, Tk) are the list slots, step int64 (1,), density fp32 (N, B).
     The kernel reads `step` itself: calls < warmup_steps run dense and leave the lists alone; later calls read
-    slot (step - warmup) % 2 and write the other one. Density and the step increment are device tensor ops.
+    slot (step - warmup) % 2 and write the other one. The density record and the step increment follow in one
+    launch (`_step_density`).
     """
     B, Sq, Sk, Hq, Hk, D = _check_inputs(q, k, v)
     threshold = check_threshold(threshold)
@@ -815,7 +816,7 @@ def skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, 
 
 
 @triton.jit
-def _step_density_kernel(CNT, STEP, DENS, slot_stride, per_batch, B, cap, n_warmup, Tk, stride_d,
+def _step_density_kernel(CNT, STEP, DENS, slot_stride, per_batch, B, cap, n_warmup, Tk, stride_d, stride_b,
                          BLOCK: tl.constexpr):
     """One program, after the attention kernel (which reads *STEP): the fraction of tiles the call computed per
     batch element (its read slot's counts / (H * Tq * Tk); 1 for a warm-up call) into DENS[step, b] while
@@ -830,7 +831,7 @@ def _step_density_kernel(CNT, STEP, DENS, slot_stride, per_batch, B, cap, n_warm
         for off in range(0, per_batch, BLOCK):
             acc += tl.load(base + off + offs, mask=off + offs < per_batch, other=0)
         dens = tl.sum(acc, 0).to(tl.float32) / per_batch / Tk
-        tl.store(DENS + n * stride_d + b, tl.where(warm, 1.0, dens), mask=n < cap)
+        tl.store(DENS + n * stride_d + b * stride_b, tl.where(warm, 1.0, dens), mask=n < cap)
     tl.store(STEP, n + 1)
 
 
@@ -841,13 +842,11 @@ def _step_density(cnt, step, density, warmup, Tk):
     """Launch `_step_density_kernel` on cnt (2, B, H, Tq) int32 list counts (the slots the call reads), step int64
     (1,), density fp32 (cap, B). A launch plan per geometry (Triton's C launcher: ~10 us of host time instead of the
     ~12 small torch ops this replaced)."""
+    cnt = cnt.contiguous()   # (read only; already contiguous for the patcher's buffers and the must_do union)
     B = cnt.shape[1]
     per_batch = cnt.shape[2] * cnt.shape[3]
-    if not cnt[0].is_contiguous() or density.stride(1) != 1:
-        cnt, density_w = cnt.contiguous(), density.contiguous()
-    else:
-        density_w = density
-    args = [cnt, step, density_w, cnt.stride(0), per_batch, B, density.shape[0], warmup, Tk, density_w.stride(0)]
+    args = [cnt, step, density, cnt.stride(0), per_batch, B, density.shape[0], warmup, Tk, density.stride(0),
+            density.stride(1)]
     key = (cnt.device.index, *args[3:], *(t.data_ptr() % 16 == 0 for t in args[:3]))   # (pointer alignment too)
     relaunch = _STEP_PLANS.get(key) if _DIRECT[0] else None
     if relaunch is not None:
@@ -860,8 +859,6 @@ def _step_density(cnt, step, density, warmup, Tk):
                 if len(_STEP_PLANS) > 64:
                     _STEP_PLANS.clear()
                 _STEP_PLANS[key] = relaunch
-    if density_w is not density:
-        density.copy_(density_w)
 
 
 # Registers the autograd of sparsepatch::skip_fwd / dense_fwd (the backward kernels live in their own module).

@@ -413,14 +413,9 @@ def skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse, cfg=None):
 
 def skip_step(q, k, v, counts, indices, step, warmup, threshold, scale, cfg=None):
     """Gluon body of `skip.skip_step` (tile (128, 128), no must_do) -> out. counts int32 (2, B, H, Tq) / indices
-    int32 (2, B, H, Tq, Tk) are the list slots (each slot contiguous), step int64 (1,) the call counter, read by the
-    kernel: calls < warmup visit every tile and leave the lists alone, later calls read slot (step - warmup) % 2 and
-    write the other. The counter is not incremented here."""
-    for name, t in (("counts", counts), ("indices", indices)):
-        if t.dim() < 2 or t.shape[0] != 2 or not t[0].is_contiguous() or t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32 list slots (2, ...) with contiguous slots")
-    if step.numel() != 1 or step.dtype != torch.int64:
-        raise ValueError("step must be an int64 tensor of one element")
+    int32 (2, B, H, Tq, Tk) are the list slots (each slot contiguous: the caller checks), step int64 (1,) the call
+    counter, read by the kernel: calls < warmup visit every tile and leave the lists alone, later calls read slot
+    (step - warmup) % 2 and write the other. The counter is not incremented here."""
     return _launch(q, k, v, counts, indices, threshold, scale, False, cfg, skip=True, step=step,
                    warmup=int(warmup))[0]
 
@@ -462,7 +457,8 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
     tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices,
                    STEP=step if stateful else next_counts, O=out, LSE=lse, PRB=lse if probe is None else probe)
     slot_cnt, slot_idx = (counts.stride(0), indices.stride(0)) if stateful else (0, 0)
-    lse_ret = lse if return_lse else q.new_empty((0,), dtype=torch.float32)
+    # (skip_step returns out only: no empty LSE to allocate for it)
+    lse_ret = lse if return_lse or stateful else q.new_empty((0,), dtype=torch.float32)
     # (the lists' 16-byte alignment is in the key: Gluon specialises pointers on it, q / k / v pass `supported`)
     key = (dev.index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), bool(return_lse), skip,
            counts.data_ptr() % 16 == 0, indices.data_ptr() % 16 == 0, float(threshold), float(scale),
