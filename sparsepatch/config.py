@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .kernels.reference import check_threshold
-from .kernels.skiplist import DEFAULT_TILE, check_tile
+from .kernels.skip.reference import check_threshold
+from .kernels.skip.skiplist import DEFAULT_TILE, check_tile
 
 PRECISIONS = ("native", "fp8")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernel_checks import rel
-from sparsepatch.kernels import lightning_reference as ref
+from sparsepatch.kernels.lightning import reference as ref
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -146,7 +146,7 @@ def test_bad_input_raises_value_error_naming_argument():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layout", ["bhkv", "bhvk"])
 def test_triton_decode_matches_reference(dtype, layout):
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     dev = "cuda" if CUDA else "cpu"
     q, k, v, decay, h0 = inputs(2, 1, 3, 16, 24, dtype, dev, seed=1)
     if layout == "bhvk":
@@ -163,7 +163,7 @@ def test_triton_decode_matches_reference(dtype, layout):
 @needs_triton
 def test_triton_decode_strided_qkv_and_uneven_dims():
     """q/k/v split from one fused projection (non-contiguous heads), K=12 / V=20 not powers of two."""
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     dev = "cuda" if CUDA else "cpu"
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(2, 1, 3, 12 + 12 + 20, generator=g).to(dev)
@@ -197,7 +197,7 @@ def test_triton_decode_strided_qkv_and_uneven_dims():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,with_state", [(70, True), (64, False), (5, True)])
 def test_triton_prefill_matches_reference(dtype, T, with_state):
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     dev = "cuda" if CUDA else "cpu"
     q, k, v, decay, h0 = inputs(2, T, 3, 16, 24, dtype, dev, seed=2, state=with_state)
     o_ref, s_ref = ref.lightning_prefill(q, k, v, decay, scale=0.25, initial_state=h0)
@@ -209,7 +209,7 @@ def test_triton_prefill_matches_reference(dtype, T, with_state):
 
 @needs_triton
 def test_triton_prefill_varlen_and_vk_layout():
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     dev = "cuda" if CUDA else "cpu"
     lens = [3, 66, 0, 20]
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
@@ -224,7 +224,7 @@ def test_triton_prefill_varlen_and_vk_layout():
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_prefill_then_decode_equals_longer_prefill(dtype):
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     dev = "cuda" if CUDA else "cpu"
     q, k, v, decay, _ = inputs(2, 67, 2, 16, 16, dtype, dev, seed=5, state=False)
     o_all, s_all = tri.lightning_prefill(q, k, v, decay)
@@ -240,7 +240,7 @@ def test_triton_prefill_then_decode_equals_longer_prefill(dtype):
 def test_triton_decode_launch_variants_match_reference(cfg):
     """Decode tile widths / warps the sweep may pick, and runtime (not constant) row strides of a contiguous state,
     both layouts, fp32 and fp16 states."""
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     dev = "cuda" if CUDA else "cpu"
     q, k, v, decay, h0 = inputs(3, 1, 3, 16, 32, torch.float32, dev, seed=13)
     tri._DECODE_OVERRIDE.update(cfg)
@@ -278,7 +278,7 @@ def test_reference_narrow_state_is_fp32_math_rounded_once_per_step():
 def test_triton_narrow_state_decode_and_prefill(sdt):
     """bf16/fp16 state storage on the Triton kernels vs the reference, over 8 steps, both layouts, + prefill.
     The interpreter rounds fp32 -> bf16 toward zero (the GPU and the reference to nearest even)."""
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     dev = "cuda" if CUDA else "cpu"
     q, k, v, decay, h0 = inputs(2, 8, 3, 16, 32, torch.float16, dev, seed=12)
     # interpreter truncation is biased toward zero and compounds over the 8 steps (1.4% measured): looser there
@@ -301,7 +301,7 @@ def test_triton_narrow_state_decode_and_prefill(sdt):
 
 @needs_triton
 def test_custom_ops_registered_with_fakes():
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     dev = "cuda" if CUDA else "cpu"
     q, k, v, decay, h0 = inputs(1, 3, 2, 16, 16, torch.float32, dev, seed=6)
     torch.library.opcheck(tri._prefill_op, (q, k, v, decay, h0, None, 0.5, False),
@@ -316,7 +316,7 @@ def test_custom_ops_registered_with_fakes():
 @needs_cuda
 @pytest.mark.parametrize("B", [1, 64])
 def test_gpu_decode_bf16_realistic(B):
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     q, k, v, decay, h0 = inputs(B, 1, 64, 128, 128, torch.bfloat16, "cuda", seed=7)
     s_ref, s_tri = h0.clone(), h0.clone()
     for _ in range(3):                                                 # later calls relaunch the cached kernel
@@ -325,7 +325,7 @@ def test_gpu_decode_bf16_realistic(B):
     assert rel(s_tri, s_ref) < 1e-6 and rel(o_tri, o_ref) < 1e-2
     assert tri._PLANS and tri._DIRECT[0]                               # the cached plan ran (no fallback)
     import triton
-    from sparsepatch.kernels._triton_common import C_LAUNCH_VERSIONS
+    from sparsepatch.kernels._common import C_LAUNCH_VERSIONS
     if triton.__version__ in C_LAUNCH_VERSIONS:                        # through the compiled C launcher itself
         relaunch = next(iter(tri._PLANS.values()))
         assert getattr(relaunch, "direct", False)
@@ -335,7 +335,7 @@ def test_gpu_decode_bf16_realistic(B):
 @needs_cuda
 @pytest.mark.parametrize("T", [1000, 4096])
 def test_gpu_prefill_bf16_realistic(T):
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     q, k, v, decay, h0 = inputs(2, T, 8, 128, 128, torch.bfloat16, "cuda", seed=8)
     q, k = q * 0.1, k * 0.1
     o_ref, s_ref = ref.lightning_prefill(q, k, v, decay, scale=1.0, initial_state=h0)
@@ -346,7 +346,7 @@ def test_gpu_prefill_bf16_realistic(T):
 @gpu
 @needs_cuda
 def test_gpu_decode_cuda_graph_and_compile():
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     q, k, v, decay, h0 = inputs(4, 1, 64, 128, 128, torch.bfloat16, "cuda", seed=9)
     state, s_ref = h0.clone(), h0.clone()
     out = torch.empty(4, 1, 64, 128, dtype=torch.bfloat16, device="cuda")

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import sparsepatch as sp
-from sparsepatch.kernels import reference
+from sparsepatch.kernels.dense import reference
 from sparsepatch.patcher import parallel
 from sparsepatch.testing import tiny_wan_pipeline, video_like_qkv
 

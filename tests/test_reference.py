@@ -4,8 +4,10 @@ import math
 import pytest
 import torch
 
-from sparsepatch.kernels import SkipList, reference
-from sparsepatch.kernels.reference import LOG2E
+from sparsepatch.kernels import SkipList
+from sparsepatch.kernels.dense import reference
+from sparsepatch.kernels.skip import reference as skip_reference
+from sparsepatch.kernels.dense.reference import LOG2E
 
 
 def naive_skip(q, k, v, listed, threshold, tile, scale, forced=None):
@@ -72,7 +74,7 @@ def test_dense_attention_matches_sdpa_gqa_causal():
 def test_skip_first_call_is_dense_and_rule_matches_naive():
     q, k, v = structured_qkv()
     tile = (64, 64)
-    out, nxt, lse = reference.skip_attention(q, k, v, None, -2.0, tile=tile, return_lse=True)
+    out, nxt, lse = skip_reference.skip_attention(q, k, v, None, -2.0, tile=tile, return_lse=True)
     dense = reference.attention(q, k, v)
     assert (out - dense).abs().max() < 1e-5        # the first call computes every tile
     listed = torch.ones(nxt.shape, dtype=torch.bool)
@@ -84,9 +86,9 @@ def test_skip_first_call_is_dense_and_rule_matches_naive():
 def test_second_call_computes_only_listed_tiles():
     q, k, v = structured_qkv(seed=2)
     tile = (64, 64)
-    _, lst = reference.skip_attention(q, k, v, None, -2.0, tile=tile)
+    _, lst = skip_reference.skip_attention(q, k, v, None, -2.0, tile=tile)
     q2, k2, v2 = structured_qkv(seed=3)
-    out, nxt = reference.skip_attention(q2, k2, v2, lst, -2.0)
+    out, nxt = skip_reference.skip_attention(q2, k2, v2, lst, -2.0)
     naive_out, keep = naive_skip(q2, k2, v2, lst.to_mask(), -2.0, tile, 1 / 4.0)
     assert (out.double() - naive_out).abs().max() < 1e-5
     assert torch.equal(nxt.to_mask(), keep)
@@ -99,8 +101,8 @@ def test_must_do_tiles_are_computed_and_kept():
     tile = (64, 64)
     sparse = SkipList.from_mask(torch.eye(5, dtype=torch.bool).expand(1, 2, 5, 5).contiguous(), tile, 300, 300)
     must_do = [(250, 300)]                          # e.g. text tokens appended after the video
-    out, nxt = reference.skip_attention(q, k, v, sparse, -2.0, must_do=must_do)
-    forced = reference.must_do_tiles(must_do, 300, 300, tile)
+    out, nxt = skip_reference.skip_attention(q, k, v, sparse, -2.0, must_do=must_do)
+    forced = skip_reference.must_do_tiles(must_do, 300, 300, tile)
     assert forced[:, 3:].all() and forced[3:, :].all() and not forced[:3, :3].any()
     naive_out, keep = naive_skip(q, k, v, sparse.to_mask(), -2.0, tile, 1 / 4.0, forced=forced)
     assert (out.double() - naive_out).abs().max() < 1e-5
@@ -110,7 +112,7 @@ def test_must_do_tiles_are_computed_and_kept():
 
 def test_keep_everything_threshold_equals_dense_any_length():
     q, k, v = structured_qkv(S=300, seed=5)
-    out, nxt = reference.skip_attention(q, k, v, None, -1e9, tile=(128, 128))
+    out, nxt = skip_reference.skip_attention(q, k, v, None, -1e9, tile=(128, 128))
     assert nxt.density().item() == 1.0
     assert (out - reference.attention(q, k, v)).abs().max() < 1e-6
 
@@ -119,7 +121,7 @@ def test_skip_attention_is_differentiable():
     q, k, v = (t.clone().requires_grad_() for t in structured_qkv(S=100, seed=6))
     lst = SkipList.from_mask(torch.tensor([[True, False], [True, True]]).expand(1, 2, 2, 2).contiguous(),
                              (64, 64), 100, 100)
-    out, _ = reference.skip_attention(q, k, v, lst, -2.0)
+    out, _ = skip_reference.skip_attention(q, k, v, lst, -2.0)
     out.square().sum().backward()
     # k rows 64.. are never attended by q-tile 0; their gradient comes from q-tile 1 only
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -142,7 +144,7 @@ def test_hostile_inputs_name_the_argument(kwargs, name):
     args = dict(threshold=-5.0)
     args.update(kwargs)
     with pytest.raises(ValueError, match=name):
-        reference.skip_attention(q, k, v, None, args.pop("threshold"), **args)
+        skip_reference.skip_attention(q, k, v, None, args.pop("threshold"), **args)
 
 
 def test_mismatched_head_dims_and_skip_list_shapes():
@@ -150,7 +152,7 @@ def test_mismatched_head_dims_and_skip_list_shapes():
     with pytest.raises(ValueError, match="head dim"):
         reference.attention(q, torch.randn(1, 64, 2, 8), torch.randn(1, 64, 2, 8))
     with pytest.raises(ValueError, match="skip_list"):
-        reference.skip_attention(q, q, q, SkipList.full(1, 2, 128, 64, (64, 64)))
+        skip_reference.skip_attention(q, q, q, SkipList.full(1, 2, 128, 64, (64, 64)))
 
 
 def test_skiplist_roundtrip_and_density():

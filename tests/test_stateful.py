@@ -1,8 +1,9 @@
 """Skip lists carried across calls inside the sparsepatch::skip_step op (reference path on CPU)."""
 import torch
 
-from sparsepatch.kernels import reference
-from sparsepatch.kernels.stateful import SkipListBuffers, skip_step
+from sparsepatch.kernels.dense import reference
+from sparsepatch.kernels.skip import reference as skip_reference
+from sparsepatch.kernels.skip.stateful import SkipListBuffers, skip_step
 from sparsepatch.testing import video_like_qkv
 
 
@@ -18,7 +19,7 @@ def test_skip_step_chains_reference_calls_with_warmup():
             expect = reference.attention(q, k, v)
             densities.append(1.0)
         else:
-            expect, nxt = reference.skip_attention(q, k, v, lst, -4.0, tile=(32, 32), must_do=[(0, 10)])
+            expect, nxt = skip_reference.skip_attention(q, k, v, lst, -4.0, tile=(32, 32), must_do=[(0, 10)])
             densities.append(1.0 if lst is None else lst.density().item())
             lst = nxt
         assert (out - expect).abs().max() < 1e-6, i
@@ -48,7 +49,7 @@ def test_skip_step_compiles_once_for_all_steps():
 
 
 def test_differentiable_step_matches_op_and_gives_sparse_gradients():
-    from sparsepatch.kernels.stateful import skip_step_differentiable
+    from sparsepatch.kernels.skip.stateful import skip_step_differentiable
     steps = [video_like_qkv(frames=4, height=8, width=8, dim=32, step=i) for i in range(3)]
     a = SkipListBuffers.create(1, 2, 256, 256, (32, 32), "cpu")
     b = SkipListBuffers.create(1, 2, 256, 256, (32, 32), "cpu")
@@ -62,13 +63,13 @@ def test_differentiable_step_matches_op_and_gives_sparse_gradients():
     assert read_list.density() < 1.0
     out.square().sum().backward()
     q_ref = q.detach().clone().requires_grad_()
-    ref, _ = reference.skip_attention(q_ref, k, v, read_list, -4.0)
+    ref, _ = skip_reference.skip_attention(q_ref, k, v, read_list, -4.0)
     ref.square().sum().backward()
     assert (q.grad - q_ref.grad).abs().max() < 1e-5          # the gradient of the sparse forward
 
 
 def test_backward_skip_keeps_forward_value_and_drops_negligible_tiles_from_the_gradient():
-    from sparsepatch.kernels.stateful import skip_step_differentiable
+    from sparsepatch.kernels.skip.stateful import skip_step_differentiable
     q0, k0, v0 = video_like_qkv(frames=4, height=8, width=8, dim=32, step=0)
     q, k, v = video_like_qkv(frames=4, height=8, width=8, dim=32, step=3, drift=0.3)
     runs = []
@@ -84,7 +85,7 @@ def test_backward_skip_keeps_forward_value_and_drops_negligible_tiles_from_the_g
     assert torch.equal(out_exact, out_train)                            # same forward value
     assert read.density() < 0.95 and (kept.to_mask() != read.to_mask()).any()   # the backward walks fewer tiles
     # Independent check of the training-mode gradient: exact formula with the forward's lse, P zeroed off kept.
-    _, _, lse = reference.skip_attention(q.double(), k.double(), v.double(), read, -3.0, return_lse=True)
+    _, _, lse = skip_reference.skip_attention(q.double(), k.double(), v.double(), read, -3.0, return_lse=True)
     qd = q.double()
     s = torch.einsum("bqhd,bkhd->bhqk", qd, k.double()) / 32 ** 0.5
     elem = (read.to_mask() & kept.to_mask()).repeat_interleave(32, 2).repeat_interleave(32, 3)

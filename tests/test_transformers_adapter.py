@@ -14,7 +14,7 @@ from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 import sparsepatch  # noqa: E402
 from sparsepatch.config import DenseConfig, LightningConfig, NSAConfig, SkipConfig  # noqa: E402
-from sparsepatch.kernels import reference  # noqa: E402
+from sparsepatch.kernels.dense import reference  # noqa: E402
 from sparsepatch.patcher import transformers as tfa  # noqa: E402
 
 VOCAB = 96
@@ -366,7 +366,7 @@ def test_gpu_bf16_llama_triton_path():
     ids = torch.randint(2, VOCAB, (1, 300), device="cuda")
     want = logits(model, ids)
     want_tokens = greedy(model, ids, torch.ones_like(ids))
-    from sparsepatch.kernels import skip as triton_skip
+    from sparsepatch.kernels.skip import triton as triton_skip
     used = []
     orig = triton_skip.attention
     triton_skip.attention = lambda *a, **kw: (used.append(1), orig(*a, **kw))[1]

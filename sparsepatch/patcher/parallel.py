@@ -47,8 +47,9 @@ import torch
 
 from .. import kernels
 from ..config import SkipConfig
-from ..kernels.skiplist import SkipList, num_tiles
-from ..kernels.stateful import skip_step
+from ..kernels import SkipList
+from ..kernels.skip import num_tiles
+from ..kernels import skip_step
 
 
 RING_STRATEGY = "gather"   # or "walk": one skip call per k/v shard, merged by LSE (see the module docstring)

@@ -16,7 +16,7 @@ import torch
 
 from .. import kernels
 from ..config import DenseConfig, SkipConfig
-from ..kernels.stateful import SkipListBuffers, skip_step, skip_step_differentiable
+from ..kernels import SkipListBuffers, skip_step, skip_step_differentiable
 
 logger = logging.getLogger("sparsepatch")
 

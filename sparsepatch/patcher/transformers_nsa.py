@@ -34,7 +34,7 @@ import torch
 from ..config import NSAConfig
 from .transformers import SharedRegistration
 from .. import kernels
-from ..kernels import nsa_reference
+from ..kernels.nsa import reference as nsa_reference
 
 logger = logging.getLogger(__name__)
 
