@@ -21,6 +21,13 @@ from ..kernels import SkipListBuffers, skip_step, skip_step_differentiable
 logger = logging.getLogger("sparsepatch")
 
 
+def dense_route(config, q, k, v, *, causal=False, attn_mask=None) -> str:
+    """The backend name a dense call runs (for `stats()["backends"]`)."""
+    if isinstance(config, DenseConfig) and config.precision == "fp8":
+        return "attention_fp8"
+    return kernels.explain(q, k, v, causal=causal, attn_mask=attn_mask).backend
+
+
 def dense_kernel(config):
     """The dense attention function a config asks for: `kernels.attention_fp8` for DenseConfig(precision="fp8"),
     `kernels.attention` otherwise (native precision; also the dense calls of a SkipConfig)."""
@@ -62,6 +69,7 @@ class PatchHandle:
         self._removed = False
         self._calls = 0
         self._history = defaultdict(lambda: defaultdict(list))   # layer -> branch -> [density per call]
+        self._backends: dict = {}                                # layer -> backend -> calls served
         self._buffers: dict[tuple[str, str], tuple[SkipListBuffers, CallSite, tuple]] = {}
         self.contexts: dict[str, str] = {}                       # denoiser prefix -> current cache context
         self.probe = None                                        # validate's hook: fn(site, branch_names, q, k, v, out)
@@ -87,6 +95,11 @@ class PatchHandle:
         return self._removed
 
     # --- accounting ---------------------------------------------------------------------------------------------
+    def count_backend(self, layer_name: str, backend: str) -> None:
+        """One call of layer_name served by `backend` (stats()["backends"])."""
+        counts = self._backends.setdefault(layer_name, {})
+        counts[backend] = counts.get(backend, 0) + 1
+
     def record_call(self, layer_name: str, branch: str, density: float) -> None:
         self._calls += 1
         self._history[layer_name][branch].append(float(density))
@@ -124,7 +137,8 @@ class PatchHandle:
                 for i, d in enumerate(values):
                     per_step[i].append(d)
         return {"calls": calls, "density": density,
-                "per_step": [sum(v) / len(v) for _, v in sorted(per_step.items())]}
+                "per_step": [sum(v) / len(v) for _, v in sorted(per_step.items())],
+                "backends": {layer: dict(c) for layer, c in self._backends.items()}}
 
     def skip_lists(self) -> dict:
         """{(layer, context): SkipList the next call will read} for the live lists (for inspection and tests)."""
@@ -155,6 +169,7 @@ class PatchHandle:
                                "batch; running these calls dense")
                 sparse = False
         if not sparse:
+            self.count_backend(site.layer, dense_route(cfg, q, k, v, causal=is_causal, attn_mask=attn_mask))
             out = dense_kernel(cfg)(q, k, v, causal=is_causal, scale=scale, attn_mask=attn_mask)
             for branch in dict.fromkeys(names):
                 self._history[site.layer][branch].append(1.0)
@@ -163,6 +178,8 @@ class PatchHandle:
             buffers = self._buffers_for(site, context, q, k, names)
             extra = [tuple(r) for r in (cfg.must_do or [])]
             ranges = (must_do or []) + extra
+            route = kernels.explain(q, k, v, op="skip_attention", tile=cfg.tile, must_do=ranges)
+            self.count_backend(site.layer, "skip:" + route.backend)
             training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             if training:
                 out = skip_step_differentiable(q, k, v, buffers, cfg.threshold, cfg.warmup_steps, scale=scale,

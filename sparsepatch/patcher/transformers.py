@@ -30,7 +30,7 @@ import weakref
 import torch
 
 from ..config import DenseConfig, LightningConfig, NSAConfig, SkipConfig
-from .state import dense_kernel
+from .state import dense_kernel, dense_route
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +241,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if entry is not None:
         handle, name, _ = entry
         handle.record_call(name, "default", 1.0)
+        handle.count_backend(name, dense_route(entry[2], q, k, v, causal=causal, attn_mask=mask))
     else:
         # E.g. a deep copy of a patched model: still correct, just not counted.
         logger.debug("sparsepatch: call from an unmapped module %s", type(module).__name__)

@@ -177,8 +177,8 @@ class _TrainingModeSkip(torch.autograd.Function):
             out, kept, lse = skip_triton.skip_attention(q, k, v, read, threshold, scale=scale, must_do=must_do,
                                                  return_lse=True)
         else:
-            out, kept, lse = reference.skip_attention(q, k, v, read, threshold, scale=scale, must_do=must_do,
-                                                      return_lse=True)
+            out, kept, lse = skip_attention(q, k, v, read, threshold, scale=scale, must_do=must_do,
+                                            return_lse=True)
         forced = reference.must_do_tiles(must_do, Sq, Sk, tile)
         # Saved as copies: the read list is a view of the double buffer that later steps overwrite.
         computed = read.clone() if forced is None else SkipList.from_mask(read.to_mask() | forced.to(q.device),
