@@ -3,7 +3,7 @@ models patched vs unpatched, in one process.
 
   python -m sparsepatch bench never_slower [--quick] [--table-out PATH] [--skip-models] [--out DIR]
 
-1. Kernel grid (kernels/tune.py cells: causal x head dim 64/128/256 x S 1K..32K (B*S = 16K) x MHA/GQA4, bf16 and
+1. Kernel grid (kernels/tuning.py cells: causal x head dim 64/128/256 x S 1K..32K (B*S = 16K) x MHA/GQA4, bf16 and
    fp16, plus decode Sq = 1): every backend timed (do_bench medians); the measurements become the cost table
    (`--table-out` writes it: the shipped sparsepatch/kernels/cost_tables/sm90.json comes from this run); then
    `sp.kernels.attention` (the dispatcher with that table) is timed again per cell. Ratio = best SDPA backend /
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import gpu_name, save_results  # noqa: E402
 
 import sparsepatch as sp  # noqa: E402
-from sparsepatch.kernels import dispatch, tune  # noqa: E402
+from sparsepatch.kernels import dispatch, tuning as tune  # noqa: E402
 
 SDPA = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa")
 

@@ -30,8 +30,8 @@ def explain(q, k, v, *, op: str = "attention", causal: bool = False, attn_mask=N
 
 
 def tune(**kwargs):
-    """Measure the dense dispatcher's cost table on this GPU and cache it (see `tune.tune`)."""
-    from .tune import tune as _tune
+    """Measure the dense dispatcher's cost table on this GPU and cache it (see `tuning.tune`)."""
+    from .tuning import tune as _tune
     return _tune(**kwargs)
 
 
