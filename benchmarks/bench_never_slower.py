@@ -30,6 +30,7 @@ from common import gpu_name, save_results  # noqa: E402
 
 import sparsepatch as sp  # noqa: E402
 from sparsepatch.kernels import dispatch, tuning as tune  # noqa: E402
+from sparsepatch.kernels.dense import op as dense_op  # noqa: E402
 
 SDPA = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa")
 
@@ -49,10 +50,20 @@ def kernel_grid(cells, log):
         q, k, v = tune.cell_inputs(cell)
         causal = cell[6]
         route = sp.kernels.explain(q, k, v, causal=causal)
-        t = _bench(lambda: sp.kernels.attention(q, k, v, causal=causal))
         sdpa = {n: e["ms"][n] for n in SDPA if n in e["ms"]}
         best = min(sdpa, key=sdpa.get) if sdpa else None
         ours = {n: e["ms"][n] for n in ("flash_triton", "splitd_triton") if n in e["ms"]}
+        # the dispatched call and the best SDPA kernel timed back to back (2 interleaved rounds, min of each), so
+        # clock drift over the grid cannot enter the ratio; the table's times pick the backend
+        t, tb = float("inf"), float("inf")
+        run_best = dense_op.DISPATCH.backends[best].run if best else None
+        for _ in range(2):
+            t = min(t, _bench(lambda: sp.kernels.attention(q, k, v, causal=causal)))
+            if best:
+                tb = min(tb, _bench(lambda: run_best(q, k, v, causal=causal, scale=None, attn_mask=None,
+                                                     return_lse=False)))
+        if best:
+            sdpa[best] = tb
         rows.append(dict(cell=[cell[0], cell[1], cell[2], cell[3], cell[4], cell[5], cell[6], str(cell[7])],
                          backend=route.backend, dispatched_ms=t, best_sdpa=best,
                          best_sdpa_ms=sdpa.get(best), ratio=(sdpa[best] / t) if best else None,

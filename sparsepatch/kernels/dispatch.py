@@ -78,6 +78,7 @@ class Backend:
     name: str
     supports: Callable[[Call], "str | None"]
     run: Callable
+    host_ms: float = 0.0     # host time a call adds beyond what the table measured (added to the table's cost)
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,11 @@ def set_cost_table(table: CostTable | None) -> None:
     _TABLE[0] = table
     for d in _DISPATCHERS.values():
         d.clear()
+    for hook in _ON_CLEAR:
+        hook()
+
+
+_ON_CLEAR: list = []   # callbacks that drop route caches kept outside the dispatchers (the ops' fast paths)
 
 
 # ------------------------------------------------------------------------------------------------- dispatcher
@@ -229,7 +235,8 @@ class Dispatcher:
         cands = []
         for b in self.backends.values():
             why = b.supports(call)
-            cands.append((b.name, why, None if why else costs.get(b.name)))
+            cost = None if why or b.name not in costs else costs[b.name] + b.host_ms
+            cands.append((b.name, why, cost))
         ok = [c for c in cands if c[1] is None]
         if not ok:
             raise ValueError(f"no backend of {self.op} runs this call: "

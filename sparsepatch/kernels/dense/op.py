@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..dispatch import Backend, Call, Dispatcher
+from ..dispatch import _ON_CLEAR, Backend, Call, Dispatcher
 from . import reference, sdpa
 
 logger = logging.getLogger("sparsepatch.kernels")
@@ -106,8 +106,11 @@ def _reference_run(q, k, v, *, causal, scale, attn_mask, return_lse):
 
 
 def _sdpa_backend(name, kernel):
+    # Forcing one SDPA kernel costs the `sdpa_kernel` context (~15-20 us of host time, not in the table's
+    # device-bound timings): small calls stay on torch's own choice unless the forced kernel saves more.
     return Backend(name, lambda call: sdpa.supports(call, kernel),
-                   lambda q, k, v, **kw: sdpa.attention(q, k, v, kernel=kernel, **kw))
+                   lambda q, k, v, **kw: sdpa.attention(q, k, v, kernel=kernel, **kw),
+                   host_ms=0.0 if kernel is None else sdpa.FORCED_HOST_MS)
 
 
 BACKENDS = [
@@ -130,6 +133,7 @@ def _prefer(call: Call) -> list:
 
 
 DISPATCH = Dispatcher("attention", BACKENDS, _prefer)
+_ON_CLEAR.append(lambda: _FAST.clear())
 
 
 def explain(q, k, v, *, causal: bool = False, attn_mask=None, return_lse: bool = False, backend=None):
@@ -137,6 +141,19 @@ def explain(q, k, v, *, causal: bool = False, attn_mask=None, return_lse: bool =
     check_attention_inputs(q, k, v, attn_mask)
     return DISPATCH.route(Call.of("attention", q, k, v, causal=causal, attn_mask=attn_mask, return_lse=return_lse),
                           backend)
+
+
+_FAST: dict = {}   # cheap key of a call already checked and routed -> backend name
+_FAST_MAX = 4096
+
+
+def _fast_key(q, k, v, causal, attn_mask, return_lse, backend):
+    """Everything `check_attention_inputs` and the route depend on, without building a Call (host time: a patched
+    decode step calls this once per layer)."""
+    mask = None if attn_mask is None else (attn_mask.dtype, attn_mask.shape, attn_mask.device)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, bool(causal), mask,
+            bool(return_lse), grad, backend)
 
 
 def attention(q, k, v, *, causal: bool = False, scale=None, attn_mask=None, return_lse: bool = False,
@@ -148,13 +165,23 @@ def attention(q, k, v, *, causal: bool = False, scale=None, attn_mask=None, retu
     broadcastable to (B, Hq, Sq, Sk). backend: force one of `BACKENDS` (None: the dispatcher's choice,
     `explain(...)` says which and why). Rows that see no key give zeros (LSE -inf).
     """
-    check_attention_inputs(q, k, v, attn_mask, scale)
-    if k.shape[1] == 0:
-        return _empty_keys(q, v, return_lse)
-    route = DISPATCH.route(Call.of("attention", q, k, v, causal=causal, attn_mask=attn_mask, return_lse=return_lse),
-                           backend)
-    return DISPATCH.backends[route.backend].run(q, k, v, causal=bool(causal), scale=scale, attn_mask=attn_mask,
-                                                return_lse=bool(return_lse))
+    try:
+        name = _FAST.get(_fast_key(q, k, v, causal, attn_mask, return_lse, backend))
+    except AttributeError:      # not tensors: the checks below say which argument
+        name = None
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        name = None
+    if name is None:
+        check_attention_inputs(q, k, v, attn_mask, scale)
+        if k.shape[1] == 0:
+            return _empty_keys(q, v, return_lse)
+        name = DISPATCH.route(Call.of("attention", q, k, v, causal=causal, attn_mask=attn_mask,
+                                      return_lse=return_lse), backend).backend
+        if len(_FAST) >= _FAST_MAX:
+            _FAST.clear()
+        _FAST[_fast_key(q, k, v, causal, attn_mask, return_lse, backend)] = name
+    return DISPATCH.backends[name].run(q, k, v, causal=bool(causal), scale=scale, attn_mask=attn_mask,
+                                       return_lse=bool(return_lse))
 
 
 # ------------------------------------------------------------------------------------------------- fp8

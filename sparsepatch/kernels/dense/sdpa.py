@@ -17,6 +17,7 @@ from ..dispatch import Call
 
 KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+FORCED_HOST_MS = 0.02   # host time of entering and leaving `sdpa_kernel` (measured ~15-20 us)
 _CAN_USE = {"cudnn": "can_use_cudnn_attention", "flash": "can_use_flash_attention",
             "efficient": "can_use_efficient_attention"}
 
