@@ -8,7 +8,7 @@ Every public entry takes `backend=` to force one backend (a ValueError if it can
 """
 from __future__ import annotations
 
-from .dense import attention, attention_fp8
+from .dense import attention, attention_fp8, backend_for
 from .dense import explain as _explain_dense
 from .dispatch import Route, cost_table, set_cost_table
 from .lightning import lightning_decode, lightning_prefill
@@ -35,6 +35,6 @@ def tune(**kwargs):
     return _tune(**kwargs)
 
 
-__all__ = ["attention", "attention_fp8", "skip_attention", "skip_step", "skip_step_differentiable", "nsa_attention",
+__all__ = ["attention", "attention_fp8", "backend_for", "skip_attention", "skip_step", "skip_step_differentiable", "nsa_attention",
            "lightning_decode", "lightning_prefill", "SkipList", "SkipListBuffers", "DEFAULT_TILE", "NSACache",
            "NSAParams", "explain", "tune", "Route", "cost_table", "set_cost_table"]

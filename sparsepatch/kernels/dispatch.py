@@ -189,6 +189,16 @@ _ON_CLEAR: list = []   # callbacks that drop route caches kept outside the dispa
 
 # ------------------------------------------------------------------------------------------------- dispatcher
 
+def length_class(seq_q: int, seq_k: int) -> tuple:
+    """What a route depends on in the sequence lengths: decode or not, the Sq / Sk relation (causal alignment), an
+    empty key set, and the lengths' power-of-two buckets (the cost table's resolution)."""
+    return (seq_q == 1, seq_q == seq_k, seq_q > seq_k, seq_k == 0, int(seq_q).bit_length(), int(seq_k).bit_length())
+
+
+def _route_key(call: Call) -> tuple:
+    return (dataclasses.replace(call, seq_q=0, seq_k=0), length_class(call.seq_q, call.seq_k))
+
+
 _DISPATCHERS: dict = {}
 _ROUTE_CACHE_MAX = 4096
 
@@ -221,12 +231,13 @@ class Dispatcher:
             if why:
                 raise ValueError(f"backend {backend!r} cannot run this {self.op} call: {why}")
             return Route(self.op, backend, "forced by the caller", ())
-        r = self._routes.get(call)
+        key = _route_key(call)
+        r = self._routes.get(key)
         if r is None:
             r = self._decide(call)
             if len(self._routes) >= _ROUTE_CACHE_MAX:
                 self._routes.clear()
-            self._routes[call] = r
+            self._routes[key] = r
             self._log(call, r)
         return r
 

@@ -25,7 +25,7 @@ def dense_route(config, q, k, v, *, causal=False, attn_mask=None) -> str:
     """The backend name a dense call runs (for `stats()["backends"]`)."""
     if isinstance(config, DenseConfig) and config.precision == "fp8":
         return "attention_fp8"
-    return kernels.explain(q, k, v, causal=causal, attn_mask=attn_mask).backend
+    return kernels.backend_for(q, k, v, causal=causal, attn_mask=attn_mask)
 
 
 def dense_kernel(config):
@@ -178,8 +178,10 @@ class PatchHandle:
             buffers = self._buffers_for(site, context, q, k, names)
             extra = [tuple(r) for r in (cfg.must_do or [])]
             ranges = (must_do or []) + extra
-            route = kernels.explain(q, k, v, op="skip_attention", tile=cfg.tile, must_do=ranges)
-            self.count_backend(site.layer, "skip:" + route.backend)
+            if not hasattr(buffers, "backend"):   # routed once per list (shape, dtype and device fixed)
+                buffers.backend = "skip:" + kernels.explain(q, k, v, op="skip_attention", tile=cfg.tile,
+                                                            must_do=ranges).backend
+            self.count_backend(site.layer, buffers.backend)
             training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             if training:
                 out = skip_step_differentiable(q, k, v, buffers, cfg.threshold, cfg.warmup_steps, scale=scale,

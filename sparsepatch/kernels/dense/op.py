@@ -16,6 +16,7 @@ import math
 import torch
 
 from ..dispatch import _ON_CLEAR, Backend, Call, Dispatcher
+from ..dispatch import length_class as dispatch_length_class
 from . import reference, sdpa
 
 logger = logging.getLogger("sparsepatch.kernels")
@@ -150,10 +151,37 @@ _FAST_MAX = 4096
 def _fast_key(q, k, v, causal, attn_mask, return_lse, backend):
     """Everything `check_attention_inputs` and the route depend on, without building a Call (host time: a patched
     decode step calls this once per layer)."""
-    mask = None if attn_mask is None else (attn_mask.dtype, attn_mask.shape, attn_mask.device)
+    Sq, Sk = q.shape[1], k.shape[1]
+    mask = None
+    if attn_mask is not None:
+        ms = attn_mask.shape
+        mask = (attn_mask.dtype, attn_mask.device, ms[:-2], ms[-2:] == (Sq, Sk), ms[-2] == 1, ms[-1] == 1)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, bool(causal), mask,
+    # sequence lengths by class, so a decode step (Sk + 1 every call) reuses its route
+    return (dispatch_length_class(Sq, Sk), q.shape[0], q.shape[2:], k.shape[0], k.shape[2:], v.shape[0],
+            v.shape[1] == Sk, v.shape[2:], q.dtype, k.dtype, v.dtype, q.device, k.device, bool(causal), mask,
             bool(return_lse), grad, backend)
+
+
+def backend_for(q, k, v, *, causal: bool = False, attn_mask=None, return_lse: bool = False,
+                backend: str | None = None, scale=None) -> str:
+    """The backend name `attention` runs for these inputs (checked and routed once per call shape class)."""
+    try:
+        name = _FAST.get(_fast_key(q, k, v, causal, attn_mask, return_lse, backend))
+    except AttributeError:      # not tensors: the checks below say which argument
+        name = None
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        name = None
+    if name is None:
+        check_attention_inputs(q, k, v, attn_mask, scale)
+        if k.shape[1] == 0:
+            return "empty"
+        name = DISPATCH.route(Call.of("attention", q, k, v, causal=causal, attn_mask=attn_mask,
+                                      return_lse=return_lse), backend).backend
+        if len(_FAST) >= _FAST_MAX:
+            _FAST.clear()
+        _FAST[_fast_key(q, k, v, causal, attn_mask, return_lse, backend)] = name
+    return name
 
 
 def attention(q, k, v, *, causal: bool = False, scale=None, attn_mask=None, return_lse: bool = False,
@@ -165,21 +193,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, attn_mask=None, retu
     broadcastable to (B, Hq, Sq, Sk). backend: force one of `BACKENDS` (None: the dispatcher's choice,
     `explain(...)` says which and why). Rows that see no key give zeros (LSE -inf).
     """
-    try:
-        name = _FAST.get(_fast_key(q, k, v, causal, attn_mask, return_lse, backend))
-    except AttributeError:      # not tensors: the checks below say which argument
-        name = None
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        name = None
-    if name is None:
-        check_attention_inputs(q, k, v, attn_mask, scale)
-        if k.shape[1] == 0:
-            return _empty_keys(q, v, return_lse)
-        name = DISPATCH.route(Call.of("attention", q, k, v, causal=causal, attn_mask=attn_mask,
-                                      return_lse=return_lse), backend).backend
-        if len(_FAST) >= _FAST_MAX:
-            _FAST.clear()
-        _FAST[_fast_key(q, k, v, causal, attn_mask, return_lse, backend)] = name
+    name = backend_for(q, k, v, causal=causal, attn_mask=attn_mask, return_lse=return_lse, backend=backend,
+                       scale=scale)
+    if name == "empty":
+        return _empty_keys(q, v, return_lse)
     return DISPATCH.backends[name].run(q, k, v, causal=bool(causal), scale=scale, attn_mask=attn_mask,
                                        return_lse=bool(return_lse))
 

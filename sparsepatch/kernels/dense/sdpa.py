@@ -73,6 +73,9 @@ def attention(q, k, v, *, kernel=None, causal=False, scale=None, attn_mask=None,
     if kernel is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, **kw)
     else:
-        with sdpa_kernel(KERNELS[kernel]):
+        try:
+            with sdpa_kernel(KERNELS[kernel]):
+                out = F.scaled_dot_product_attention(qh, kh, vh, **kw)
+        except RuntimeError:   # the kernel declined a length of this shape class: torch's own choice, same function
             out = F.scaled_dot_product_attention(qh, kh, vh, **kw)
     return out.transpose(1, 2)
