@@ -3,6 +3,7 @@ import math
 
 import torch
 
+from kernel_checks import assert_agree, assert_rel, fp_bound
 from sparsepatch.kernels.dense import reference
 from sparsepatch.kernels.skip import reference as skip_reference
 from sparsepatch.kernels.skip.stateful import SkipListBuffers, skip_step
@@ -71,7 +72,7 @@ def test_differentiable_step_matches_op_and_gives_sparse_gradients():
         q = q.clone().requires_grad_()
         out_op = skip_step(q.detach(), k, v, a, -4.0, 1)
         out = skip_step_differentiable(q, k, v, b, -4.0, 1)
-        assert (out - out_op).abs().max() < 1e-6
+        assert_agree(out, out_op, torch.float32)
     assert a.current(1).equal(b.current(1)) and torch.equal(a.history(), b.history())
     assert read_list.density() < 1.0
     out.square().sum().backward()
@@ -110,8 +111,12 @@ def test_backward_skip_keeps_forward_value_and_drops_negligible_tiles_from_the_g
     dP = torch.einsum("bqhd,bkhd->bhqk", do, v.double())
     delta = (do * o).sum(-1).transpose(1, 2)[..., None]
     want = torch.einsum("bhqk,bkhd->bqhd", p * (dP - delta) / 32 ** 0.5, k.double())
-    # lse is stored in fp32 (ulp ~4e-6 at the |scores| ~50 of this peaked workload) and (dP - delta) cancels:
-    # a relative (Frobenius) tolerance of 2e-4; a wrong tile set or normalisation gives errors of order 1e-1.
-    assert (g_train.double() - want).norm() / want.norm() < 2e-4
+    # lse is stored in fp32: its rounding eps * |lse| (|lse| up to ~100 on this peaked workload) perturbs every p of
+    # a row, on top of eps * sqrt(S) from the sums over the 256 keys; sum_k p (dP - delta) k cancels, so errors
+    # scale with its terms' size, `cond` times the result's. A wrong tile set or normalisation gives ~1e-1.
+    lse_max = lse.abs().max().item()
+    terms = torch.einsum("bhqk,bkhd->bqhd", (p * (dP - delta)).abs() / 32 ** 0.5, k.double().abs())
+    cond = (terms.norm() / want.norm()).item()
+    assert_rel(g_train, want, bound=fp_bound(torch.float32, 256 + lse_max ** 2, cond), what="training-mode dq")
     cos = torch.nn.functional.cosine_similarity(g_exact.flatten(), g_train.flatten(), dim=0)
     assert 0.9 < cos < 1.0                                              # approximate, and close
