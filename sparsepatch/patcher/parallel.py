@@ -49,6 +49,7 @@ from .. import kernels
 from ..config import SkipConfig
 from ..kernels.skiplist import SkipList, num_tiles
 from ..kernels.stateful import skip_step
+from . import diffusers_compat as compat
 
 
 RING_STRATEGY = "gather"   # or "walk": one skip call per k/v shard, merged by LSE (see the module docstring)
@@ -98,7 +99,7 @@ def _backward_op(ctx, grad_out, *args, **kwargs):
 def attention(binding, query, key, value, attn_mask, dropout_p, is_causal, scale, parallel_config):
     """The sparsepatch backend under a diffusers ParallelConfig. binding: the calling processor's _Binding or None
     (a processor we did not patch: dense). Tensors (B, S_local, H, D) in and out, like every diffusers backend."""
-    from diffusers.models.attention_dispatch import _templated_context_parallel_attention
+    _templated_context_parallel_attention = compat.templated_cp_attention()
     cp = parallel_config.context_parallel_config
     _check_inference(query, key, value)
     if binding is not None and getattr(binding.handle.config, "precision", "native") != "native":
@@ -138,12 +139,11 @@ def _ring_gather(binding, cp, query, key, value, dropout_p, is_causal, scale, pa
     """Ring degree R: gather the ring group's k/v shards (what diffusers' allgather ring does too) and run this rank's
     q shard against the whole k in one skip call, through `PatchHandle.attend` (lists keyed (layer, context), shape
     (B, H, Sq/R tiles, Sk tiles)). With Ulysses too (unified CP), the Ulysses all-to-all runs first, as in diffusers."""
-    from diffusers.models.attention_dispatch import TemplatedUlyssesAttention
-
+    TemplatedUlyssesAttention = compat.templated_ulysses_attention()
     handle, cfg = binding.handle, binding.handle.config
 
     def attend(q, k, v):
-        group = cp._ring_mesh.get_group()
+        group = compat.ring_group(cp)
         k, v = _gather_seq(k, group), _gather_seq(v, group)
         context = handle.contexts.get(binding.prefix, "default")
         if not isinstance(cfg, SkipConfig) or is_causal or dropout_p:
@@ -204,7 +204,7 @@ class _RingCall:
         self.binding = binding
         self.handle = binding.handle
         self.N = cp.ring_degree
-        self.rank = cp._ring_local_rank
+        self.rank = compat.ring_rank(cp)
         self.i = 0
 
     def forward_op(self, ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
