@@ -341,7 +341,7 @@ def _wrap_denoiser(handle, model, prefix):
             else:
                 handle.contexts[prefix] = previous
 
-    def _reset_stateful_cache(*args, **kwargs):
+    def reset_stateful_cache(*args, **kwargs):
         handle.reset()
         if orig_reset is not None:
             return orig_reset(*args, **kwargs)
@@ -360,7 +360,7 @@ def _wrap_denoiser(handle, model, prefix):
     hook = model.register_forward_pre_hook(record_grid, with_kwargs=True)
     handle.add_undo(hook.remove)
 
-    for attr, fn in (("cache_context", cache_context), (compat.RESET_METHOD, _reset_stateful_cache)):
+    for attr, fn in (("cache_context", cache_context), (compat.RESET_METHOD, reset_stateful_cache)):
         had, value = attr in model.__dict__, model.__dict__.get(attr)
         model.__dict__[attr] = fn
 

@@ -164,14 +164,13 @@ def check() -> list[str]:
         if "backend" not in params:
             problems.append("dispatch_attention_fn no longer takes backend=")
     try:
-        from diffusers import ModelMixin
-        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanTransformer3DModel
     except ImportError as e:
-        problems.append(f"ModelMixin / WanAttnProcessor: {e}")
+        problems.append(f"WanTransformer3DModel / WanAttnProcessor: {e}")
     else:
-        for attr in ("cache_context", RESET_METHOD):
-            if not callable(getattr(ModelMixin, attr, None)):
-                problems.append(f"ModelMixin.{attr} is gone")
+        for attr in ("cache_context", RESET_METHOD):   # CacheMixin methods the pipelines call
+            if not callable(getattr(WanTransformer3DModel, attr, None)):
+                problems.append(f"WanTransformer3DModel.{attr} is gone")
         if not calls_dispatch(WanAttnProcessor):
             problems.append(f"WanAttnProcessor has no {PROCESSOR_BACKEND_ATTR} (processors no longer carry a "
                             "per-instance backend)")

@@ -99,7 +99,7 @@ def _backward_op(ctx, grad_out, *args, **kwargs):
 def attention(binding, query, key, value, attn_mask, dropout_p, is_causal, scale, parallel_config):
     """The sparsepatch backend under a diffusers ParallelConfig. binding: the calling processor's _Binding or None
     (a processor we did not patch: dense). Tensors (B, S_local, H, D) in and out, like every diffusers backend."""
-    _templated_context_parallel_attention = compat.templated_cp_attention()
+    templated_attention = compat.templated_cp_attention()
     cp = parallel_config.context_parallel_config
     _check_inference(query, key, value)
     if binding is not None and getattr(binding.handle.config, "precision", "native") != "native":
@@ -123,7 +123,7 @@ def attention(binding, query, key, value, attn_mask, dropout_p, is_causal, scale
         forward_op = _RingCall(binding, cp).forward_op
     else:
         forward_op = functools.partial(_ulysses_forward_op, binding)
-    return _templated_context_parallel_attention(
+    return templated_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, False, False,
         forward_op=forward_op, backward_op=_backward_op, _parallel_config=parallel_config)
 
@@ -139,7 +139,7 @@ def _ring_gather(binding, cp, query, key, value, dropout_p, is_causal, scale, pa
     """Ring degree R: gather the ring group's k/v shards (what diffusers' allgather ring does too) and run this rank's
     q shard against the whole k in one skip call, through `PatchHandle.attend` (lists keyed (layer, context), shape
     (B, H, Sq/R tiles, Sk tiles)). With Ulysses too (unified CP), the Ulysses all-to-all runs first, as in diffusers."""
-    TemplatedUlyssesAttention = compat.templated_ulysses_attention()
+    ulysses_attention = compat.templated_ulysses_attention()
     handle, cfg = binding.handle, binding.handle.config
 
     def attend(q, k, v):
@@ -161,7 +161,7 @@ def _ring_gather(binding, cp, query, key, value, dropout_p, is_causal, scale, pa
     def forward_op(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                    return_lse=False, _save_ctx=True, _parallel_config=None):
         return attend(q, k, v)
-    return TemplatedUlyssesAttention.apply(query, key, value, None, dropout_p, is_causal, scale, False, False,
+    return ulysses_attention.apply(query, key, value, None, dropout_p, is_causal, scale, False, False,
                                            forward_op, _backward_op, parallel_config)
 
 
