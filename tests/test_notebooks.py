@@ -1,5 +1,7 @@
-"""The quality-vs-speed notebooks run headless (nbclient) with small parameters, save their figures and report
-finite numbers. Parameters are injected by replacing the source of the cell tagged "parameters"."""
+"""The quality-vs-speed notebooks run headless (nbclient) with small parameters, show their figures inline
+(image/png outputs: no backend forced, so Jupyter's inline backend renders them) and their results as tables
+(text/markdown), save their figures and report finite numbers. Parameters are injected by replacing the source
+of the cell tagged "parameters"."""
 from __future__ import annotations
 
 import json
@@ -52,6 +54,8 @@ OUT_DIR = os.environ["SPARSEPATCH_NB_OUT"]
 def _run(name: str, params: str, out_dir: Path, monkeypatch) -> dict:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), f"{name} is committed with outputs"
+    # a backend forced inside a notebook (matplotlib.use("Agg")) stops Jupyter from showing figures inline
+    assert not any(re.search(r"matplotlib\.use\(|switch_backend|MPLBACKEND", c.source) for c in nb.cells), name
     cells = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(cells) == 1, f"{name}: expected one cell tagged 'parameters'"
     # every name the notebook's own parameter cell sets is set by the test too (a renamed parameter fails here)
@@ -59,12 +63,18 @@ def _run(name: str, params: str, out_dir: Path, monkeypatch) -> dict:
     assert names <= set(re.findall(r"^([A-Z_]+) =", params, flags=re.M)), names
     cells[0].source = params
     monkeypatch.setenv("SPARSEPATCH_NB_OUT", str(out_dir))
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    # as in Jupyter: the kernel picks matplotlib's inline backend itself unless MPLBACKEND overrides it
+    monkeypatch.delenv("MPLBACKEND", raising=False)
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(out_dir)}})
     client.execute()
-    return json.loads((out_dir / "results.json").read_text())
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert images, f"{name}: no figure shown inline (no image/png output)"
+    tables = [o["data"]["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
+    assert any(t.startswith("| ") and "\n|---|" in t for t in tables), f"{name}: no results table (text/markdown)"
+    return json.loads((out_dir / "results.json").read_text()), len(images)
 
 
 def _finite(*values):
@@ -72,7 +82,8 @@ def _finite(*values):
 
 
 def test_video_notebook(tmp_path, monkeypatch):
-    res = _run("quality_vs_speed_video.ipynb", VIDEO_PARAMS, tmp_path, monkeypatch)
+    res, images = _run("quality_vs_speed_video.ipynb", VIDEO_PARAMS, tmp_path, monkeypatch)
+    assert images == 4                                    # each figure of the plots cell shows
     for png in ("density_vs_step.png", "psnr_pareto.png", "per_layer_cos.png", "validate_report.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
     rows = res["rows"]
@@ -84,13 +95,15 @@ def test_video_notebook(tmp_path, monkeypatch):
         assert _finite(r["output_cos"], r["dense_ms_per_step"], r["patched_ms_per_step"], r["attn_cos_min"])
         assert r["psnr_db"] > 0 and not math.isnan(r["psnr_db"])     # +inf only if bit-identical
         assert r["output_cos"] > 0.9
+        assert r["ssim_space"] == "latent" and 0 < r["ssim"] <= 1     # the trained sampler returns latents
     # a lower threshold keeps more tiles
     assert rows[1]["density_mean"] >= rows[0]["density_mean"] - 1e-9
     assert isinstance(res["verdict"]["met"], bool)
 
 
 def test_llm_notebook(tmp_path, monkeypatch):
-    res = _run("quality_vs_speed_llm.ipynb", LLM_PARAMS, tmp_path, monkeypatch)
+    res, images = _run("quality_vs_speed_llm.ipynb", LLM_PARAMS, tmp_path, monkeypatch)
+    assert images == 2
     for png in ("ppl_vs_speed.png", "loss_gap.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
     rows = res["rows"]
