@@ -409,8 +409,8 @@ def test_skip_step_gpu_graph_compile(monkeypatch, S, gluon):
     for call in range(3):
         q, k, v, assign = _step_inputs(S, D, dtype, 30 + call, assign, tile)
         out = stateful.skip_step(q, k, v, bufs, thr, 1)
-        rout = stateful._skip_step_reference(q, k, v, refb.counts, refb.indices, refb.step, refb.density, thr, 1,
-                                             tile[0], tile[1], 1 / math.sqrt(D), [])
+        rout = stateful._skip_step_portable(q, k, v, refb.counts, refb.indices, refb.step, refb.density, thr, 1,
+                                            tile[0], tile[1], 1 / math.sqrt(D), [], refb.nonfinite, "reference")
         assert_close(out, rout, dtype)
         assert bufs.current(1).equal(refb.current(1))
         torch.testing.assert_close(bufs.history(), refb.history())

@@ -36,6 +36,10 @@ class StandInHandle:
         self.undos = []
         self.calls = collections.Counter()   # (layer, branch) -> n
         self.densities = []
+        self.backends = collections.Counter()   # (layer, backend) -> n
+
+    def count_backend(self, layer, backend):
+        self.backends[(layer, backend)] += 1
 
     def add_undo(self, fn):
         self.undos.append(fn)

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._common import key_range, set_tma_allocator
 from .reference import LOG2E, check_qkv
 from .splitd import LN2_C, unit_stride
 

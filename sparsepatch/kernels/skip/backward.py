@@ -44,7 +44,7 @@ from . import reference
 from ..dense.reference import LOG2E, check_qkv
 from .skiplist import SkipList
 
-__all__ = ["transpose_list", "transpose_list_torch", "attention_backward", "make_differentiable", "register",
+__all__ = ["transpose_list", "transpose_list_torch", "attention_backward", "make_differentiable",
            "CONFIGS", "supports"]
 
 logger = logging.getLogger(__name__)
