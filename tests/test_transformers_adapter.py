@@ -377,16 +377,23 @@ def test_gpu_bf16_llama_triton_path():
     ids = torch.randint(2, VOCAB, (1, 300), device="cuda")
     want = logits(model, ids)
     want_tokens = greedy(model, ids, torch.ones_like(ids))
+    from sparsepatch.kernels import dispatch
+    from sparsepatch.kernels.dense import op as dense_op
     from sparsepatch.kernels.skip import triton as triton_skip
     used = []
-    orig = triton_skip.attention
+    orig, orig_prefer, orig_table = triton_skip.attention, dense_op.DISPATCH.prefer, dispatch._TABLE[0]
     triton_skip.attention = lambda *a, **kw: (used.append(1), orig(*a, **kw))[1]
+    # the dispatcher would pick SDPA at these shapes (faster); this test is about the Triton kernel on strided views
+    dense_op.DISPATCH.prefer = lambda call: ["flash_triton"]
+    dispatch.set_cost_table(dispatch.CostTable())
     try:
         h = patch(model)
         got = logits(model, ids)
         got_tokens = greedy(model, ids, torch.ones_like(ids))
     finally:
         triton_skip.attention = orig
+        dense_op.DISPATCH.prefer = orig_prefer
+        dispatch.set_cost_table(orig_table)
     assert len(used) == 2 + NEW_TOKENS * 2
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 0.05 * want.float().abs().max().item(), err
