@@ -88,8 +88,11 @@ def default_split(world: int) -> tuple[int, int]:
 
 
 def resolve_modes(modes: str, world: int, ulysses_degree: int | None, ring_degree: int | None):
-    """[(name, U, R)] for the comma-separated `modes`; raises ValueError on an unknown mode or degrees that do not
-    multiply to the world size."""
+    """[(name, U, R)] for the comma-separated `modes` (None: ulysses, ring, and unified when degrees are given or the
+    world size splits); raises ValueError on an unknown mode or degrees that do not multiply to the world size."""
+    if modes is None:
+        split = ulysses_degree or ring_degree or default_split(world)
+        modes = "ulysses,ring,unified" if split else "ulysses,ring"
     out = []
     for mode in filter(None, modes.split(",")):
         if mode == "ulysses":
@@ -200,7 +203,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="wan14b,wan1.3b", help=f"comma-separated, from {', '.join(SHAPES)}")
     ap.add_argument("--size", help="HxWxF video size in pixels for every shape (overrides the shape's own)")
-    ap.add_argument("--modes", default="ulysses,ring,unified", help="comma-separated: ulysses, ring, unified")
+    ap.add_argument("--modes", help="comma-separated: ulysses, ring, unified (default: all three, unified only "
+                    "when the world size splits into U x R with U, R >= 2)")
     ap.add_argument("--ulysses-degree", type=int, help="unified mode's Ulysses degree (default: squarest split)")
     ap.add_argument("--ring-degree", type=int, help="unified mode's ring degree (default: world / ulysses degree)")
     ap.add_argument("--layers", type=int, help="transformer blocks for every shape (default: the shape's own)")
@@ -434,7 +438,7 @@ def _x(ratio):
 
 
 def print_table(res):
-    print(f"\n## Context parallelism, one transformer step (bf16 on GPU, lists forced to density {res['density']}), "
+    print(f"\n## Context parallelism, one transformer step ({res['dtype']}, lists forced to density {res['density']}), "
           f"{res['world']} x {res['gpu']}, median of {res['reps']}")
     print("| shape | tokens | layers | mode | dense ms | skip ms | skip vs 1-GPU skip | dense vs 1-GPU dense | "
           "density (mean of ranks) | keep-all max abs diff / cos vs 1 GPU | skip max abs diff / cos vs 1 GPU | "

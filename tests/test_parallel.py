@@ -165,6 +165,8 @@ BENCH_TOKENS = 256          # --shape tiny: 128x128 x 13 frames -> 4 x 8 x 8
 def test_bench_resolves_modes_and_degrees():
     assert bench.resolve_modes("ulysses,ring,unified", 4, None, None) == [
         ("ulysses x4", 4, 1), ("ring x4", 1, 4), ("ulysses 2 x ring 2", 2, 2)]
+    assert bench.resolve_modes(None, 4, None, None) == bench.resolve_modes("ulysses,ring,unified", 4, None, None)
+    assert bench.resolve_modes(None, 2, None, None) == [("ulysses x2", 2, 1), ("ring x2", 1, 2)]
     assert bench.resolve_modes("unified", 8, None, None) == [("ulysses 4 x ring 2", 4, 2)]
     assert bench.resolve_modes("unified", 8, 2, None) == [("ulysses 2 x ring 4", 2, 4)]
     assert bench.resolve_modes("unified", 8, None, 4) == [("ulysses 2 x ring 4", 2, 4)]
