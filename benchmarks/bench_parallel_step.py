@@ -1,8 +1,9 @@
 """Context parallelism on N GPUs: one transformer step of a Wan-shaped model, diffusers' dense CP (SDPA cuDNN) vs
 sparsepatch skip lists at a fixed density, under Ulysses, ring and Ulysses x ring (unified), against 1 GPU.
 
-    torchrun --nproc-per-node 4 benchmarks/bench_parallel_step.py [--shape wan14b,wan1.3b] [--modes ulysses,ring,unified]
-        [--ulysses-degree 2 --ring-degree 2] [--layers N] [--reps 3] [--density 0.5] [--quick] [--budget-s 420]
+    torchrun --nproc-per-node 4 benchmarks/bench_parallel_step.py [--shape wan14b,wan1.3b]
+        [--modes ulysses,ring,unified] [--ulysses-degree 2 --ring-degree 2] [--layers N] [--reps 3]
+        [--density 0.5] [--quick] [--budget-s 300] [--size HxWxF]
     # CPU smoke (gloo, fp32, tile 16):
     torchrun --nproc-per-node 4 benchmarks/bench_parallel_step.py --cpu --shape tiny
 
