@@ -47,15 +47,23 @@ def save_results(res: dict, name: str, out: str | None) -> None:
 def wan_1_3b_shaped(layers: int = 30, device="cuda"):
     """A WanTransformer3DModel with Wan2.1-T2V-1.3B's shape (12 heads x 128, ffn 8960, text_dim 4096, freq_dim 256,
     patch (1, 2, 2)), `layers` blocks, random weights from seed 0, bf16, eval mode."""
+    return wan_shaped(layers, heads=12, ffn=8960, device=device)
+
+
+def wan_shaped(layers: int, heads: int, ffn: int, head_dim: int = 128, text_dim: int = 4096, device="cuda",
+               dtype=torch.bfloat16):
+    """A WanTransformer3DModel (freq_dim 256, patch (1, 2, 2), 16 latent channels) with `heads` x `head_dim`
+    attention, feed-forward width `ffn`, `layers` blocks, random weights from seed 0 (the same on every device of
+    one type), in `dtype`, eval mode. Wan2.1-1.3B: 12 x 128, ffn 8960; Wan2.1-14B: 40 x 128, ffn 13824."""
     from diffusers import WanTransformer3DModel
     torch.manual_seed(0)
     with torch.device(device):
         model = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-            text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=layers, cross_attn_norm=True,
+            patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=16,
+            out_channels=16, text_dim=text_dim, freq_dim=256, ffn_dim=ffn, num_layers=layers, cross_attn_norm=True,
             qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
         )
-    return model.to(torch.bfloat16).eval()
+    return model.to(dtype).eval()
 
 
 def graph_replay(fn, warmup: int = 3):

@@ -6,8 +6,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 STEPS=${STEPS:-50}
-torchrun --standalone --nproc-per-node 2 benchmarks/bench_parallel_step.py --out "$OUT" 2>&1 \
-  | grep -v -i "warn\|experimental\|wait_tensor\|before the output" | tail -16 | tee "$OUT/parallel-step.log"
+torchrun --standalone --nproc-per-node 2 benchmarks/bench_parallel_step.py --shape wan1.3b,wan14b --out "$OUT" 2>&1 \
+  | tee "$OUT/parallel-step.log" | grep -v -i "warn\|experimental\|wait_tensor\|before the output\|c10d_functional\|kept in float32\|kv_buffer\|allow_inflight" | tail -24
 for n in 1 2; do
   multi=""; [ "$n" -gt 1 ] && multi="--multi_gpu"
   accelerate launch $multi --num_processes "$n" --num_machines 1 --mixed_precision bf16 --dynamo_backend no \

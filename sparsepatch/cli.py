@@ -32,7 +32,7 @@ BENCHES = {
     "never_slower": ("dispatched attention vs every SDPA backend over the grid; whole models patched vs not",
                      "cuda"),
     "nsa": ("Native Sparse Attention prefill / decode vs SDPA (cuDNN) and fla parallel_nsa", "cuda"),
-    "parallel_step": ("context parallelism (Ulysses, ring) on 2+ GPUs, Wan-shaped step, vs diffusers' CP",
+    "parallel_step": ("context parallelism (Ulysses, ring, both) on N GPUs, Wan-shaped step, vs diffusers' CP",
                       "torchrun"),
     "skip": ("temporal skip-list attention forward vs SDPA, FlexAttention (same list), sageattention", "cuda"),
     "skip_gluon_dense": ("dense forward: Triton grid kernel vs the Gluon kernel vs cuDNN", "sm_90"),
@@ -299,8 +299,8 @@ def _cannot_run_here(need) -> str | None:
     if need == "torchrun":
         if "WORLD_SIZE" in os.environ:
             return None
-        return ("launched by torchrun on 2+ GPUs: torchrun --nproc-per-node 2 benchmarks/bench_parallel_step.py "
-                "(--cpu: a gloo smoke test with tiny --layers / --shapes)")
+        return ("launched by torchrun on 2+ GPUs: torchrun --nproc-per-node N benchmarks/bench_parallel_step.py "
+                "(--cpu --shape tiny: a gloo smoke test)")
     import torch
     if not torch.cuda.is_available():
         return "needs a CUDA GPU, and torch.cuda.is_available() is False here (H100 numbers: BENCHMARKS.md)"

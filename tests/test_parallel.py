@@ -152,3 +152,95 @@ def test_backend_registered_context_parallel_and_released():
         sp.unpatch(pipe)
     assert "sparsepatch" not in ad._AttentionBackendRegistry._supports_context_parallel
     assert "sparsepatch" not in ad.AttentionBackendName._value2member_map_
+
+
+# --- the N-GPU benchmark (benchmarks/bench_parallel_step.py) -----------------------------------------------------
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_parallel_step as bench  # noqa: E402
+
+BENCH_LAYERS = 2
+BENCH_TOKENS = 256          # --shape tiny: 128x128 x 13 frames -> 4 x 8 x 8
+
+
+def test_bench_resolves_modes_and_degrees():
+    assert bench.resolve_modes("ulysses,ring,unified", 4, None, None) == [
+        ("ulysses x4", 4, 1), ("ring x4", 1, 4), ("ulysses 2 x ring 2", 2, 2)]
+    assert bench.resolve_modes(None, 4, None, None) == bench.resolve_modes("ulysses,ring,unified", 4, None, None)
+    assert bench.resolve_modes(None, 2, None, None) == [("ulysses x2", 2, 1), ("ring x2", 1, 2)]
+    assert bench.resolve_modes("unified", 8, None, None) == [("ulysses 4 x ring 2", 4, 2)]
+    assert bench.resolve_modes("unified", 8, 2, None) == [("ulysses 2 x ring 4", 2, 4)]
+    assert bench.resolve_modes("unified", 8, None, 4) == [("ulysses 2 x ring 4", 2, 4)]
+    assert bench.default_split(6) == (3, 2) and bench.default_split(2) is None and bench.default_split(9) == (3, 3)
+    for modes, world, u, r, what in (("unified", 2, None, None, "no split"), ("unified", 4, 4, 1, "both >= 2"),
+                                     ("unified", 8, 2, 2, "world size 8"), ("spiral", 4, None, None, "unknown mode"),
+                                     ("", 4, None, None, "at least one")):
+        with pytest.raises(ValueError, match=what):
+            bench.resolve_modes(modes, world, u, r)
+    assert bench.tokens_of(bench.SHAPES["wan14b"]) == 75600
+    assert bench.tokens_of(bench.SHAPES["wan1.3b"]) == 32760
+    assert bench.tokens_of(bench.SHAPES["hunyuan"]) == 118800
+    assert bench.tokens_of(bench.SHAPES["tiny"]) == BENCH_TOKENS
+    args = bench.parse_args(["--quick", "--shape", "wan14b", "--size", "768x1024x81"])
+    assert args.reps == 2 and args.size == (768, 1024, 81)
+    for bad in (["--shape", "wan2"], ["--density", "0"], ["--size", "720x1281x81"], ["--layers", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_bench_rank_parts_tile_the_global_list():
+    g = torch.Generator().manual_seed(0)
+    H, T, tile = 6, 8, 16
+    S = T * tile
+    mask = torch.rand(1, H, T, T, generator=g) < 0.5
+    for U, R in ((3, 1), (1, 2), (3, 2), (1, 4)):
+        rows = [torch.cat([bench.rank_part(mask, (1, H // U, T // R, T), u, U, r, R, S, tile) for r in range(R)], 2)
+                for u in range(U)]
+        assert torch.equal(torch.cat(rows, 1), mask), (U, R)
+    # shards of 1.5 tiles: each local q tile takes the global row of the tile holding its first row
+    part = bench.rank_part(mask, (1, H, 2, T), 0, 1, 1, 4, 6 * tile, tile)    # rank 1 holds rows [24, 48)
+    assert torch.equal(part, mask[:, :, [1, 2]])
+    with pytest.raises(ValueError, match="does not match"):
+        bench.rank_part(mask, (1, H, 3, T), 0, 2, 0, 1, S, tile)
+
+
+@pytest.fixture(scope="module")
+def bench4(tmp_path_factory):
+    """4 CPU processes: the tiny shape through the 1-process baseline, Ulysses x4, ring x4, Ulysses 2 x ring 2."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("OUT", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           os.path.join(ROOT, "benchmarks", "bench_parallel_step.py"), "--cpu", "--shape", "tiny", "--reps", "1",
+           "--layers", str(BENCH_LAYERS), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "| tiny | 256 | 2 | ulysses 2 x ring 2 |" in proc.stdout
+    return json.loads((out / "cpux4-parallel-step.json").read_text())
+
+
+def test_bench_four_ranks_equal_one_process_at_the_same_lists(bench4):
+    """Every mode's lists are the rank's part of the 1-process list (shards of 4 x 16-token tiles), so the density-0.5
+    output equals the 1-process one, keep-all equals keep-all, and every rank runs the 1-process density.
+    Bound: two fp32 forwards through BENCH_LAYERS blocks of 256-token attention (one step, no guidance)."""
+    e = bench4["shapes"]["tiny"]
+    assert e["tokens"] == BENCH_TOKENS and e["layers"] == BENCH_LAYERS
+    one = e["one_gpu"]
+    assert "error" not in one, one
+    assert one["lists_forced"] == BENCH_LAYERS and one["keep_all_density"] == 1.0
+    assert one["density"] == 0.5                       # round(0.5 * 16) of 16 k tiles in every row
+    bound = 2 * denoiser_bound(torch.float32, tokens=BENCH_TOKENS, steps=1, layers=BENCH_LAYERS,
+                               magnitude=one["output_absmax"])
+    assert set(e["modes"]) == {"ulysses x4", "ring x4", "ulysses 2 x ring 2"}
+    for name, m in e["modes"].items():
+        assert "error" not in m and "skipped" not in m, (name, m)
+        U, R = m["ulysses_degree"], m["ring_degree"]
+        assert m["lists_exact"] and m["lists_forced"] == BENCH_LAYERS
+        assert sorted((p["u"], p["r"]) for p in m["ranks"]) == [(u, r) for u in range(U) for r in range(R)]
+        for p in m["ranks"]:
+            assert p["density"] == one["density"] and p["keep_all_density"] == 1.0, (name, p)
+        check_bound(m["diff"]["keep_all_vs_1gpu"]["max_abs"], bound, f"{name} keep-all vs 1 process")
+        check_bound(m["diff"]["skip_vs_1gpu"]["max_abs"], bound, f"{name} density 0.5 vs 1 process")
+    # diffusers' own dense CP: Ulysses runs on CPU; its ring needs return_lse, which no CPU backend gives
+    check_bound(e["modes"]["ulysses x4"]["diff"]["dense_cp_vs_1gpu_dense"]["max_abs"], bound, "dense Ulysses x4")
