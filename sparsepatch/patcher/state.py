@@ -86,7 +86,7 @@ class PatchHandle:
         self._removed = False
         self._calls = 0
         self._history = defaultdict(lambda: defaultdict(list))   # layer -> branch -> [density per call]
-        self._buffers: dict[tuple[str, str], tuple] = {}               # (layer, context) -> (buffers, site, names, grid)
+        self._buffers: dict[tuple[str, str], tuple] = {}         # (layer, context) -> (buffers, site, names, grid)
         self.contexts: dict[str, str] = {}                       # denoiser prefix -> current cache context
         self.probe = None                                        # validate's hook: fn(site, branch_names, q, k, v, out)
         self._warned = set()
