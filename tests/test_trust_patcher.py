@@ -50,8 +50,8 @@ def tiny_flux(seed=0):
 
 def flux_inputs(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return dict(hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 5, 8, generator=g),
-                pooled_projections=torch.randn(1, 8, generator=g), timestep=torch.tensor([0.5]),
+    return dict(hidden_states=torch.randn(1, 16, 4, generator=g),
+                encoder_hidden_states=torch.randn(1, 5, 8, generator=g), pooled_projections=torch.randn(1, 8, generator=g), timestep=torch.tensor([0.5]),
                 img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3))
 
 

@@ -17,7 +17,7 @@ import logging
 logger = logging.getLogger("sparsepatch")
 
 #: diffusers releases the adapter tests ran against (oldest, newest).
-TESTED_VERSIONS = ("0.35.0", "0.42.1")
+TESTED_VERSIONS = ("0.36.0", "0.42.1")
 
 #: Model method every pipeline calls at the end of __call__ (the end of a video).
 RESET_METHOD = "_reset_stateful_cache"
@@ -45,11 +45,16 @@ def version() -> str:
     return diffusers.__version__
 
 
+_WARNED = []
+
+
 def warn_if_untested() -> None:
-    """Log once when the installed diffusers is outside TESTED_VERSIONS (it may still work: check() passed)."""
+    """Log once when the installed diffusers' minor release is outside TESTED_VERSIONS."""
     v = _parse(version())[:2]
-    if not _parse(TESTED_VERSIONS[0])[:2] <= v <= _parse(TESTED_VERSIONS[1])[:2]:
-        logger.warning("sparsepatch: diffusers %s is outside the tested range %s-%s", version(), *TESTED_VERSIONS)
+    if not _WARNED and not _parse(TESTED_VERSIONS[0])[:2] <= v <= _parse(TESTED_VERSIONS[1])[:2]:
+        _WARNED.append(True)
+        logger.warning("sparsepatch: diffusers %s is outside the tested range %s-%s; diffusers_compat.check() "
+                       "lists the private pieces it moved: %s", version(), *TESTED_VERSIONS, check() or "none")
 
 
 # --- attention backend registry ---------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ class PatchHandle:
         self._calls = 0
         self._history = defaultdict(lambda: defaultdict(list))   # layer -> branch -> [density per call]
         self._backends: dict = {}                                # layer -> backend -> calls served
-        self._buffers: dict[tuple[str, str], tuple] = {}               # (layer, context) -> (buffers, site, names, grid)
+        self._buffers: dict[tuple[str, str], tuple] = {}         # (layer, context) -> (buffers, site, names, grid)
         self.contexts: dict[str, str] = {}                       # denoiser prefix -> current cache context
         self.probe = None                                        # validate's hook: fn(site, branch_names, q, k, v, out)
         self._warned = set()

@@ -1,9 +1,10 @@
 """transformers adapter: route a PreTrainedModel's attention through `sparsepatch.kernels`.
 
-How it hooks in (transformers 5.0-5.23; private names only through transformers_compat.py): one attention function is registered under `ATTN_NAME` in
-`AttentionInterface` (and `sdpa_mask` under the same name in `AttentionMaskInterface`, so the model still builds
-boolean padding / causal / sliding-window masks for it), then `model.set_attn_implementation(ATTN_NAME)` switches
-the model in place. No model code is copied or wrapped: every architecture whose attention layers call
+How it hooks in (transformers 5.6-5.24, README "Tested versions"; private names only through
+transformers_compat.py): one attention function is registered under `ATTN_NAME` in `AttentionInterface` (and
+`sdpa_mask` under the same name in `AttentionMaskInterface`, so the model still builds boolean padding / causal /
+sliding-window masks for it), then `model.set_attn_implementation(ATTN_NAME)` switches the model in place. No
+model code is copied or wrapped: every architecture whose attention layers call
 `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)` is served.
 
 Unpatch (the undo registered on the handle) restores `_attn_implementation` on the model config and on every
@@ -137,6 +138,7 @@ def patch_model(model, config, handle) -> None:
     handle: the PatchHandle: `add_undo(fn)`, `record_call(layer_name, branch, density)`.
     """
     _check_model(model)
+    compat.warn_if_untested()
     if isinstance(config, LightningConfig):
         # MiniMax's lightning layers do not go through AttentionInterface: they are re-routed module by module.
         # Its softmax layers keep their implementation (patch them with DenseConfig on a separate model if wanted).

@@ -12,8 +12,8 @@ import logging
 
 logger = logging.getLogger("sparsepatch")
 
-#: transformers releases the adapter tests ran against (oldest, newest).
-TESTED_VERSIONS = ("5.0.0", "5.23.0")
+#: transformers releases the adapter tests ran against (oldest, newest); README "Tested versions" has the detail.
+TESTED_VERSIONS = ("5.6.0", "5.24.0")
 
 _MISSING = object()
 
@@ -21,6 +21,21 @@ _MISSING = object()
 def version() -> str:
     import transformers
     return transformers.__version__
+
+
+def _parse(v: str) -> tuple:
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in v.split(".")[:2])
+
+
+_WARNED = []
+
+
+def warn_if_untested() -> None:
+    """Log once when the installed transformers' minor release is outside TESTED_VERSIONS."""
+    if not _WARNED and not _parse(TESTED_VERSIONS[0]) <= _parse(version()) <= _parse(TESTED_VERSIONS[1]):
+        _WARNED.append(True)
+        logger.warning("sparsepatch: transformers %s is outside the tested range %s-%s; transformers_compat.check() "
+                       "lists the private pieces it moved: %s", version(), *TESTED_VERSIONS, check() or "none")
 
 
 def _interfaces():
