@@ -2,6 +2,7 @@
 The demo command's output is tested in tests/test_cli.py."""
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -126,6 +127,15 @@ def test_ssim_fallback_matches_the_definition(shape, noise):
     # fp64 both ways, sums of ~121 terms of magnitude <= 1: agreement far below 1e-12
     assert got == pytest.approx(_ssim_oracle(x, y, 1.0), abs=1e-12)
     assert 0.0 < got < 1.0
+
+
+def test_ssim_in_chunks_equals_one_pass(monkeypatch):
+    v = sys.modules["sparsepatch.validate"]          # the attribute sparsepatch.validate is the function
+    x, y = _pair((7, 12, 10), 0.1, seed=3)
+    whole = _ssim_gaussian(x, y, data_range=1.0)
+    monkeypatch.setattr(v, "SSIM_CHUNK_PIXELS", 2 * 12 * 10)      # chunks of 2 images, the last one of 1
+    assert _ssim_gaussian(x, y, data_range=1.0) == pytest.approx(whole, abs=1e-14)
+    assert whole == pytest.approx(_ssim_oracle(x, y, 1.0), abs=1e-12)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 16, 16), (1, 4, 3, 24, 20), (2, 5, 3, 12, 12)])
