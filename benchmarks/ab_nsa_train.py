@@ -30,8 +30,9 @@ from common import ROOT, gpu_name, save_results  # noqa: E402,F401
 from bench_nsa import best_per_stage, bwd_stages, cudnn_causal_fwd_bwd, fwd_bwd  # noqa: E402
 
 from sparsepatch.config import NSAConfig  # noqa: E402
-from sparsepatch.kernels import nsa, nsa_reference as ref  # noqa: E402
-from sparsepatch.kernels import nsa_backward as nb  # noqa: E402
+from sparsepatch.kernels.nsa import forward as nsa  # noqa: E402
+from sparsepatch.kernels.nsa import reference as ref
+from sparsepatch.kernels.nsa import backward as nb  # noqa: E402
 
 D = 128
 KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_swa_kernel"]

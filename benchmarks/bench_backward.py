@@ -140,7 +140,8 @@ def main(argv=None):
     import triton
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from sparsepatch.kernels import skip, skip_backward as bwd
+    from sparsepatch.kernels.skip import triton as skip
+    from sparsepatch.kernels.skip import backward as bwd
 
     lines = []
 

@@ -1,4 +1,4 @@
-"""Split-D dense flash attention (sparsepatch.kernels.dense) vs SDPA backends, head dims 128..1024.
+"""Split-D dense flash attention (sparsepatch.kernels.dense.splitd) vs SDPA backends, head dims 128..1024.
 
 B1 H48 S8192 fp16 by default, forward and forward+backward; TFLOP/s counts 4*B*H*Sq*Sk*D per forward (non-causal)
 and 2.5x that per backward. Peers in the same process on the same inputs: SDPA efficient, math, flash, cuDNN
@@ -109,11 +109,11 @@ def _warm_one(task):
     D, H, fcfg, bcfg = task
     t0 = time.time()
     try:
-        from sparsepatch.kernels import dense
+        from sparsepatch.kernels.dense import fp8, splitd as dense
         if D == "fp8":
             q, k, v = (torch.randn(1, 256, H, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            dense.attention_fp8(q, k, v, qk_format=fcfg["qk_format"], cfg=fcfg["cfg"])
-            dense.attention_fp8(q, k, v, qk_format=fcfg["qk_format"], cfg=fcfg["cfg"], causal=True)
+            fp8.attention_fp8(q, k, v, qk_format=fcfg["qk_format"], cfg=fcfg["cfg"])
+            fp8.attention_fp8(q, k, v, qk_format=fcfg["qk_format"], cfg=fcfg["cfg"], causal=True)
             torch.cuda.synchronize()
             return (D, "ok", round(time.time() - t0, 1))
         q, k, v = (torch.randn(1, 128, H, D, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -147,7 +147,7 @@ def main(argv=None):
                     help="interleaved timing rounds per fp8 S (default 5, 3 at 32K)")
     ap.add_argument("--prewarm-only", action="store_true")
     args = ap.parse_args(argv)
-    from sparsepatch.kernels import dense
+    from sparsepatch.kernels.dense import fp8, splitd as dense
 
     dims = [int(x) for x in args.dims.split(",") if x]  # --dims "": the fp8 rows only
     B, S, H = args.batch, args.seq, args.heads
@@ -247,7 +247,7 @@ def _fp8_rows(B, S, H, D=128, rounds=None):
     Every timer runs once per round, `rounds` rounds interleaved (the H100's clock drifts by a few % between
     back-to-back timings of one kernel: run 1 of fp8 session 6); rows give the median and the min / max."""
     import statistics
-    from sparsepatch.kernels import dense
+    from sparsepatch.kernels.dense import fp8, splitd as dense
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     fl = 4 * B * H * S * S * D
@@ -255,16 +255,16 @@ def _fp8_rows(B, S, H, D=128, rounds=None):
     cud = _sdpa("cudnn")
     timers = {("cudnn_bf16", None): lambda: cud(q, k, v)}
     for with_q in (False, True):
-        timers[("quant", with_q)] = lambda with_q=with_q: dense.quantize_fp8(q, k, v, "int8", quantize_q=with_q)
+        timers[("quant", with_q)] = lambda with_q=with_q: fp8.quantize_fp8(q, k, v, "int8", quantize_q=with_q)
     prep = {}
     for i, v8 in enumerate(FP8_SWEEP):
         fmt, cfg = v8["qk_format"], v8["cfg"]
-        c = dense._fp8_cfg(cfg)
-        timers[("e2e", i)] = lambda fmt=fmt, cfg=cfg: dense.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg)
+        c = fp8._fp8_cfg(cfg)
+        timers[("e2e", i)] = lambda fmt=fmt, cfg=cfg: fp8.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg)
         if c["fuse_q"] not in prep:  # one set of quantize outputs per q path
-            prep[c["fuse_q"]] = dense.quantize_fp8(q, k, v, fmt, quantize_q=not c["fuse_q"])
+            prep[c["fuse_q"]] = fp8.quantize_fp8(q, k, v, fmt, quantize_q=not c["fuse_q"])
         q8, qs, k8, ks, vt8, vs = prep[c["fuse_q"]]
-        timers[("kernel", i)] = (lambda cfg=cfg, c=c, q8=q8, qs=qs, k8=k8, ks=ks, vt8=vt8, vs=vs: dense._fp8_launch(
+        timers[("kernel", i)] = (lambda cfg=cfg, c=c, q8=q8, qs=qs, k8=k8, ks=ks, vt8=vt8, vs=vs: fp8._fp8_launch(
             q if c["fuse_q"] else q8, qs, k8, ks, vt8, vs, B=B, Sq=S, Hq=H, Sk=S, causal=False, scale=None,
             return_lse=False, out_dtype=q.dtype, cfg=cfg, qfused=c["fuse_q"]))
     times = {key: [] for key in timers}
@@ -292,11 +292,11 @@ def _fp8_rows(B, S, H, D=128, rounds=None):
                                               is_causal=True).transpose(1, 2)
         for i, v8 in enumerate(FP8_SWEEP):
             fmt, cfg = v8["qk_format"], v8["cfg"]
-            c = dense._fp8_cfg(cfg)
+            c = fp8._fp8_cfg(cfg)
             t, tk = med[("e2e", i)], med[("kernel", i)]
             try:
-                out = dense.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg)
-                outc = dense.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg, causal=True)
+                out = fp8.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg)
+                outc = fp8.attention_fp8(q, k, v, qk_format=fmt, cfg=cfg, causal=True)
                 r = dict(S=S, D=D, impl=f"ours_{fmt}", cfg=cfg, ms=t, **spread(("e2e", i)),
                          tflops=round(fl / t * 1e-9, 1), kernel_ms=tk,
                          kernel_spread=[round(x, 4) for x in spread(("kernel", i)).values()],

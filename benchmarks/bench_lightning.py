@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sparsepatch.kernels import lightning_reference as ref  # noqa: E402
+from sparsepatch.kernels.lightning import reference as ref  # noqa: E402
 
 H, D = 64, 128
 DECODE_B = [1, 4, 16, 32, 64, 128, 256]
@@ -93,7 +93,7 @@ def host_time(fn, n=2000):
 
 
 def bench_decode(fused_recurrent, batches, graph=True):
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     rows = []
     decay = minimax_slopes().cuda()
     for B in batches:
@@ -184,7 +184,7 @@ def bench_decode(fused_recurrent, batches, graph=True):
 
 
 def bench_prefill(chunk_gla, lengths):
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     rows = []
     decay = minimax_slopes().cuda()
     for T in lengths:
@@ -215,7 +215,7 @@ def bench_prefill(chunk_gla, lengths):
 
 
 def sweep(lengths, batches):
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     out = {"decode": [], "prefill": []}
     decay = minimax_slopes().cuda()
     for B in batches:
@@ -268,7 +268,7 @@ def _grid(B):
 def sweep_decode(batches, bf16_batches=(1, 64, 256)):
     """Every decode launch variant at each B (eager do_bench; B=1 also per CUDA-graph step). The default config
     is timed twice (first and last) to show the run's noise."""
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     rows = []
     decay = minimax_slopes().cuda()
     for sdt, bs in ((torch.float32, batches), (torch.bfloat16, bf16_batches)):
@@ -320,7 +320,7 @@ def drift(steps=4096, B=4, layers=(0, 40, 79)):
     """bf16-state vs fp32-state decode over `steps` tokens from a zero state: relative error of the state and of
     o at checkpoints, MiniMax slopes of a few layers (79 of 80: almost no decay, the state keeps growing).
     Inputs silu(randn) like MiniMax's activated qkv projection."""
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     out = []
     for layer in layers:
         decay = minimax_slopes(layer=layer).cuda()
@@ -387,7 +387,7 @@ def decode_ab(fused_recurrent, batches, old=None):
     replays). Host time per call at B=1 (wall clock of back-to-back calls). Launch variants of the new kernel
     (runtime row strides, other tiles). `old`: a module with the previous
     lightning_decode (benchmarks/NOTES.md, lightning v5), or None."""
-    from sparsepatch.kernels import lightning as tri
+    from sparsepatch.kernels.lightning import triton as tri
     plain = _plain_kernel()
     decay = minimax_slopes().cuda()
     rows = []

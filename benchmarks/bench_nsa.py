@@ -40,7 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from sparsepatch.config import NSAConfig  # noqa: E402
-from sparsepatch.kernels import nsa_reference as ref  # noqa: E402
+from sparsepatch.kernels.nsa import reference as ref  # noqa: E402
 
 HEADS = [(64, 4), (32, 8), (16, 16)]
 TS = [8192, 16384, 32768, 65536]
@@ -116,7 +116,7 @@ def cudnn_causal_fwd_bwd(q, k, v, dout):
 def bench_fwd_bwd(nsa, cfg, heads, ts, both_modes=False, write=None, ts_g16=None):
     """Rows of forward + backward times (ms): ours (with both_modes also the other selected-branch dk/dv mode of
     nsa_backward.BWD) vs SDPA cuDNN causal, bf16, D=128, B=1. ts_g16: the lengths for HQ64/H4 (default ts)."""
-    from sparsepatch.kernels import nsa_backward
+    from sparsepatch.kernels.nsa import backward as nsa_backward
     rows = []
     for HQ, H in heads:
         for T in (ts_g16 or ts) if (HQ, H) == (64, 4) else ts:
@@ -215,14 +215,14 @@ def _bwd_inputs(nsa, cfg, HQ, H, T, seed=0):
 
 
 def _bwd_call(inp, cfg):
-    from sparsepatch.kernels import nsa_backward as nb
+    from sparsepatch.kernels.nsa import backward as nb
     return nb.nsa_backward(inp["q"], inp["k"], inp["v"], inp["kc"], inp["vc"], None, inp["idx"], inp["lse"],
                            inp["bo"], inp["dout"], inp["scale"], cfg)
 
 
 def bwd_stages(inp, cfg, reps=3):
     """ms per backward stage (min over reps after one warm-up / compile call), CUDA events in nsa_backward."""
-    from sparsepatch.kernels import nsa_backward as nb
+    from sparsepatch.kernels.nsa import backward as nb
     times = {}
     try:
         for i in range(reps + 1):
@@ -263,7 +263,7 @@ def glue_times(nsa, cfg, inp):
 def bwd_tune(nsa, cfg, res, write, tune_t=16384, best_out=None):
     """Per-stage breakdown of the backward at HQ64/H4 (16K and 64K) for the defaults, a sweep of BWD_SETS at 16K,
     the per-stage best combined (checked against the defaults at T=2048), and its breakdown."""
-    from sparsepatch.kernels import nsa_backward as nb
+    from sparsepatch.kernels.nsa import backward as nb
     base = dict(nb.BWD)
     tune = res.setdefault("bwd_tune", {})
     inp = _bwd_inputs(nsa, cfg, 64, 4, 2048, seed=1)
@@ -424,7 +424,7 @@ def main(argv=None):
     if args.summary:
         with open(args.summary) as f:
             return summary(json.load(f))
-    from sparsepatch.kernels import nsa
+    from sparsepatch.kernels.nsa import forward as nsa
     cfg = NSAConfig(selection="tile" if args.selection == "tile" else "token")
     tile_cfg = NSAConfig(selection="tile") if args.selection == "both" else None
     dev = torch.cuda.get_device_name()
@@ -561,7 +561,7 @@ def bench_decode(nsa, cfg, ss, write=None, sweep=True, tile=True):
     blocks); tile_graph = a later step of the tile (the cache holds the tile's blocks: here the ones the step above
     picked), captured and replayed; tile_avg_graph = (block_size - 1) later steps + one ranking step, per step."""
     import math
-    from sparsepatch.kernels import nsa_decode
+    from sparsepatch.kernels.nsa import decode as nsa_decode
     HQ, H = 64, 4
     scale = 1.0 / math.sqrt(D)
     rows = []

@@ -55,7 +55,7 @@ def timed(fn, reps, device):
 
 def force_lists(handle, global_mask, part):
     """Overwrite every live list of the handle with `part(global_mask, local_shape)` (bool (B, H, Tq, Tk))."""
-    from sparsepatch.kernels.skiplist import SkipList
+    from sparsepatch.kernels.skip.skiplist import SkipList
     n = 0
     for lst in handle.skip_lists().values():
         shape = tuple(lst.counts.shape) + (lst.indices.shape[-1],)

@@ -131,7 +131,7 @@ def sweep_configs(q, k, v, skip, lists, log):
 
 def seq_list(B, H, S, n, tile=(128, 128), device="cuda"):
     """SkipList whose every row lists k-tiles 0..n-1 (same tiles for all q-tiles: L2-friendly access)."""
-    from sparsepatch.kernels.skiplist import SkipList, num_tiles
+    from sparsepatch.kernels.skip.skiplist import SkipList, num_tiles
     tq, tk = num_tiles(S, tile[0]), num_tiles(S, tile[1])
     counts = torch.full((B, H, tq), n, dtype=torch.int32, device=device)
     idx = torch.arange(tk, dtype=torch.int32, device=device).expand(B, H, tq, tk).contiguous()
@@ -180,7 +180,7 @@ PHASES = [("head", 0, 1), ("loop", 1, 2), ("words", 2, 3), ("compact", 3, 4), ("
 
 def probe(log, shape=(1, 12, 32760, 128), names=("default",), lists=("seq1", "seq13", "rand0.05")):
     """Per-phase clocks of the skip forward (PROBE builds): median us per phase, per-SM gaps between programs."""
-    from sparsepatch.kernels import skip
+    from sparsepatch.kernels.skip import triton as skip
     B, H, S, D = shape
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
@@ -249,7 +249,8 @@ GLUON_PHASES = ("q_wait", "kv0_wait", "loop", "pv_last", "list", "out")   # cons
 def probe_gluon(log, shape=(1, 12, 32760, 128), names=("gluon",), lists=("seq1", "rand0.05", "rand1.0")):
     """Per-q-tile phase times of the Gluon kernel (its PROBE build: %clock64 stamps per owned q-tile of each
     warpgroup and of the producer). Mean us per q-tile over all programs' middle q-tiles."""
-    from sparsepatch.kernels import skip, skip_gluon
+    from sparsepatch.kernels.skip import triton as skip
+    from sparsepatch.kernels.skip import gluon as skip_gluon
     B, H, S, D = shape
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
@@ -361,7 +362,7 @@ def host_check(log, shapes=((1, 12, 32760, 128), (1, 16, 4096, 128))):
     import cProfile
     import io
     import pstats
-    from sparsepatch.kernels import skip
+    from sparsepatch.kernels.skip import triton as skip
     rows = []
     direct = skip._DIRECT[0]
     for (B, H, S, D) in shapes:
@@ -405,8 +406,8 @@ def host_check(log, shapes=((1, 12, 32760, 128), (1, 16, 4096, 128))):
 def host_breakdown(log, shape=(1, 16, 4096, 128)):
     """Host us per call of each layer of the skip call (GPU kept busy): skip_attention, _skip_fwd_impl, _launch
     (plan hit), the relaunch alone (C launcher + TMA map fills), and the pieces around them."""
-    from sparsepatch.kernels import skip
-    from sparsepatch.kernels._triton_common import DescriptorArgs, current_stream
+    from sparsepatch.kernels.skip import triton as skip
+    from sparsepatch.kernels._common import DescriptorArgs, current_stream
     B, H, S, D = shape
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
@@ -465,7 +466,8 @@ def _host_parts(log, parts, title, calls=None, before=None, rounds=5):
 def host_step(log, shape=(1, 16, 4096, 128)):
     """Host us per call of the patcher's stateful path (GPU kept busy): the sparsepatch::skip_step op, its body
     (skip.skip_step), the fused density / step launch, and the ~12 torch ops that launch replaced (as they were)."""
-    from sparsepatch.kernels import skip, stateful
+    from sparsepatch.kernels.skip import triton as skip
+    from sparsepatch.kernels.skip import stateful
     B, H, S, D = shape
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
@@ -506,7 +508,7 @@ def host_step(log, shape=(1, 16, 4096, 128)):
 def variants(log, shape=(1, 12, 32760, 128), names=None, rounds=2, only=None):
     """Time skip-config variants (exact: outputs and next lists must equal the base config's) on random lists at
     DENSITIES and on sequential lists of n tiles (fixed cost vs per-tile cost). Returns result rows."""
-    from sparsepatch.kernels import skip
+    from sparsepatch.kernels.skip import triton as skip
     B, H, S, D = shape
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
@@ -568,7 +570,8 @@ def step_check(log, shapes=((1, 12, 32760, 128), (1, 40, 32760, 128)), densities
     a warm-up call (every tile, no list written) and calls reading a fixed random list (the call counter is reset
     before each call, so every call reads the same slot). Checks out (max abs diff) and the written list slot
     (exact) between the two kernels; ms by do_bench."""
-    from sparsepatch.kernels import skip, stateful
+    from sparsepatch.kernels.skip import triton as skip
+    from sparsepatch.kernels.skip import stateful
     key = (128, 128)
     rows = []
     for (B, H, S, D) in shapes:
@@ -639,7 +642,7 @@ def main(argv=None):
     import triton
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from sparsepatch.kernels import skip
+    from sparsepatch.kernels.skip import triton as skip
 
     lines = []
 

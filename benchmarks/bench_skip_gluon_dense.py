@@ -17,7 +17,8 @@ def main(argv=None):
     import triton
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from sparsepatch.kernels import skip, skip_gluon
+    from sparsepatch.kernels.skip import triton as skip
+    from sparsepatch.kernels.skip import gluon as skip_gluon
     rows = []
     for B, H, S, D in ((1, 12, 32760, 128), (1, 40, 32760, 128), (1, 16, 4096, 128)):
         g = torch.Generator(device="cuda").manual_seed(0)

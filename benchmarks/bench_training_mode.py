@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from sparsepatch.kernels import skip, skip_backward
+    from sparsepatch.kernels.skip import triton as skip
+    from sparsepatch.kernels.skip import backward as skip_backward
     from sparsepatch.testing import video_like_qkv
 
     dev = "cuda"

@@ -5,7 +5,7 @@
 diffusers WanTransformer3DModel with Wan2.1-T2V-1.3B's shape (30 layers, 12 heads x 128, ffn 8960, text_dim 4096,
 freq_dim 256, patch (1, 2, 2)), random weights, bf16, latent (1, 16, 21, 60, 104) = 480p x 81 frames = 32760
 tokens, 512 text tokens. Dense: every attention on SDPA cuDNN. Sparse: self-attention calls go to
-sparsepatch.kernels.skip.skip_attention with fixed random lists at density 0.5 / 0.25 (diagonal always listed;
+sparsepatch.kernels.skip.triton.skip_attention with fixed random lists at density 0.5 / 0.25 (diagonal always listed;
 the kernel still runs its keep test and writes the next list); cross-attention stays on cuDNN. Stateful ("step_*"):
 the same lists through `skip.skip_step`, the op the patcher's SkipConfig calls (list slots + call counter, density
 bookkeeping; the counter is reset before each call so every call reads the forced list). The attention call is
@@ -38,7 +38,8 @@ def main(argv=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from common import gpu_name, random_list, save_results, wan_1_3b_shaped
-    from sparsepatch.kernels import skip, stateful
+    from sparsepatch.kernels.skip import triton as skip
+    from sparsepatch.kernels.skip import stateful
 
     model = wan_1_3b_shaped(args.layers)
     x = torch.randn(1, 16, 21, 60, 104, device="cuda", dtype=torch.bfloat16)

@@ -22,7 +22,7 @@ def gpu_name() -> str:
 
 def random_list(B, H, S, density, tile=(128, 128), seed=0, device="cuda"):
     """Fixed random SkipList with round(density * Tk) tiles per row (at least 1), diagonal always included."""
-    from sparsepatch.kernels.skiplist import SkipList, num_tiles
+    from sparsepatch.kernels.skip.skiplist import SkipList, num_tiles
     tm, tn = tile
     tq, tk = num_tiles(S, tm), num_tiles(S, tn)
     g = torch.Generator(device=device).manual_seed(seed)

@@ -27,7 +27,7 @@ import os
 import torch
 
 import sparsepatch as sp
-from sparsepatch.kernels import nsa_reference
+from sparsepatch.kernels.nsa import reference as nsa_reference
 from sparsepatch.recipes.train_tiny_llm import heldout_tokens, load_trained
 
 CONFIGS = [

@@ -44,7 +44,7 @@ def mean_union(idx: torch.Tensor, first: int) -> dict:
 
 def random_inputs(T=8192, last=1024, chunk=256):
     from sparsepatch.config import NSAConfig
-    from sparsepatch.kernels import nsa_reference as ref
+    from sparsepatch.kernels.nsa import reference as ref
     cfg = NSAConfig()
     rows = []
     for HQ, H in ((64, 4), (32, 8), (16, 16)):

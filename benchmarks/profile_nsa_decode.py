@@ -28,8 +28,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from sparsepatch.config import NSAConfig
-from sparsepatch.kernels import nsa_decode
-from sparsepatch.kernels import nsa_reference as ref
+from sparsepatch.kernels.nsa import decode as nsa_decode
+from sparsepatch.kernels.nsa import reference as ref
 
 import common  # noqa: E402  (benchmarks/common.py)
 
@@ -197,7 +197,7 @@ def ab(ss, names, rounds=2, full=2, save=None):
     'code warm' (a flush, then a replay of the same step on other inputs, then the timed replay: data cold, kernel
     code and launch state warm) and 'warm' (no flush). Variants after the first `full` run only at the largest S."""
     import torch.nn.functional as F
-    from sparsepatch.kernels import nsa
+    from sparsepatch.kernels.nsa import forward as nsa
     rows = []
     for S in ss:
         q, k, v, kc, vc, scale, cfg = inputs(S)

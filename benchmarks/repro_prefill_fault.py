@@ -22,7 +22,7 @@ import sys
 import torch
 sys.path.insert(0, "tests")
 import sparsepatch as sp
-from sparsepatch.kernels import lightning as tri
+from sparsepatch.kernels.lightning import triton as tri
 # LIGHTNING_PREFILL_OVERRIDE='{"BV": 64}' (or '{"num_warps": 8}'): the prefill launch settings to try
 tri._PREFILL_OVERRIDE.update(json.loads(os.environ.get("LIGHTNING_PREFILL_OVERRIDE", "{}")))
 print("prefill override", tri._PREFILL_OVERRIDE, flush=True)

@@ -29,6 +29,8 @@ BENCHES = {
     "dense": ("split-D dense flash attention (head dims 128..1024) vs the SDPA backends", "cuda"),
     "lightning": ("lightning attention decode / prefill vs fla and torch, bandwidth vs a copy", "cuda"),
     "minimax_decode": ("whole-model MiniMax generate tokens/s, patched vs unpatched (CPU too)", None),
+    "never_slower": ("dispatched attention vs every SDPA backend over the grid; whole models patched vs not",
+                     "cuda"),
     "nsa": ("Native Sparse Attention prefill / decode vs SDPA (cuDNN) and fla parallel_nsa", "cuda"),
     "parallel_step": ("context parallelism (Ulysses, ring) on 2+ GPUs, Wan-shaped step, vs diffusers' CP",
                       "torchrun"),

@@ -1,12 +1,35 @@
-"""Patch configurations: one dataclass per attention method. Data only; validated on construction."""
+"""Patch configurations: one dataclass per attention method. Data only; validated on construction: a field of
+the wrong type or out of range raises ValueError naming the field and what it accepts."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
-from .kernels.reference import check_threshold
-from .kernels.skiplist import DEFAULT_TILE, check_tile
+from .kernels import DEFAULT_TILE
 
 PRECISIONS = ("native", "fp8")
+
+
+def _int(name: str, value, minimum: int) -> int:
+    """An integer >= minimum (bools and floats refused: 16.5 is not silently 16, True is not 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _choice(name: str, value, choices: tuple) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
 
 
 @dataclass
@@ -25,10 +48,8 @@ class DenseConfig:
     precision: str = "native"
 
     def __post_init__(self):
-        if self.layers not in ("self", "all"):
-            raise ValueError(f"layers must be 'self' or 'all', got {self.layers!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        _choice("layers", self.layers, ("self", "all"))
+        _choice("precision", self.precision, PRECISIONS)
 
 
 @dataclass
@@ -38,9 +59,10 @@ class SkipConfig:
     threshold: log2 units relative to the running row max, < 0 (-1 ~ 50%, -5 ~ 3%, -10 ~ 0.1%); tiles whose
         scores never come within it of the running max are skipped at every later step.
     warmup_steps: the first N denoising steps of each (layer, branch) run dense and leave the lists untouched.
-    tile: (tm, tn) tokens per skip tile; multiples of 16 (the Triton kernel supports (128, 128) and (64, 64)).
-    must_do: extra token ranges [(start, end), ...] always computed, on top of the text tokens of joint
-        attention that the adapter adds itself.
+    tile: (tm, tn) tokens per skip tile; positive multiples of 16 (the Triton kernel supports (128, 128) and
+        (64, 64)).
+    must_do: extra token ranges [(start, end), ...] (ints, 0 <= start < end) always computed, on top of the text
+        tokens of joint attention that the adapter adds itself.
     backward: training mode: the backward also skips the tiles the forward found negligible.
     layers: "self" (default; cross-attention stays dense) — the only supported value for skip lists.
     """
@@ -53,15 +75,35 @@ class SkipConfig:
     layers: str = "self"
 
     def __post_init__(self):
-        self.threshold = check_threshold(self.threshold)
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        self.tile = check_tile(self.tile)
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or math.isnan(t) or not t < 0:
+            raise ValueError(f"threshold must be a real number < 0 (log2 units relative to the running row max: "
+                             f"-1 ~ 50%, -5 ~ 3%, -10 ~ 0.1%), got {t!r}")
+        self.threshold = float(t)
+        self.warmup_steps = _int("warmup_steps", self.warmup_steps, 0)
+        tile = self.tile
+        if isinstance(tile, (str, bytes)) or not hasattr(tile, "__len__") or len(tile) != 2:
+            raise ValueError(f"tile must be a pair (tm, tn) of positive multiples of 16, got {tile!r}")
+        tm, tn = (_int("tile", x, 16) for x in tile)
+        if tm % 16 or tn % 16:
+            raise ValueError(f"tile must be a pair (tm, tn) of positive multiples of 16, got {tile!r}")
+        self.tile = (tm, tn)
+        if self.must_do is not None:
+            ranges = []
+            if isinstance(self.must_do, (str, bytes)) or not hasattr(self.must_do, "__iter__"):
+                raise ValueError(f"must_do must be None or a list of (start, end) token ranges, got {self.must_do!r}")
+            for r in self.must_do:
+                if isinstance(r, (str, bytes)) or not hasattr(r, "__len__") or len(r) != 2:
+                    raise ValueError(f"must_do must be a list of (start, end) token ranges, got the item {r!r}")
+                a, b = _int("must_do start", r[0], 0), _int("must_do end", r[1], 0)
+                if not a < b:
+                    raise ValueError(f"must_do ranges need 0 <= start < end, got {r!r}")
+                ranges.append((a, b))
+            self.must_do = ranges
+        self.backward = _bool("backward", self.backward)
         if self.layers != "self":
             raise ValueError(f"layers must be 'self' for SkipConfig (cross-attention has no temporal lists), "
                              f"got {self.layers!r}")
-        if self.must_do is not None:
-            self.must_do = [tuple(int(x) for x in r) for r in self.must_do]
 
 
 @dataclass
@@ -85,13 +127,9 @@ class NSAConfig:
 
     def __post_init__(self):
         for name in ("block_size", "num_selected", "window", "compress_block", "compress_stride"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
-        if self.gates not in ("uniform", "learned"):
-            raise ValueError(f"gates must be 'uniform' or 'learned', got {self.gates!r}")
-        if self.selection not in ("token", "tile"):
-            raise ValueError(f"selection must be 'token' or 'tile', got {self.selection!r}")
+            setattr(self, name, _int(name, getattr(self, name), 1))
+        _choice("gates", self.gates, ("uniform", "learned"))
+        _choice("selection", self.selection, ("token", "tile"))
 
 
 @dataclass
@@ -107,5 +145,6 @@ class LightningConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.state_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"state_dtype must be 'float32', 'bfloat16' or 'float16', got {self.state_dtype!r}")
+        _choice("state_dtype", self.state_dtype, ("float32", "bfloat16", "float16"))
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"extra must be a dict, got {self.extra!r} ({type(self.extra).__name__})")

@@ -11,6 +11,26 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    # The thread count changes how CPU kernels split their sums, hence their rounding: `make test-matrix` runs the
+    # numeric tests at 1 and 2 threads (and two ATEN_CPU_CAPABILITY vector widths) to show the tolerances hold.
+    parser.addoption("--threads", type=int, default=None, metavar="N",
+                     help="torch.set_num_threads(N) before the tests (default min(2, CPU count))")
+
+
+def pytest_configure(config):
+    n = config.getoption("--threads")
+    if n is not None:
+        if n < 1:
+            raise pytest.UsageError(f"--threads must be >= 1, got {n}")
+        torch.set_num_threads(n)
+
+
+def pytest_report_header(config):
+    return (f"torch {torch.__version__}: CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} threads")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -1,4 +1,4 @@
-"""Low-precision dense forward `sparsepatch.kernels.dense.attention_fp8` (int8 or e4m3 Q K^T, e4m3 P V).
+"""Low-precision dense forward `sparsepatch.kernels.dense.fp8.attention_fp8` (int8 or e4m3 Q K^T, e4m3 P V).
 
 CPU: the quantization model (`quantize_fp8_reference`): error budget of the dequantized inputs and the cos-sim of
 attention on them (the function the kernel computes, up to P's rounding). GPU (`-m gpu`): the Triton quantize
@@ -13,9 +13,9 @@ pytest.importorskip("triton")
 
 from kernel_checks import cpu_only, gpu, rel  # noqa: E402
 
-from sparsepatch.kernels import reference  # noqa: E402
+from sparsepatch.kernels.dense import reference  # noqa: E402
 
-dense = pytest.importorskip("sparsepatch.kernels.dense")
+dense = pytest.importorskip("sparsepatch.kernels.dense.fp8")
 
 
 def cos(a, b):

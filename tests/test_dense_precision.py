@@ -10,10 +10,10 @@ import torch
 
 import sparsepatch as sp
 from sparsepatch import kernels
-from sparsepatch.kernels import reference
+from sparsepatch.kernels.dense import reference
 
 pytest.importorskip("triton")
-dense = pytest.importorskip("sparsepatch.kernels.dense")
+fp8 = pytest.importorskip("sparsepatch.kernels.dense.fp8")
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -37,7 +37,7 @@ def test_cpu_fp8_emulates_the_kernel_quantization():
     k, v = k[:, :, :2], v[:, :, :2]    # GQA
     for causal in (False, True):
         got, lse = kernels.attention_fp8(q, k, v, causal=causal, return_lse=True)
-        qd, kd, vd = dense.quantize_fp8_reference(q, k, v, q_block=dense.FP8_CONFIG["block_m"])  # as the kernel
+        qd, kd, vd = fp8.quantize_fp8_reference(q, k, v, q_block=fp8.FP8_CONFIG["block_m"])  # as the kernel
         want, want_lse = reference.attention(qd, kd, vd, causal=causal, return_lse=True)
         native = reference.attention(q, k, v, causal=causal)
         assert (got - want).abs().max().item() <= 1e-6 and (lse - want_lse).abs().max().item() <= 1e-6
@@ -107,8 +107,8 @@ def test_gpu_llama_fp8_runs_the_fp8_kernel_and_falls_back_with_a_warning(caplog)
     for head_dim, expect_fp8 in ((128, True), (256, False)):
         model = tiny_llama(head_dim=head_dim, hidden=512).to("cuda", torch.bfloat16)
         calls = []
-        orig = dense.attention_fp8
-        dense.attention_fp8 = lambda *a, **kw: (calls.append(1), orig(*a, **kw))[1]
+        orig = fp8.attention_fp8
+        fp8.attention_fp8 = lambda *a, **kw: (calls.append(1), orig(*a, **kw))[1]
         try:
             with torch.no_grad(), caplog.at_level(logging.WARNING):
                 want = model(ids).logits
@@ -116,7 +116,7 @@ def test_gpu_llama_fp8_runs_the_fp8_kernel_and_falls_back_with_a_warning(caplog)
                 got = model(ids).logits
                 sp.unpatch(model)
         finally:
-            dense.attention_fp8 = orig
+            fp8.attention_fp8 = orig
         assert len(calls) == (2 if expect_fp8 else 0)
         assert cos(got, want) >= 0.99, head_dim
         assert expect_fp8 or "no fp8 kernel for head dim 256" in caplog.text

@@ -1,4 +1,4 @@
-"""Split-D dense flash kernels (sparsepatch.kernels.dense) vs the reference, head dims 32..1024.
+"""Split-D dense flash kernels (sparsepatch.kernels.dense.splitd) vs the reference, head dims 32..1024.
 
 CPU: TRITON_INTERPRET=1 at tiny shapes (partial tiles, GQA, causal with Sq != Sk, rows that see no key).
 Metric: relative Frobenius error per output / gradient. fp32 vs the fp64 oracle <= 1e-3; fp16 vs the fp32-input
@@ -15,9 +15,9 @@ triton = pytest.importorskip("triton")
 
 from kernel_checks import INTERP, cpu_only, gpu, rel  # noqa: E402
 
-from sparsepatch.kernels import reference  # noqa: E402
+from sparsepatch.kernels.dense import reference  # noqa: E402
 
-dense = pytest.importorskip("sparsepatch.kernels.dense")
+dense = pytest.importorskip("sparsepatch.kernels.dense.splitd")
 
 
 

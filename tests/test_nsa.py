@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparsepatch.config import NSAConfig
-from sparsepatch.kernels import nsa_reference as ref
+from sparsepatch.kernels.nsa import reference as ref
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -279,7 +279,7 @@ def test_density():
 
 # ------------------------------------------------------------------------------------------------ Triton
 def _tri():
-    from sparsepatch.kernels import nsa
+    from sparsepatch.kernels.nsa import forward as nsa
     return nsa
 
 
@@ -313,7 +313,7 @@ def test_triton_matches_reference(G, Hk, dtype):
 def test_triton_selected_tile_union_equals_per_token(G, Hk, T, rows, monkeypatch):
     """`_slc_tile_kernel` (tokens of a tile visit the union of their blocks, each row masks the blocks its token
     did not select) computes the per-token kernel's function: same indices, outputs equal to rounding."""
-    from sparsepatch.kernels import nsa
+    from sparsepatch.kernels.nsa import forward as nsa
     dev = "cuda" if CUDA and not INTERPRET else "cpu"
     q, k, v = rand(1, T, G * Hk, Hk, 32, seed=40 + G, device=dev)
     gates = torch.rand(1, T, G * Hk, 3, generator=torch.Generator().manual_seed(G)).to(dev)
@@ -393,7 +393,7 @@ def test_triton_grad_runs():
 @pytest.mark.parametrize("G, Hk", [(16, 2), (4, 4), (1, 8)])
 @pytest.mark.parametrize("T", [1000, 4096])
 def test_gpu_bf16_matches_reference(G, Hk, T, slc_rows, monkeypatch):
-    from sparsepatch.kernels import nsa
+    from sparsepatch.kernels.nsa import forward as nsa
     monkeypatch.setattr(nsa, "SLC_TILE_ROWS", slc_rows)   # 0: per-token selected kernel, 128: token-tile union
     cfg = NSAConfig()
     q, k, v = rand(1, T, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=T + G, device="cuda")
@@ -412,7 +412,7 @@ def test_gpu_bf16_matches_reference(G, Hk, T, slc_rows, monkeypatch):
 def test_gpu_bf16_tile_selection_matches_reference(G, Hk):
     """selection="tile", bf16, NSAConfig() sizes: prefill of 4000 tokens, then a cache prefill of 3000 (mid-tile)
     and decode steps 3000..3009 across the tile boundary at 3008, against the reference."""
-    from sparsepatch.kernels import nsa
+    from sparsepatch.kernels.nsa import forward as nsa
     cfg = NSAConfig(selection="tile")
     q, k, v = rand(1, 4000, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=G, device="cuda")
     gates = torch.rand(1, 4000, G * Hk, 3, generator=torch.Generator().manual_seed(G)).cuda()
@@ -434,7 +434,7 @@ def test_gpu_bf16_tile_selection_matches_reference(G, Hk):
 
 @gpu
 def test_gpu_decode_matches_reference():
-    from sparsepatch.kernels import nsa
+    from sparsepatch.kernels.nsa import forward as nsa
     cfg = NSAConfig()
     q, k, v = rand(2, 3001, 32, 8, 128, dtype=torch.bfloat16, seed=3, device="cuda")
     c1, c2 = ref.NSACache(), ref.NSACache()

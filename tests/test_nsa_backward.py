@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sparsepatch.config import NSAConfig
-from sparsepatch.kernels import nsa_reference as ref
+from sparsepatch.kernels.nsa import reference as ref
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -29,7 +29,7 @@ CFG_B = NSAConfig(block_size=16, num_selected=2, window=32, compress_block=8, co
 
 
 def _nsa():
-    from sparsepatch.kernels import nsa
+    from sparsepatch.kernels.nsa import forward as nsa
     return nsa
 
 
@@ -84,7 +84,7 @@ def _check(leaves, dout, cfg, tol, **kw):
     (4, 1, 52, 16, CFG_A),
 ])
 def test_grads_match_reference(G, Hk, T, D, cfg, monkeypatch):
-    from sparsepatch.kernels import nsa_backward
+    from sparsepatch.kernels.nsa import backward as nsa_backward
     # split the compressed dK/dV query range whenever there are >= 2 query tiles (G=2, 4 here): the fp32 atomic path
     monkeypatch.setitem(nsa_backward.BWD, "cmp_min_tiles", 1)
     # selected-branch dk/dv: per-token atomics for G=4, else the transposed lists cut into several chunks per block
@@ -175,7 +175,7 @@ def _gpu_check(Hq, Hk, T, seed):
 @pytest.mark.parametrize("mode", ["list", "atomic"])
 @pytest.mark.parametrize("Hk", [1, 4])
 def test_gpu_bf16_grads_match_reference(Hk, mode, monkeypatch):
-    from sparsepatch.kernels import nsa_backward
+    from sparsepatch.kernels.nsa import backward as nsa_backward
     monkeypatch.setitem(nsa_backward.BWD, "slc_dkdv", mode)
     errs = _gpu_check(16, Hk, 2048, seed=100 + Hk)
     print("rel err", errs)

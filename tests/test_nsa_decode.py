@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparsepatch.config import NSAConfig
-from sparsepatch.kernels import nsa_reference as ref
+from sparsepatch.kernels.nsa import reference as ref
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -26,7 +26,8 @@ def rand(B, T, Hq, Hk, D, S, dtype=torch.float32, seed=0, device="cpu"):
 
 
 def _mods():
-    from sparsepatch.kernels import nsa, nsa_decode
+    from sparsepatch.kernels.nsa import forward as nsa
+    from sparsepatch.kernels.nsa import decode as nsa_decode
     return nsa, nsa_decode
 
 

@@ -16,10 +16,11 @@ triton = pytest.importorskip("triton")
 
 from kernel_checks import cpu_only, gpu, rel  # noqa: E402
 
-from sparsepatch.kernels import reference  # noqa: E402
-from sparsepatch.kernels.skiplist import SkipList, num_tiles  # noqa: E402
+from sparsepatch.kernels.dense import reference  # noqa: E402
+from sparsepatch.kernels.skip import reference as skip_reference
+from sparsepatch.kernels.skip.skiplist import SkipList, num_tiles  # noqa: E402
 
-bwd = pytest.importorskip("sparsepatch.kernels.skip_backward")
+bwd = pytest.importorskip("sparsepatch.kernels.skip.backward")
 
 
 
@@ -52,7 +53,7 @@ def ref_grads(q, k, v, do, skip_list=None, causal=False, scale=None, dtype=torch
     if skip_list is None:
         o, lse = reference.attention(qq, kk, vv, causal=causal, scale=scale, return_lse=True)
     else:
-        o, _, lse = reference.skip_attention(qq, kk, vv, skip_list, -1.0, scale=scale, return_lse=True)
+        o, _, lse = skip_reference.skip_attention(qq, kk, vv, skip_list, -1.0, scale=scale, return_lse=True)
     loss = (o.to(torch.float64) * do.to(torch.float64)).sum()
     if lse_weight is not None:
         loss = loss + (lse.to(torch.float64) * lse_weight).sum()
@@ -188,7 +189,7 @@ def test_extra_skip_is_the_gradient_of_the_smaller_list():
 
 skip_mod = None
 try:
-    from sparsepatch.kernels import skip as skip_mod  # noqa: E402
+    from sparsepatch.kernels.skip import triton as skip_mod  # noqa: E402
 except ImportError:  # pragma: no cover
     pass
 needs_fwd = pytest.mark.skipif(skip_mod is None, reason="skip.py forward not available")
@@ -218,7 +219,7 @@ def test_autograd_through_skip_fwd(return_lse, must_do):
         loss = loss + (lse.double() * lse_w).sum()
     got = torch.autograd.grad(loss, (qq, kk, vv))
     q2, k2, v2 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    o2, _, lse2 = reference.skip_attention(q2, k2, v2, lst, -5.0, must_do=must_do, return_lse=True)
+    o2, _, lse2 = skip_reference.skip_attention(q2, k2, v2, lst, -5.0, must_do=must_do, return_lse=True)
     loss2 = (o2 * do.double()).sum() + ((lse2.double() * lse_w).sum() if return_lse else 0)
     want = torch.autograd.grad(loss2, (q2, k2, v2))
     check(got, want, 1e-3)
@@ -264,7 +265,7 @@ def chunked_ref_grads(q, k, v, do, lst, causal=False, chunk_tiles=32):
         else:
             sub = SkipList(lst.counts[:, :, a // tm: num_tiles(b, tm)], lst.indices[:, :, a // tm: num_tiles(b, tm)],
                            lst.tile, b - a, lst.seq_k)
-            o, _, l = reference.skip_attention(qq, kk, vv, sub, -1.0, return_lse=True)
+            o, _, l = skip_reference.skip_attention(qq, kk, vv, sub, -1.0, return_lse=True)
         gq, gk, gv = torch.autograd.grad(o, (qq, kk, vv), do[:, a:b].float())
         dq[:, a:b] = gq
         dk += gk
@@ -319,13 +320,13 @@ def test_gpu_autograd_skip_fwd():
 @cpu_only
 @needs_fwd
 def test_public_entries_are_differentiable():
-    """sparsepatch.kernels.skip.skip_attention / attention: gradient == autograd through the reference."""
-    from sparsepatch.kernels import skip
+    """sparsepatch.kernels.skip.triton.skip_attention / attention: gradient == autograd through the reference."""
+    from sparsepatch.kernels.skip import triton as skip
     B, S, Hq, Hk, D = 1, 150, 4, 2, 64
     q, k, v, do = make_inputs(B, S, S, Hq, Hk, D, torch.float32, seed=21)
     lst = SkipList.from_mask(random_mask(B, Hq, 3, 3, 0.5, seed=22), (64, 64), S, S)
     for fn, ref in ((lambda a, b, c: skip.skip_attention(a, b, c, lst, -5.0)[0],
-                     lambda a, b, c: reference.skip_attention(a, b, c, lst, -5.0)[0]),
+                     lambda a, b, c: skip_reference.skip_attention(a, b, c, lst, -5.0)[0]),
                     (lambda a, b, c: skip.attention(a, b, c, causal=True),
                      lambda a, b, c: reference.attention(a, b, c, causal=True))):
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
@@ -340,7 +341,7 @@ def test_public_entries_are_differentiable():
 def test_training_mode_triton_path_equals_reference_straight_through():
     """SkipConfig(backward=True): one Triton forward + backward over read ∩ kept == the reference's
     straight-through construction (same value, same approximate gradient)."""
-    from sparsepatch.kernels.stateful import SkipListBuffers, skip_step_differentiable
+    from sparsepatch.kernels.skip.stateful import SkipListBuffers, skip_step_differentiable
     from sparsepatch.testing import video_like_qkv
     steps = [video_like_qkv(frames=2, height=8, width=16, dim=64, step=i, seed=3) for i in range(3)]
     got, want = [], []
@@ -368,12 +369,12 @@ def test_reference_fallback_for_training_mode_matches_the_kernel_function():
     keep = full & random_mask(B, Hq, 3, 3, 0.6, seed=33)
     lst = SkipList.from_mask(full, (64, 64), S, S)
     kept = SkipList.from_mask(keep, (64, 64), S, S)
-    out, _, lse = reference.skip_attention(q.double(), k.double(), v.double(), lst, -5.0, return_lse=True)
+    out, _, lse = skip_reference.skip_attention(q.double(), k.double(), v.double(), lst, -5.0, return_lse=True)
     got = bwd.attention_backward(q.double(), k.double(), v.double(), out, lse, do.double(), skip_list=lst,
                                  extra_skip=kept)
-    want = reference.skip_attention_grads(q.double(), k.double(), v.double(), out, lse, do.double(), lst, kept)
+    want = skip_reference.skip_attention_grads(q.double(), k.double(), v.double(), out, lse, do.double(), lst, kept)
     check(got, want, 1e-12)
-    exact = reference.skip_attention_grads(q.double(), k.double(), v.double(), out, lse, do.double(), lst)
+    exact = skip_reference.skip_attention_grads(q.double(), k.double(), v.double(), out, lse, do.double(), lst)
     qq, kk, vv = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    o2, _ = reference.skip_attention(qq, kk, vv, lst, -5.0)
+    o2, _ = skip_reference.skip_attention(qq, kk, vv, lst, -5.0)
     check(exact, torch.autograd.grad(o2, (qq, kk, vv), do.double()), 1e-6)   # kept=None: the exact gradient

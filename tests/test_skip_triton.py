@@ -19,12 +19,14 @@ triton = pytest.importorskip("triton")
 
 from kernel_checks import CUDA, INTERP, cpu_only, gpu  # noqa: E402
 
-from sparsepatch.kernels import reference, stateful  # noqa: E402
-from sparsepatch.kernels._triton_common import C_LAUNCH_VERSIONS  # noqa: E402
-from sparsepatch.kernels.reference import LOG2E  # noqa: E402
-from sparsepatch.kernels.skiplist import SkipList  # noqa: E402
+from sparsepatch.kernels.dense import reference  # noqa: E402
+from sparsepatch.kernels.skip import reference as skip_reference
+from sparsepatch.kernels.skip import stateful
+from sparsepatch.kernels._common import C_LAUNCH_VERSIONS  # noqa: E402
+from sparsepatch.kernels.dense.reference import LOG2E  # noqa: E402
+from sparsepatch.kernels.skip.skiplist import SkipList  # noqa: E402
 
-skip = pytest.importorskip("sparsepatch.kernels.skip")
+skip = pytest.importorskip("sparsepatch.kernels.skip.triton")
 
 needs_cuda = pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA")
 
@@ -74,7 +76,7 @@ def assert_close(out, ref, dtype):
 
 def check_skip(q, k, v, lst, thr, *, tile, must_do=None, dtype):
     out, nxt, lse = skip.skip_attention(q, k, v, lst, thr, must_do=must_do, return_lse=True, tile=tile)
-    rout, rnxt, rlse = reference.skip_attention(q, k, v, lst, thr, must_do=must_do, return_lse=True, tile=tile)
+    rout, rnxt, rlse = skip_reference.skip_attention(q, k, v, lst, thr, must_do=must_do, return_lse=True, tile=tile)
     assert_close(out, rout, dtype)
     torch.testing.assert_close(lse, rlse, atol=2e-3, rtol=1e-4)
     assert nxt.equal(rnxt), (nxt.to_mask() ^ rnxt.to_mask()).sum().item()
@@ -239,7 +241,7 @@ def _use_gluon(monkeypatch, on, *tables, variant="gluon"):
 
 def _assert_gluon_ran(q, k, v, tile):
     """The Gluon kernel served these inputs (not the Triton fallback after a failed launch)."""
-    from sparsepatch.kernels import skip_gluon
+    from sparsepatch.kernels.skip import gluon as skip_gluon
     assert skip_gluon.supported(q, k, v, tile, None) and skip._GLUON_OK[0]
 
 
@@ -273,7 +275,7 @@ def test_skip_gpu(monkeypatch, dtype, S, D, tile, H, gluon):
 def test_skip_gluon_edge_lists_gpu(monkeypatch, dtype, variant):
     """Gluon kernel: batch 2 (its 2-D descriptors span batches), partial last q- and k-tiles, GQA, an empty list
     (out 0, LSE -inf) and a list holding only the partial last k-tile."""
-    from sparsepatch.kernels import skip_gluon
+    from sparsepatch.kernels.skip import gluon as skip_gluon
     _use_gluon(monkeypatch, True, skip.SKIP_CONFIGS, variant=variant)
     B, S, Hq, Hk, D, tile = 2, 4000, 4, 2, 128, (128, 128)
     thr = lattice_threshold(D)
@@ -296,7 +298,7 @@ def test_skip_gluon_edge_lists_gpu(monkeypatch, dtype, variant):
 def test_skip_gluon_plans_gpu(monkeypatch):
     """Gluon kernel: later calls relaunch through a cached plan (fresh tensors each call): bitwise equal to Gluon's
     own launcher, skip and dense."""
-    from sparsepatch.kernels import skip_gluon
+    from sparsepatch.kernels.skip import gluon as skip_gluon
     _use_gluon(monkeypatch, True)
     S, D, tile, dtype = 4096, 128, (128, 128), torch.bfloat16
     thr = lattice_threshold(D)
@@ -407,8 +409,8 @@ def test_skip_step_gpu_graph_compile(monkeypatch, S, gluon):
     for call in range(3):
         q, k, v, assign = _step_inputs(S, D, dtype, 30 + call, assign, tile)
         out = stateful.skip_step(q, k, v, bufs, thr, 1)
-        rout = stateful._skip_step_reference(q, k, v, refb.counts, refb.indices, refb.step, refb.density, thr, 1,
-                                             tile[0], tile[1], 1 / math.sqrt(D), [])
+        rout = stateful._skip_step_portable(q, k, v, refb.counts, refb.indices, refb.step, refb.density, thr, 1,
+                                            tile[0], tile[1], 1 / math.sqrt(D), [], refb.nonfinite, "reference")
         assert_close(out, rout, dtype)
         assert bufs.current(1).equal(refb.current(1))
         torch.testing.assert_close(bufs.history(), refb.history())

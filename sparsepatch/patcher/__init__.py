@@ -6,7 +6,9 @@ import weakref
 from ..config import DenseConfig, LightningConfig, NSAConfig, SkipConfig
 from .state import PatchHandle
 
-_HANDLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # patched object -> PatchHandle
+# patched object -> its PatchHandle. Weak keys, and a handle refers to its object only weakly: an entry never
+# keeps a model alive (the model owns its undo closures, see PatchHandle).
+_HANDLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _CONFIG_TYPES = (SkipConfig, DenseConfig, NSAConfig, LightningConfig)
 
 
@@ -29,8 +31,11 @@ def recipe_keys(obj) -> list[str]:
 
 
 def handle_of(obj) -> PatchHandle | None:
-    """The live PatchHandle of a patched pipeline/model, or None."""
-    return _HANDLES.get(obj)
+    """The live PatchHandle of a patched pipeline/model, or None (also for objects that cannot be patched)."""
+    try:
+        return _HANDLES.get(obj)
+    except TypeError:   # not weak-referenceable (str, None, ...): never patched
+        return None
 
 
 def patch(pipe_or_model, config) -> PatchHandle:
@@ -39,13 +44,13 @@ def patch(pipe_or_model, config) -> PatchHandle:
     `sparsepatch.patch` fills a None config from sparsepatch.recipes before calling this. Returns a PatchHandle; `unpatch` (or
     `handle.remove()`) restores the model bit-exactly. Patching an already patched object raises ValueError.
     """
-    if pipe_or_model in _HANDLES:
-        raise ValueError("pipe_or_model is already patched; call sp.unpatch(pipe_or_model) first")
     adapter = _adapter_for(pipe_or_model)
+    if handle_of(pipe_or_model) is not None:
+        raise ValueError("pipe_or_model is already patched; call sp.unpatch(pipe_or_model) first")
     if not isinstance(config, _CONFIG_TYPES):
         raise ValueError(f"config must be one of {[c.__name__ for c in _CONFIG_TYPES]}, got {type(config).__name__}")
-    for other in list(_HANDLES.values()):
-        if adapter is not None and hasattr(adapter, "overlaps") and adapter.overlaps(pipe_or_model, other.obj):
+    for other in list(_HANDLES.keys()):
+        if hasattr(adapter, "overlaps") and adapter.overlaps(pipe_or_model, other):
             raise ValueError("pipe_or_model shares modules with an already patched object; unpatch that first")
     handle = PatchHandle(pipe_or_model, config)
     try:
@@ -58,8 +63,9 @@ def patch(pipe_or_model, config) -> PatchHandle:
 
 
 def unpatch(pipe_or_model) -> None:
-    """Restore a patched object bit-exactly. Unpatching an object that is not patched is a no-op."""
-    handle = _HANDLES.pop(pipe_or_model, None)
+    """Restore a patched object bit-exactly. Unpatching an object that is not patched (anything else: None, a
+    string, an unpatched model) is a no-op."""
+    handle = handle_of(pipe_or_model)
     if handle is not None:
         handle.remove()
 

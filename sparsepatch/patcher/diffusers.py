@@ -10,8 +10,15 @@ How it hooks in, without touching any forward():
 - processors that call F.scaled_dot_product_attention directly (CogVideoX, Mochi) run under a TorchFunctionMode
   that routes those calls (sdpa_mode.py);
 - the denoiser's `cache_context` and `_reset_stateful_cache` get instance-level wrappers: the first names the CFG
-  branch of the coming call, the second (called by every pipeline at the end of `__call__`) ends the video.
+  branch of the coming call, the second (called by every pipeline at the end of `__call__`) ends the video;
+- a forward pre-hook on each denoiser records the latent shape of the call: skip lists are keyed on it, so a
+  call with the same token count but another (frames, height, width) grid starts fresh lists.
 Instance attributes are deleted and classes restored on unpatch, so the model is bit-exactly what it was.
+
+Processors cloned from a patched one (`type(proc)()`, as diffusers' IP-adapter loaders do) are served too: the
+clone finds its module's binding on its first call (and is restored on unpatch); a clone called outside any
+patched module turns back into its original class and runs the host's own attention, with a one-time warning.
+Private diffusers names are reached only through diffusers_compat.py.
 """
 from __future__ import annotations
 
@@ -19,13 +26,20 @@ import contextlib
 import copy
 import functools
 import inspect
+import logging
 import re
+import weakref
 from dataclasses import dataclass
+
+import torch
 
 from .. import kernels
 from ..config import DenseConfig, LightningConfig, NSAConfig, SkipConfig
+from . import diffusers_compat as compat
 from . import sdpa_mode
 from .state import CallSite, batched_cfg_branches
+
+logger = logging.getLogger("sparsepatch")
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,7 @@ class _Binding:
     prefix: str
     text: str | None
     text_len: int = 0
+    member: object = None      # the AttentionBackendName member of the sparsepatch backend
 
     def attend(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
         S = q.shape[1]
@@ -144,41 +159,50 @@ _BACKEND_USERS = [0]
 
 def _backend_member():
     """Add (once) the `sparsepatch` member to AttentionBackendName and register the backend; returns the member."""
-    from diffusers.models import attention_dispatch as ad
-    enum_cls = ad.AttentionBackendName
-    member = enum_cls._value2member_map_.get(BACKEND_VALUE)
+    member = compat.backend_member(BACKEND_VALUE)
     if member is None:
-        member = str.__new__(enum_cls, BACKEND_VALUE)
-        member._name_, member._value_ = "SPARSEPATCH", BACKEND_VALUE
-        member.__objclass__ = enum_cls
-        enum_cls._member_map_["SPARSEPATCH"] = member
-        enum_cls._value2member_map_[BACKEND_VALUE] = member
-        enum_cls._member_names_.append("SPARSEPATCH")
-        ad._AttentionBackendRegistry.register(member, supports_context_parallel=True)(
-            sparsepatch_attention_backend)
+        member = compat.add_backend(BACKEND_VALUE, sparsepatch_attention_backend, context_parallel=True)
     _BACKEND_USERS[0] += 1
     return member
 
 
 def _release_backend_member():
-    from diffusers.models import attention_dispatch as ad
+    """One user fewer; the last one removes the enum member and the registry entries."""
     _BACKEND_USERS[0] -= 1
-    if _BACKEND_USERS[0] > 0:
-        return
-    enum_cls = ad.AttentionBackendName
-    member = enum_cls._value2member_map_.pop(BACKEND_VALUE, None)
-    if member is None:
-        return
-    enum_cls._member_map_.pop("SPARSEPATCH", None)
-    enum_cls._member_names_.remove("SPARSEPATCH")
-    reg = ad._AttentionBackendRegistry
-    for table in (reg._backends, reg._constraints, reg._supported_arg_names):
-        table.pop(member, None)
-    reg._supports_context_parallel.discard(BACKEND_VALUE)
+    if _BACKEND_USERS[0] <= 0:
+        _BACKEND_USERS[0] = 0
+        compat.remove_backend(BACKEND_VALUE)
 
 
 # --- processor subclasses -------------------------------------------------------------------------------------
 _SUBCLASSES: dict[type, type] = {}
+# patched attention module -> its _Binding. Weak keys; a binding refers to its handle, never to the model.
+_MODULE_BINDINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_OWN_ATTRS = ("_sparsepatch_binding", "_sparsepatch_route")
+_WARNED: set = set()
+
+
+def _original_class(cls: type):
+    return cls.__dict__.get("_sparsepatch_original_class")
+
+
+def _adopt(proc, attn):
+    """A processor of a patched class without a binding: a clone (`type(proc)()`). Bind it to its module's binding,
+    or, when the module is not patched (any more), turn it back into its original class. Returns the binding or
+    None."""
+    binding = _MODULE_BINDINGS.get(attn)
+    if binding is None or binding.handle.removed:
+        proc.__class__ = _original_class(type(proc))
+        if "orphan" not in _WARNED:
+            _WARNED.add("orphan")
+            logger.warning("sparsepatch: a processor cloned from a patched one runs outside a patched module; it "
+                           "runs the host's own attention")
+        return None
+    try:
+        _bind(binding.handle, proc, binding)
+    except RuntimeError:   # the patched object is gone (its undo stack with it): serve the call, nothing to undo
+        pass
+    return binding
 
 
 def _patched_class(orig_cls: type) -> type:
@@ -191,7 +215,11 @@ def _patched_class(orig_cls: type) -> type:
 
     @functools.wraps(orig_call)
     def __call__(self, attn, *args, **kwargs):
-        binding = self._sparsepatch_binding
+        binding = self.__dict__.get("_sparsepatch_binding")
+        if binding is None:
+            binding = _adopt(self, attn)
+            if binding is None:
+                return orig_call(self, attn, *args, **kwargs)
         if binding.text:
             ehs = kwargs.get("encoder_hidden_states")
             if ehs is None and ehs_pos is not None and len(args) > ehs_pos:
@@ -214,6 +242,43 @@ def _patched_class(orig_cls: type) -> type:
     return sub
 
 
+def _bind(handle, proc, binding) -> None:
+    """Re-class `proc` in place and give it the binding (and, for dispatching processors, the sparsepatch backend);
+    the undo puts back its class and instance attributes exactly."""
+    orig_cls = _original_class(type(proc)) or type(proc)
+    route = "dispatch" if compat.calls_dispatch(orig_cls) else "sdpa"
+    values = (("_sparsepatch_binding", binding), ("_sparsepatch_route", route))
+    if route == "dispatch":
+        values += ((compat.PROCESSOR_BACKEND_ATTR, binding.member),)
+    undo_attrs = []
+    for attr, value in values:
+        undo_attrs.append((attr, attr in proc.__dict__, proc.__dict__.get(attr)))
+        setattr(proc, attr, value)
+    proc.__class__ = _patched_class(orig_cls)
+
+    def undo(proc=proc, orig_cls=orig_cls, undo_attrs=undo_attrs):
+        proc.__class__ = orig_cls
+        for attr, had, value in reversed(undo_attrs):
+            if had:
+                proc.__dict__[attr] = value
+            else:
+                proc.__dict__.pop(attr, None)
+    handle.add_undo(undo)
+
+
+def _unbind_leftover(proc, member) -> None:
+    """A processor of a patched class that no undo knows (a clone never called): original class, our attributes
+    gone."""
+    orig_cls = _original_class(type(proc))
+    if orig_cls is None:
+        return
+    proc.__class__ = orig_cls
+    for attr in _OWN_ATTRS:
+        proc.__dict__.pop(attr, None)
+    if proc.__dict__.get(compat.PROCESSOR_BACKEND_ATTR) is member:
+        proc.__dict__.pop(compat.PROCESSOR_BACKEND_ATTR)
+
+
 def _attention_modules(model, config, spec):
     """[(qualified name, module)] of the attention modules to patch."""
     selected = []
@@ -231,38 +296,37 @@ def _attention_modules(model, config, spec):
 
 
 def _patch_processor(handle, module, layer, prefix, spec, member, seen):
-    undo_attrs = []
+    binding = _Binding(handle, CallSite(layer, batched_cfg_branches if spec is not None and spec.batched_cfg else None,
+                                        grid_key=prefix + "#grid"),
+                       prefix, spec.text if spec else None, member=member)
+
+    def undo_module(module=module, member=member):
+        # Runs after the processor's own undo: whatever processor the module holds now (a clone set after the
+        # patch, e.g. by an IP-adapter loader) goes back to its original class too.
+        _MODULE_BINDINGS.pop(module, None)
+        proc = getattr(module, "processor", None)
+        if proc is not None:
+            _unbind_leftover(proc, member)
+    handle.add_undo(undo_module)
+    _MODULE_BINDINGS[module] = binding
     proc = module.processor
     if id(proc) in seen:   # a processor shared by several modules: give this module its own copy
         original_proc = proc
         proc = copy.copy(proc)
         module.processor = proc
-        handle.add_undo(lambda m=module, p=original_proc: setattr(m, "processor", p))
-    seen.add(id(proc))
-    orig_cls = type(proc)
-    route = "dispatch" if hasattr(orig_cls, "_attention_backend") else "sdpa"
-    batch_branches = batched_cfg_branches if spec is not None and spec.batched_cfg else None
-    binding = _Binding(handle, CallSite(layer, batch_branches), prefix, spec.text if spec else None)
-    for attr, value in (("_sparsepatch_binding", binding), ("_sparsepatch_route", route)) + \
-            ((("_attention_backend", member),) if route == "dispatch" else ()):
-        undo_attrs.append((attr, attr in proc.__dict__, proc.__dict__.get(attr)))
-        setattr(proc, attr, value)
-    proc.__class__ = _patched_class(orig_cls)
 
-    def undo(proc=proc, orig_cls=orig_cls, undo_attrs=undo_attrs):
-        proc.__class__ = orig_cls
-        for attr, had, value in reversed(undo_attrs):
-            if had:
-                proc.__dict__[attr] = value
-            else:
-                proc.__dict__.pop(attr, None)
-    handle.add_undo(undo)
+        def undo_copy(m=module, p=original_proc, mine=proc):
+            if m.processor is mine:   # not replaced by the user since
+                m.processor = p
+        handle.add_undo(undo_copy)
+    seen.add(id(proc))
+    _bind(handle, proc, binding)
 
 
 def _wrap_denoiser(handle, model, prefix):
     """Instance-level wrappers of cache_context (names the branch) and _reset_stateful_cache (ends the video)."""
     orig_cache_context = model.cache_context
-    orig_reset = getattr(model, "_reset_stateful_cache", None)
+    orig_reset = getattr(model, compat.RESET_METHOD, None)
 
     @contextlib.contextmanager
     def cache_context(name, **kwargs):
@@ -277,12 +341,26 @@ def _wrap_denoiser(handle, model, prefix):
             else:
                 handle.contexts[prefix] = previous
 
-    def _reset_stateful_cache(*args, **kwargs):
+    def reset_stateful_cache(*args, **kwargs):
         handle.reset()
         if orig_reset is not None:
             return orig_reset(*args, **kwargs)
 
-    for attr, fn in (("cache_context", cache_context), ("_reset_stateful_cache", _reset_stateful_cache)):
+    grid_key = prefix + "#grid"
+
+    def record_grid(module, args, kwargs):
+        # The latent shape of this call (batch excluded) and, for packed-token models (LTX), the grid kwargs:
+        # it fixes the (frames, height, width) token grid after patch embedding.
+        hs = kwargs.get("hidden_states", args[0] if args else None)
+        if isinstance(hs, torch.Tensor):
+            grid = tuple(int(n) for n in hs.shape[1:])
+            grid += tuple(int(kwargs[n]) for n in ("num_frames", "height", "width") if isinstance(kwargs.get(n), int))
+            handle.contexts[grid_key] = grid
+
+    hook = model.register_forward_pre_hook(record_grid, with_kwargs=True)
+    handle.add_undo(hook.remove)
+
+    for attr, fn in (("cache_context", cache_context), (compat.RESET_METHOD, reset_stateful_cache)):
         had, value = attr in model.__dict__, model.__dict__.get(attr)
         model.__dict__[attr] = fn
 
@@ -303,8 +381,10 @@ def patch_model(obj, config, handle) -> None:
         if unknown:
             raise ValueError(f"pipe_or_model: no skip-attention recipe for {unknown}; supported: "
                              f"{sorted(MODEL_SPECS)} (DenseConfig works with any diffusers model)")
+    compat.warn_if_untested()
     member = _backend_member()
-    handle.add_undo(_release_backend_member)
+    # A process-wide registration: released on unpatch, or when the handle dies with a model deleted unpatched.
+    getattr(handle, "add_release", handle.add_undo)(_release_backend_member)
     for prefix, model in denoisers.items():
         spec = _spec(model)
         modules = _attention_modules(model, config, spec)

@@ -47,8 +47,9 @@ import torch
 
 from .. import kernels
 from ..config import SkipConfig
-from ..kernels.skiplist import SkipList, num_tiles
-from ..kernels.stateful import skip_step
+from ..kernels import SkipList, skip_step
+from ..kernels.skip import num_tiles
+from . import diffusers_compat as compat
 
 
 RING_STRATEGY = "gather"   # or "walk": one skip call per k/v shard, merged by LSE (see the module docstring)
@@ -98,7 +99,7 @@ def _backward_op(ctx, grad_out, *args, **kwargs):
 def attention(binding, query, key, value, attn_mask, dropout_p, is_causal, scale, parallel_config):
     """The sparsepatch backend under a diffusers ParallelConfig. binding: the calling processor's _Binding or None
     (a processor we did not patch: dense). Tensors (B, S_local, H, D) in and out, like every diffusers backend."""
-    from diffusers.models.attention_dispatch import _templated_context_parallel_attention
+    templated_attention = compat.templated_cp_attention()
     cp = parallel_config.context_parallel_config
     _check_inference(query, key, value)
     if binding is not None and getattr(binding.handle.config, "precision", "native") != "native":
@@ -122,7 +123,7 @@ def attention(binding, query, key, value, attn_mask, dropout_p, is_causal, scale
         forward_op = _RingCall(binding, cp).forward_op
     else:
         forward_op = functools.partial(_ulysses_forward_op, binding)
-    return _templated_context_parallel_attention(
+    return templated_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, False, False,
         forward_op=forward_op, backward_op=_backward_op, _parallel_config=parallel_config)
 
@@ -138,12 +139,11 @@ def _ring_gather(binding, cp, query, key, value, dropout_p, is_causal, scale, pa
     """Ring degree R: gather the ring group's k/v shards (what diffusers' allgather ring does too) and run this rank's
     q shard against the whole k in one skip call, through `PatchHandle.attend` (lists keyed (layer, context), shape
     (B, H, Sq/R tiles, Sk tiles)). With Ulysses too (unified CP), the Ulysses all-to-all runs first, as in diffusers."""
-    from diffusers.models.attention_dispatch import TemplatedUlyssesAttention
-
+    ulysses_attention = compat.templated_ulysses_attention()
     handle, cfg = binding.handle, binding.handle.config
 
     def attend(q, k, v):
-        group = cp._ring_mesh.get_group()
+        group = compat.ring_group(cp)
         k, v = _gather_seq(k, group), _gather_seq(v, group)
         context = handle.contexts.get(binding.prefix, "default")
         if not isinstance(cfg, SkipConfig) or is_causal or dropout_p:
@@ -161,7 +161,7 @@ def _ring_gather(binding, cp, query, key, value, dropout_p, is_causal, scale, pa
     def forward_op(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                    return_lse=False, _save_ctx=True, _parallel_config=None):
         return attend(q, k, v)
-    return TemplatedUlyssesAttention.apply(query, key, value, None, dropout_p, is_causal, scale, False, False,
+    return ulysses_attention.apply(query, key, value, None, dropout_p, is_causal, scale, False, False,
                                            forward_op, _backward_op, parallel_config)
 
 
@@ -204,7 +204,7 @@ class _RingCall:
         self.binding = binding
         self.handle = binding.handle
         self.N = cp.ring_degree
-        self.rank = cp._ring_local_rank
+        self.rank = compat.ring_rank(cp)
         self.i = 0
 
     def forward_op(self, ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -1,6 +1,6 @@
 """transformers adapter: route a PreTrainedModel's attention through `sparsepatch.kernels`.
 
-How it hooks in (transformers 5.17-5.23): one attention function is registered under `ATTN_NAME` in
+How it hooks in (transformers 5.0-5.23; private names only through transformers_compat.py): one attention function is registered under `ATTN_NAME` in
 `AttentionInterface` (and `sdpa_mask` under the same name in `AttentionMaskInterface`, so the model still builds
 boolean padding / causal / sliding-window masks for it), then `model.set_attn_implementation(ATTN_NAME)` switches
 the model in place. No model code is copied or wrapped: every architecture whose attention layers call
@@ -20,6 +20,11 @@ Decisions:
   NSAConfig routes through transformers_nsa.py (its own registered attention function).
 - On CUDA, calls with a mask (padding, sliding-window layers, StaticCache decode) currently take the reference
   path, because the Triton dense kernel takes no mask.
+- `output_attentions=True`: the output still comes from the kernel (same logits as without the flag); the weights
+  are computed beside it with transformers' eager math (scores * scaling + additive mask, fp32 softmax, cast to the
+  query dtype), so they equal an eager model's.
+- Ownership: module-level maps hold attention modules by weak key and values that never refer to the model, so a
+  patched model that is deleted is freed (the shared registration is released with its handle).
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ import weakref
 import torch
 
 from ..config import DenseConfig, LightningConfig, NSAConfig, SkipConfig
-from .state import dense_kernel
+from . import transformers_compat as compat
+from .state import dense_kernel, dense_route
 
 logger = logging.getLogger(__name__)
 
@@ -103,31 +109,25 @@ class SharedRegistration:
         self.lock = threading.Lock()
 
     def acquire(self) -> None:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
         with self.lock:
             if self.count == 0:
-                self.previous = (AttentionInterface._global_mapping.get(self.name, _MISSING),
-                                 AttentionMaskInterface._global_mapping.get(self.name, _MISSING))
-                AttentionInterface.register(self.name, self.fn)
-                AttentionMaskInterface.register(self.name, sdpa_mask)
+                self.previous = compat.registered(self.name)
+                compat.register(self.name, self.fn)
             self.count += 1
 
     def release(self) -> None:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
         with self.lock:
             if self.count <= 0:
                 return
             self.count -= 1
             if self.count == 0:
-                for mapping, prev in zip((AttentionInterface._global_mapping,
-                                          AttentionMaskInterface._global_mapping), self.previous):
-                    if prev is _MISSING:
-                        mapping.pop(self.name, None)
-                    else:
-                        mapping[self.name] = prev
+                compat.restore(self.name, self.previous)
                 self.previous = None
+
+
+def _add_release(handle, fn) -> None:
+    """A process-wide release: run on unpatch, or when the handle dies with its model deleted unpatched."""
+    getattr(handle, "add_release", handle.add_undo)(fn)
 
 
 def patch_model(model, config, handle) -> None:
@@ -157,8 +157,7 @@ def patch_model(model, config, handle) -> None:
     if model_type not in TESTED_MODEL_TYPES:
         logger.warning("sparsepatch: %s (model_type=%r) is not in the tested table %s; patching it through "
                        "AttentionInterface anyway", type(model).__name__, model_type, TESTED_MODEL_TYPES)
-    can_set = getattr(type(model), "_can_set_attn_implementation", None)   # private API: absent -> try anyway
-    if can_set is not None and not can_set():
+    if not compat.can_set_attn_implementation(type(model)):
         raise ValueError(f"model: {type(model).__name__} does not route attention through transformers' "
                          "AttentionInterface, so it cannot be patched in place")
     modules = list(model.named_modules())
@@ -167,11 +166,11 @@ def patch_model(model, config, handle) -> None:
 
     # Snapshot every config's implementation before anything changes: set_attn_implementation recurses into
     # sub-models / sub-configs, and unpatch must put each one back as it was (not just the top-level one).
-    saved = [(cfg, cfg._attn_implementation_internal) for cfg in _all_configs(model)]
+    saved = [(cfg, compat.get_impl(cfg)) for cfg in _all_configs(model)]
 
     def restore_configs():
         for cfg, impl in saved:
-            cfg._attn_implementation_internal = impl
+            compat.set_impl(cfg, impl)
 
     def forget_modules():
         for _, m in modules:
@@ -190,8 +189,8 @@ def patch_model(model, config, handle) -> None:
     # modules are mapped (cheap) so that any layer that calls the interface is found, whatever its class.
     for name, m in modules:
         _PATCHED[m] = (handle, name or type(m).__name__, config)
-    # Undos run in reverse: configs first (so no later forward reaches us), then the map, then the registry.
-    handle.add_undo(_REGISTRATION.release)
+    # Undos run in reverse: configs first (so no later forward reaches us), then the map; the registry last.
+    _add_release(handle, _REGISTRATION.release)
     handle.add_undo(forget_modules)
     handle.add_undo(restore_configs)
 
@@ -241,10 +240,45 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if entry is not None:
         handle, name, _ = entry
         handle.record_call(name, "default", 1.0)
+        handle.count_backend(name, dense_route(entry[2], q, k, v, causal=causal, attn_mask=mask))
     else:
         # E.g. a deep copy of a patched model: still correct, just not counted.
         logger.debug("sparsepatch: call from an unmapped module %s", type(module).__name__)
-    return out, None
+    weights = None
+    if wants_attentions(module, kwargs):
+        weights = eager_attention_weights(query, key[:, :, :k.shape[1]], mask, scaling, causal)
+    return out, weights
+
+
+def wants_attentions(module, kwargs) -> bool:
+    """The caller asked for attention weights: `output_attentions=True` in the call or in the model config."""
+    flag = kwargs.get("output_attentions")
+    if flag is None:
+        flag = getattr(getattr(module, "config", None), "output_attentions", False)
+    return bool(flag)
+
+
+def eager_attention_weights(query, key, mask, scaling, causal: bool):
+    """The attention probabilities transformers' eager attention returns, by the same math.
+
+    query (B, Hq, L, D), key (B, Hk, S, D) (GQA keys repeated per group, like `repeat_kv`); mask None, bool
+    (True = attend; masked scores get the dtype's min added, as `eager_mask` builds them) or additive float,
+    broadcastable to (B, Hq, L, S); causal (only with mask None): bottom-right causal over the S keys.
+    Returns (B, Hq, L, S) in query.dtype (softmax in fp32).
+    """
+    B, Hq, L, D = query.shape
+    Hk, S = key.shape[1], key.shape[2]
+    if Hq != Hk:
+        key = key[:, :, None].expand(B, Hk, Hq // Hk, S, D).reshape(B, Hq, S, D)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else D ** -0.5)
+    if mask is None and causal:
+        mask = torch.ones(L, S, dtype=torch.bool, device=query.device).tril(S - L)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            zero = torch.zeros((), dtype=query.dtype, device=query.device)
+            mask = torch.where(mask, zero, torch.finfo(query.dtype).min)
+        scores = scores + mask
+    return torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
 
 
 # How many patched models use the global registration, and what (if anything) the name held before it.

@@ -32,9 +32,10 @@ import weakref
 import torch
 
 from ..config import NSAConfig
-from .transformers import SharedRegistration
+from . import transformers_compat as compat
+from .transformers import SharedRegistration, _add_release, wants_attentions
 from .. import kernels
-from ..kernels import nsa_reference
+from ..kernels.nsa import reference as nsa_reference
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +86,14 @@ def patch_nsa(model, config: NSAConfig, handle) -> None:
                          "v_proj/head_dim/layer_idx) to route through NSA")
     if any(m in _PATCHED or m in _DENSE_PATCHED for _, m in layers):
         raise ValueError(f"model: this {type(model).__name__} is already patched by sparsepatch; unpatch it first")
-    can_set = getattr(type(model), "_can_set_attn_implementation", None)
-    if can_set is not None and not can_set():
+    if not compat.can_set_attn_implementation(type(model)):
         raise ValueError(f"model: {type(model).__name__} does not route attention through AttentionInterface")
 
-    saved = [(cfg, cfg._attn_implementation_internal) for cfg in _all_configs(model)]
+    saved = [(cfg, compat.get_impl(cfg)) for cfg in _all_configs(model)]
 
     def restore_configs():
         for cfg, impl in saved:
-            cfg._attn_implementation_internal = impl
+            compat.set_impl(cfg, impl)
 
     _REGISTRATION.acquire()
     try:
@@ -124,7 +124,7 @@ def patch_nsa(model, config: NSAConfig, handle) -> None:
         for _, m in layers:
             _PATCHED.pop(m, None)
 
-    handle.add_undo(_REGISTRATION.release)
+    _add_release(handle, _REGISTRATION.release)
     handle.add_undo(forget)
     handle.add_undo(remove_gates)
     handle.add_undo(restore_configs)
@@ -158,6 +158,11 @@ def nsa_attention_forward(module, query, key, value, attention_mask, dropout: fl
     for arg in ("softcap", "s_aux", "sinks", "position_bias"):
         if kwargs.get(arg) is not None:
             raise NotImplementedError(f"sparsepatch NSA does not support `{arg}` (layer {name})")
+    if wants_attentions(module, kwargs):
+        # NSA attends through three gated branches (compressed, selected, window): there is no single attention
+        # matrix that an eager model's `attentions` would match.
+        raise NotImplementedError(f"sparsepatch NSA has no attention weights to return (layer {name}): call "
+                                  "without output_attentions, or unpatch (or patch with sp.DenseConfig) to get them")
     L, S = query.shape[2], key.shape[2]
     if attention_mask is not None:
         ok, Sv = _causal_only(attention_mask, L, S)

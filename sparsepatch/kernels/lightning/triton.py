@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import current_stream, direct_launcher
-from .lightning_reference import CHUNK, check_decode_args, check_prefill_args, resolve_state_dtype
+from .._common import current_stream, direct_launcher
+from .reference import CHUNK, check_decode_args, check_prefill_args, resolve_state_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -40,12 +40,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import DescriptorArgs, bit_or, current_stream, direct_launcher, empty_out_lse, head_major_desc, \
+from .._common import DescriptorArgs, bit_or, current_stream, direct_launcher, empty_out_lse, head_major_desc, \
     num_sms, popc32
-from ._triton_common import interpret as _interpret
-from ._triton_common import set_tma_allocator
+from .._common import interpret as _interpret
+from .._common import set_tma_allocator
+from . import backward as skip_backward
+from ..dense import reference as dense_reference
 from . import reference
-from .reference import LOG2E, check_qkv, check_threshold
+from ..dense.reference import LOG2E, check_qkv
+from .reference import check_threshold
 from .skiplist import DEFAULT_TILE, SkipList, check_tile, num_tiles
 
 __all__ = ["supports", "supports_tile", "attention", "skip_attention", "skip_step", "CONFIGS", "SKIP_CONFIGS"]
@@ -656,7 +659,7 @@ def _skip_fwd_impl(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_f
     indices = indices.contiguous()
     cfg = _config(D, triton.next_power_of_2(tm), tn)
     if cfg.get("gluon") and _GLUON_OK[0] and not _interpret():
-        from . import skip_gluon
+        from . import gluon as skip_gluon
         if skip_gluon.supported(q, k, v, (tm, tn), must_do):
             res = _gluon_call(skip_gluon.skip_fwd, q, k, v, counts, indices, threshold, scale, return_lse,
                               cfg=_gluon_options(cfg))
@@ -699,7 +702,7 @@ def _dense_fwd_impl(q, k, v, causal, scale, return_lse):
     B, Sq, Hq, D = q.shape
     gcfg = CONFIGS.get((D, 128), {})
     if not causal and gcfg.get("gluon") and _GLUON_OK[0] and not _interpret():
-        from . import skip_gluon
+        from . import gluon as skip_gluon
         if skip_gluon.supported(q, k, v, (128, 128), None):
             res = _gluon_call(skip_gluon.dense_fwd, q, k, v, scale, return_lse, cfg=_gluon_options(gcfg))
             if res is not None:
@@ -800,7 +803,7 @@ def skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, 
     cfg = _config(D, triton.next_power_of_2(tm), tn)
     out = None
     if frow is None and cfg.get("gluon") and _GLUON_OK[0] and not _interpret():
-        from . import skip_gluon
+        from . import gluon as skip_gluon
         if skip_gluon.supported(q, k, v, (tm, tn), None) and counts[0].is_contiguous() and indices[0].is_contiguous():
             out = _gluon_call(skip_gluon.skip_step, q, k, v, counts, indices, step, warmup_steps, threshold,
                               float(scale), cfg=_gluon_options(cfg))
@@ -861,5 +864,6 @@ def _step_density(cnt, step, density, warmup, Tk):
                 _STEP_PLANS[key] = relaunch
 
 
-# Registers the autograd of sparsepatch::skip_fwd / dense_fwd (the backward kernels live in their own module).
-from . import skip_backward  # noqa: E402,F401
+# The autograd of sparsepatch::skip_fwd / dense_fwd: the backward kernels live in their own module.
+skip_backward.make_differentiable("sparsepatch::skip_fwd")
+skip_backward.make_differentiable("sparsepatch::dense_fwd")

@@ -36,11 +36,13 @@ Differentiable in q, k, v, gates and compress_weights (the selection itself is a
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 
-from .reference import check_qkv
+from ..dense.reference import check_qkv
 
 __all__ = ["nsa_attention", "NSACache", "compress_kv", "select_blocks", "select_tiles", "num_compressed", "nsa_density",
            "check_config", "check_gates", "check_cu_seqlens", "check_compress_weights", "tile_prior", "FORCE_LOCAL",
@@ -51,12 +53,40 @@ FORCE_FIRST = 3.0e38         # selection score of block 0 (picked second)
 
 
 # ---------------------------------------------------------------------------------------------------- validation
-def check_config(config):
-    from ..config import NSAConfig  # config imports kernels.reference only: no cycle at call time
+@dataclass(frozen=True)
+class NSAParams:
+    """The parameters the NSA kernels read (`sparsepatch.NSAConfig` carries them plus the patcher's options).
 
-    if not isinstance(config, NSAConfig):
-        raise ValueError(f"config must be a sparsepatch NSAConfig, got {type(config).__name__}")
-    return config
+    block_size: keys per selection block (and query positions per selection tile); num_selected: blocks each query
+    attends to; window: sliding-window length in tokens; compress_block / compress_stride: tokens pooled per
+    compressed key and the stride between them; selection: "token" (per query) or "tile" (per selection tile).
+    """
+
+    block_size: int = 64
+    num_selected: int = 16
+    window: int = 512
+    compress_block: int = 32
+    compress_stride: int = 16
+    selection: str = "token"
+
+    def __post_init__(self):
+        for name in ("block_size", "num_selected", "window", "compress_block", "compress_stride"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if self.selection not in ("token", "tile"):
+            raise ValueError(f"selection must be 'token' or 'tile', got {self.selection!r}")
+
+
+def check_config(config) -> NSAParams:
+    """config as NSAParams: an NSAParams, or any object with its fields (sparsepatch.NSAConfig)."""
+    if isinstance(config, NSAParams):
+        return config
+    try:
+        return NSAParams(**{f.name: getattr(config, f.name) for f in dataclasses.fields(NSAParams)})
+    except AttributeError:
+        raise ValueError(f"config must be a sparsepatch NSAConfig or kernels.NSAParams, got "
+                         f"{type(config).__name__}") from None
 
 
 def check_gates(gates, q):

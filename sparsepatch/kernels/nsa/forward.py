@@ -34,12 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import bit_or, popc32
-from ._triton_common import interpret as _interpret
-from . import nsa_reference as ref
-from .nsa_reference import FORCE_FIRST, NSACache, compress_kv
-from . import nsa_backward  # noqa: F401  (defines sparsepatch::nsa_bwd, used by the autograd of nsa_fwd)
-from . import nsa_decode
+from .._common import bit_or, popc32
+from .._common import interpret as _interpret
+from . import reference as ref
+from .reference import FORCE_FIRST, NSACache, NSAParams, compress_kv
+from . import backward as nsa_backward  # noqa: F401  (defines sparsepatch::nsa_bwd, used by the autograd of nsa_fwd)
+from . import decode as nsa_decode
 
 logger = logging.getLogger(__name__)
 
@@ -565,8 +565,7 @@ def _nsa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Ten
              save: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, idx, lse, branch_out) of `_forward`; lse/branch_out are empty unless save (see `_forward`).
     tile: selection="tile", with `prior` as in `_forward`."""
-    from ..config import NSAConfig
-    cfg = NSAConfig(block_size, num_selected, window, compress_block, compress_stride,
+    cfg = NSAParams(block_size, num_selected, window, compress_block, compress_stride,
                     selection="tile" if tile else "token")
     return _forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save, prior)
 

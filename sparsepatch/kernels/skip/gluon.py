@@ -39,8 +39,8 @@ try:
 except Exception:  # pragma: no cover - depends on the installed Triton
     HAS_GLUON = False
 
-from ._triton_common import DescriptorArgs, current_stream, direct_launcher, num_sms
-from .reference import LOG2E
+from .._common import DescriptorArgs, current_stream, direct_launcher, num_sms
+from ..dense.reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile

@@ -55,8 +55,8 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._triton_common import num_sms
-from .nsa_reference import FORCE_FIRST
+from .._common import num_sms
+from .reference import FORCE_FIRST
 
 __all__ = ["nsa_decode", "applies"]
 

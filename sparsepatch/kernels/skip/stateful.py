@@ -12,7 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dense.op import attention
+from ..dispatch import Call
 from . import reference
+from .op import DISPATCH, nonfinite_tiles, skip_attention
 from .skiplist import SkipList, num_tiles
 
 MAX_CALLS = 1024  # density history length per buffer; calls beyond it still run, their density is not recorded
@@ -25,6 +28,7 @@ class SkipListBuffers:
     counts  int32 (2, B, H, Tq), indices int32 (2, B, H, Tq, Tk): list slots; slot 0 starts full.
     step    int64 (1,): calls made so far (warmup calls included).
     density fp32 (MAX_CALLS, B): fraction of tiles computed per call and batch element (1.0 for warmup calls).
+    nonfinite int64 (1,): calls whose output held a NaN / inf (those q-tiles kept every tile they read).
     """
 
     counts: torch.Tensor
@@ -34,6 +38,11 @@ class SkipListBuffers:
     tile: tuple
     seq_q: int
     seq_k: int
+    nonfinite: torch.Tensor = None
+
+    def __post_init__(self):
+        if self.nonfinite is None:
+            self.nonfinite = torch.zeros(1, dtype=torch.int64, device=self.step.device)
 
     @classmethod
     def create(cls, B, H, Sq, Sk, tile, device) -> "SkipListBuffers":
@@ -65,18 +74,20 @@ def _must_do_flat(must_do) -> list[int]:
     return [int(x) for rng in (must_do or []) for x in rng]
 
 
-def _skip_step_reference(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
-                         must_do_flat) -> torch.Tensor:
+def _skip_step_portable(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
+                        must_do_flat, nonfinite, backend) -> torch.Tensor:
+    """skip_step on the op's other backends (CPU, reference): the step counter is read on the host."""
     n = int(step.item())
     B = q.shape[0]
     must_do = list(zip(must_do_flat[0::2], must_do_flat[1::2]))
     if n < warmup_steps:
-        out = reference.attention(q, k, v, scale=scale)
+        out = attention(q, k, v, scale=scale)
         dens = torch.ones(B, dtype=torch.float32, device=q.device)
     else:
         read = (n - warmup_steps) % 2
         lst = SkipList(counts[read], indices[read], (tm, tn), q.shape[1], k.shape[1])
-        out, nxt = reference.skip_attention(q, k, v, lst, threshold, scale=scale, must_do=must_do)
+        out, nxt = skip_attention(q, k, v, lst, threshold, scale=scale, must_do=must_do, backend=backend)
+        nonfinite.add_(nonfinite_tiles(out, tm).any().to(nonfinite.dtype))
         forced = reference.must_do_tiles(must_do, q.shape[1], k.shape[1], (tm, tn))
         computed = lst.to_mask() if forced is None else lst.to_mask() | forced.to(q.device)
         dens = computed.float().mean(dim=(1, 2, 3))
@@ -88,26 +99,45 @@ def _skip_step_reference(q, k, v, counts, indices, step, density, threshold, war
     return out
 
 
+def _keep_read_where_nonfinite(out, counts, indices, step, warmup_steps, tm, nonfinite) -> None:
+    """After a device-side call (step already incremented): q-tiles whose output is non-finite get the list they
+    read in the slot the call wrote, and `nonfinite` counts the call. Device ops only (no host sync)."""
+    n = step - 1
+    active = n >= warmup_steps
+    rd = torch.remainder(n - warmup_steps, 2)
+    wr = 1 - rd
+    bad = nonfinite_tiles(out, tm) & active                                  # (B, H, Tq)
+    read_c, wrote_c = counts.index_select(0, rd)[0], counts.index_select(0, wr)[0]
+    read_i, wrote_i = indices.index_select(0, rd)[0], indices.index_select(0, wr)[0]
+    counts.index_copy_(0, wr, torch.where(bad, read_c, wrote_c)[None])
+    indices.index_copy_(0, wr, torch.where(bad[..., None], read_i, wrote_i)[None])
+    nonfinite.add_(bad.any().to(nonfinite.dtype))
+
+
 def _skip_step_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor,
-                    step: torch.Tensor, density: torch.Tensor, threshold: float, warmup_steps: int, tm: int, tn: int,
-                    scale: float, must_do_flat: list[int]) -> torch.Tensor:
-    """Body of the sparsepatch::skip_step op (the Triton / Gluon kernel on CUDA, else the reference)."""
-    if q.is_cuda:
-        from . import _triton_module
-        skip = _triton_module("skip")
-        if skip is not None and hasattr(skip, "skip_step") and skip.supports(q, tile=(tm, tn)):
-            return skip.skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
-                                  must_do_flat).contiguous()
-    return _skip_step_reference(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
-                                must_do_flat).contiguous()
+                    step: torch.Tensor, density: torch.Tensor, nonfinite: torch.Tensor, threshold: float,
+                    warmup_steps: int, tm: int, tn: int, scale: float, must_do_flat: list[int]) -> torch.Tensor:
+    """Body of the sparsepatch::skip_step op: the skip op's dispatcher picks the backend (the Triton / Gluon kernel
+    reads the step counter on the device; the others read it on the host)."""
+    call = Call.of("skip_attention", q, k, v, tile=(tm, tn), must_do=must_do_flat)
+    backend = DISPATCH.route(call).backend
+    if backend == "flash_triton":
+        from . import triton as skip_triton
+        out = skip_triton.skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
+                                    must_do_flat).contiguous()
+        _keep_read_where_nonfinite(out, counts, indices, step, warmup_steps, tm, nonfinite)
+        return out
+    return _skip_step_portable(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
+                               must_do_flat, nonfinite, backend).contiguous()
 
 
 _skip_step_op = torch.library.custom_op("sparsepatch::skip_step",
-                                        mutates_args=("counts", "indices", "step", "density"))(_skip_step_impl)
+                                        mutates_args=("counts", "indices", "step", "density", "nonfinite"))(
+    _skip_step_impl)
 
 
 @_skip_step_op.register_fake
-def _(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale, must_do_flat):
+def _(q, k, v, counts, indices, step, density, nonfinite, threshold, warmup_steps, tm, tn, scale, must_do_flat):
     return q.new_empty(q.shape)  # contiguous (B, Sq, Hq, D)
 
 
@@ -126,7 +156,7 @@ def skip_step(q, k, v, buffers: SkipListBuffers, threshold: float, warmup_steps:
     needs_op = torch.compiler.is_compiling() or (torch.is_grad_enabled() and
                                                   (q.requires_grad or k.requires_grad or v.requires_grad))
     return (_skip_step_op if needs_op else _skip_step_impl)(
-        q, k, v, buffers.counts, buffers.indices, buffers.step, buffers.density, float(threshold),
+        q, k, v, buffers.counts, buffers.indices, buffers.step, buffers.density, buffers.nonfinite, float(threshold),
         int(warmup_steps), tm, tn, scale, _must_do_flat(must_do))
 
 
@@ -143,12 +173,12 @@ class _TrainingModeSkip(torch.autograd.Function):
         Sq, Sk = q.shape[1], k.shape[1]
         read = SkipList(counts, indices, tile, Sq, Sk)
         if triton:
-            from . import skip
-            out, kept, lse = skip.skip_attention(q, k, v, read, threshold, scale=scale, must_do=must_do,
+            from . import triton as skip_triton
+            out, kept, lse = skip_triton.skip_attention(q, k, v, read, threshold, scale=scale, must_do=must_do,
                                                  return_lse=True)
         else:
-            out, kept, lse = reference.skip_attention(q, k, v, read, threshold, scale=scale, must_do=must_do,
-                                                      return_lse=True)
+            out, kept, lse = skip_attention(q, k, v, read, threshold, scale=scale, must_do=must_do,
+                                            return_lse=True)
         forced = reference.must_do_tiles(must_do, Sq, Sk, tile)
         # Saved as copies: the read list is a view of the double buffer that later steps overwrite.
         computed = read.clone() if forced is None else SkipList.from_mask(read.to_mask() | forced.to(q.device),
@@ -165,7 +195,7 @@ class _TrainingModeSkip(torch.autograd.Function):
         computed = SkipList(cc, ci, ctx.tile, Sq, Sk)
         kept = SkipList(kc, ki, ctx.tile, Sq, Sk)
         if ctx.triton:
-            from . import skip_backward
+            from . import backward as skip_backward
             dq, dk, dv = skip_backward.attention_backward(q, k, v, out, lse, dout.contiguous(), skip_list=computed,
                                                           scale=ctx.scale, extra_skip=kept)
         else:
@@ -174,9 +204,14 @@ class _TrainingModeSkip(torch.autograd.Function):
 
 
 def _triton_training_ok(q, tile) -> bool:
-    from . import _triton_module
-    skip = _triton_module("skip")
-    return skip is not None and skip.supports(q, tile=tile) and (q.is_cuda or skip._interpret())
+    """True when the Triton forward and backward kernels run q at `tile` (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    from .op import triton_tile_ok
+    if not triton_tile_ok(tuple(tile)) or q.shape[-1] not in (64, 128):
+        return False
+    if q.is_cuda:
+        return q.dtype in (torch.float16, torch.bfloat16)
+    from .._common import interpret
+    return interpret() and q.dtype in (torch.float16, torch.float32)
 
 
 def skip_step_differentiable(q, k, v, buffers: SkipListBuffers, threshold: float, warmup_steps: int, *,
@@ -191,7 +226,6 @@ def skip_step_differentiable(q, k, v, buffers: SkipListBuffers, threshold: float
     reports its cos-sim vs dense). One forward, one backward over read ∩ kept: Triton kernels when use_triton
     (None = on CUDA when they support q), else the reference (`reference.skip_attention_grads`), same function.
     """
-    from . import attention, skip_attention
     n = buffers.calls()
     B = q.shape[0]
     if n < warmup_steps:

@@ -54,6 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import NSAParams
+
 __all__ = ["nsa_backward", "BWD"]
 
 LOG2E = 1.4426950408889634
@@ -597,8 +599,7 @@ def _nsa_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Ten
              compress_block: int, compress_stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                  torch.Tensor, torch.Tensor, torch.Tensor]:
     """`nsa_backward` as a custom op (torch.compile traces it); dgates is an empty (0,) tensor without gates."""
-    from ..config import NSAConfig
-    cfg = NSAConfig(block_size, num_selected, window, compress_block, compress_stride)
+    cfg = NSAParams(block_size, num_selected, window, compress_block, compress_stride)
     dq, dk, dv, dkc, dvc, dg = nsa_backward(q, k, v, k_cmp, v_cmp, gates, idx, lse, branch_out, dout, scale, cfg)
     return dq, dk, dv, dkc, dvc, (dg if dg is not None else q.new_empty((0,)))
 

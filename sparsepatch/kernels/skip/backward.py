@@ -14,22 +14,16 @@ Only tiles in the list contribute, so the gradient is exactly that of the sparse
 with the same list). Partial tiles need no score masking except in the dQ kernel's last (partial) k-tile:
 padded rows/columns load as zeros and padded rows get lse2 = +inf, so their probabilities are 0.
 
-Autograd wiring (done here, nothing to change in skip.py): importing this module calls
-`torch.library.register_autograd` on `sparsepatch::skip_fwd` and `sparsepatch::dense_fwd` (see `register`).
+Autograd wiring: `make_differentiable` calls `torch.library.register_autograd` on `sparsepatch::skip_fwd` and
+`sparsepatch::dense_fwd` (skip/triton.py, which defines the ops, calls it once for each).
   skip_fwd(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_flat, return_lse)
       -> (out, next_counts, next_indices, lse): setup_context saves q, k, v, out, lse and a clone of the list
       it read (counts, indices; must_do tiles are re-added in backward exactly as the forward adds them).
   dense_fwd(q, k, v, causal, scale, return_lse) -> (out, lse): saves q, k, v, out, lse.
 Backward = `sparsepatch::attention_bwd` (a custom op, so torch.compile traces it) with dlse folded into delta.
 If the forward ran with return_lse=False the saved lse is empty and backward RECOMPUTES it with one extra forward
-call (correct, ~1 forward slower). skip.attention / skip.skip_attention call the `_impl` functions directly in
-eager mode (bypassing the op), which bypasses autograd too. The change the forward entries need (both):
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    fwd = _skip_fwd if (torch.compiler.is_compiling() or needs_grad) else _skip_fwd_impl   # _dense_fwd likewise
-    out, nc, ni, lse = fwd(..., bool(return_lse) or needs_grad)       # lse saved for backward, no recompute
-    (return lse only if the caller asked for it)
-plus `from . import skip_backward  # noqa: F401` at the end of skip.py (or `_triton_module("skip_backward")` in
-kernels/__init__.py) so the registration runs.
+call (correct, ~1 forward slower). Eager inference calls of the forward entries bypass the op (and autograd); calls
+that need a gradient go through it with return_lse forced on, so the lse is saved and not recomputed.
 
 Training mode: `attention_backward(..., extra_skip=SkipList)` walks only the tiles of `extra_skip` (those the
 forward's keep test did not mark negligible; intersected with skip_list) — an approximate gradient.
@@ -43,13 +37,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import head_major_desc, key_range, store_delta_lse2
-from ._triton_common import interpret as _interpret
+from .._common import head_major_desc, key_range, store_delta_lse2
+from .._common import interpret as _interpret
+from ..dense import reference as dense_reference
 from . import reference
-from .reference import LOG2E, check_qkv
+from ..dense.reference import LOG2E, check_qkv
 from .skiplist import SkipList
 
-__all__ = ["transpose_list", "transpose_list_torch", "attention_backward", "make_differentiable", "register",
+__all__ = ["transpose_list", "transpose_list_torch", "attention_backward", "make_differentiable",
            "CONFIGS", "supports"]
 
 logger = logging.getLogger(__name__)
@@ -539,7 +534,7 @@ def _reference_backward(q, k, v, dout, skip_list, scale, causal):
     with torch.enable_grad():
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
         if skip_list is None:
-            o = reference.attention(qq, kk, vv, causal=causal, scale=scale)
+            o = dense_reference.attention(qq, kk, vv, causal=causal, scale=scale)
         else:
             o, _ = reference.skip_attention(qq, kk, vv, skip_list, -1.0, scale=scale)
         return torch.autograd.grad(o, (qq, kk, vv), dout.to(o.dtype))
@@ -661,17 +656,3 @@ def make_differentiable(op_name: str = "sparsepatch::skip_fwd") -> bool:
         raise ValueError(f"op_name must be sparsepatch::skip_fwd or sparsepatch::dense_fwd, got {op_name!r}")
     _REGISTERED.add(op_name)
     return True
-
-
-def register() -> None:
-    """Register autograd for both forward ops of skip.py (imported for its side effect)."""
-    try:
-        from . import skip  # noqa: F401  (defines the ops)
-    except ImportError as exc:
-        logger.debug("skip forward unavailable: %s", exc)
-        return
-    make_differentiable("sparsepatch::skip_fwd")
-    make_differentiable("sparsepatch::dense_fwd")
-
-
-register()

@@ -1,0 +1,224 @@
+"""The dispatcher: every backend computes its op's reference function; routing follows the cost table; bad input
+gets a ValueError naming the argument."""
+import math
+
+import pytest
+import torch
+
+from kernel_checks import gpu
+
+import sparsepatch as sp
+from sparsepatch.kernels import dispatch
+from sparsepatch.kernels.dense import op as dense_op
+from sparsepatch.kernels.dense import reference
+from sparsepatch.kernels.skip import op as skip_op
+from sparsepatch.kernels.skip import reference as skip_reference
+from sparsepatch.testing import video_like_qkv
+
+
+def attention_bound(q, k, v, dtype):
+    """Max-abs error bound of an attention computed in `dtype` storage with fp32 accumulation vs the fp64 oracle:
+    inputs and output rounded to dtype (2 eps relative of |v|), score rounding eps32 * (max |score| + sqrt(D) +
+    log Sk) carried through exp; margin 4."""
+    eps_io = torch.finfo(dtype).eps if dtype != torch.float64 else 0.0
+    eps32 = torch.finfo(torch.float32).eps
+    D = q.shape[-1]
+    smax = (q.double().abs().amax() * k.double().abs().amax() * math.sqrt(D)).item()
+    vmax = v.double().abs().max().item()
+    # half-precision inputs: the scores themselves move by ~eps_io * |s| (q and k are rounded)
+    return 4 * vmax * (2 * eps_io * (1 + smax) + eps32 * (smax + math.sqrt(D) + math.log(max(k.shape[1], 2))))
+
+
+def _inputs(B, Sq, Sk, Hq, Hk, D, dtype, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda S, H: torch.randn(B, S, H, D, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    return mk(Sq, Hq), mk(Sk, Hk), mk(Sk, Hk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal,Sq,Sk", [(False, 70, 70), (True, 70, 70), (True, 1, 40), (True, 9, 40),
+                                          (False, 9, 40)])
+def test_cpu_attention_matches_oracle(dtype, causal, Sq, Sk):
+    q, k, v = _inputs(2, Sq, Sk, 4, 2, 32, dtype, "cpu")
+    out = sp.kernels.attention(q, k, v, causal=causal)
+    want = reference.attention(q.double(), k.double(), v.double(), causal=causal)
+    route = sp.kernels.explain(q, k, v, causal=causal)
+    assert route.backend in {"sdpa", "reference"}
+    assert (out.double() - want).abs().max() <= attention_bound(q, k, v, dtype)
+
+
+def test_bool_mask_and_fully_masked_rows_give_zeros_like_the_reference():
+    q, k, v = _inputs(1, 6, 10, 2, 2, 16, torch.float32, "cpu")
+    mask = torch.rand(1, 1, 6, 10, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[..., 2, :] = False
+    out = sp.kernels.attention(q, k, v, attn_mask=mask)
+    want = reference.attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    assert torch.all(out[:, 2] == 0)
+    assert (out.double() - want).abs().max() <= attention_bound(q, k, v, torch.float32)
+
+
+def test_cost_table_routes_to_the_fastest_measured_backend():
+    table = dispatch.CostTable({"entries": [
+        dict(op="attention", causal=False, D=64, group=1, dtype="float32", B=1, Sq=64, Sk=64, Hq=2,
+             ms={"sdpa": 2.0, "reference": 1.0}),
+    ]})
+    q, k, v = _inputs(1, 64, 64, 2, 2, 64, torch.float32, "cpu")
+    call = dispatch.Call.of("attention", q, k, v)
+    assert table.costs(call) == {"sdpa": 2.0, "reference": 1.0}
+    # CPU calls never read the (GPU) table; a CUDA-like call of the same class would pick the cheaper one
+    cuda_call = dispatch.Call(**{**call.__dict__, "device": "cuda", "arch": (9, 0)})
+    old = dispatch._TABLE[0]
+    try:
+        dispatch.set_cost_table(table)
+        d = dispatch.Dispatcher("test_op", [dispatch.Backend("sdpa", lambda c: None, None),
+                                            dispatch.Backend("reference", lambda c: None, None)])
+        r = d.route(cuda_call)
+        assert r.backend == "reference" and "fastest measured" in r.reason
+        assert d.route(call).backend == "sdpa"          # no measurement: the default order
+    finally:
+        dispatch.set_cost_table(old)
+
+
+def test_forced_backend_and_explain():
+    q, k, v = _inputs(1, 16, 16, 2, 2, 32, torch.float32, "cpu")
+    out = sp.kernels.attention(q, k, v, backend="reference")
+    assert torch.equal(out, reference.attention(q, k, v))
+    with pytest.raises(ValueError, match="backend"):
+        sp.kernels.attention(q, k, v, backend="flash_triton")     # needs CUDA
+    with pytest.raises(ValueError, match="backend must be one of"):
+        sp.kernels.attention(q, k, v, backend="nope")
+    text = str(sp.kernels.explain(q, k, v))
+    assert "sdpa" in text and "flash_triton" in text and "needs a CUDA tensor" in text
+
+
+@pytest.mark.parametrize("bad", ["int", "mask_shape", "mask_dtype", "scale"])
+def test_bad_inputs_raise_value_errors_naming_the_argument(bad):
+    q, k, v = _inputs(1, 7, 9, 2, 2, 16, torch.float32, "cpu")
+    kw = {}
+    if bad == "int":
+        q, k, v = (t.to(torch.int64) for t in (q, k, v))
+        match = "q must have a floating dtype"
+    elif bad == "mask_shape":
+        kw["attn_mask"] = torch.ones(1, 1, 7, 8, dtype=torch.bool)
+        match = "attn_mask of shape"
+    elif bad == "mask_dtype":
+        kw["attn_mask"] = torch.ones(1, 1, 7, 9, dtype=torch.int32)
+        match = "attn_mask must be bool"
+    else:
+        kw["scale"] = "x"
+        match = "scale must be"
+    for fn in (sp.kernels.attention, lambda *a, **k_: sp.kernels.skip_attention(*a, tile=(16, 16), **k_)):
+        with pytest.raises(ValueError, match=match):
+            fn(q, k, v, **kw)
+
+
+def test_empty_key_set_gives_zeros_and_minus_inf_lse():
+    q = torch.randn(2, 8, 2, 16)
+    k = v = torch.randn(2, 0, 2, 16)
+    out, lse = sp.kernels.attention(q, k, v, return_lse=True)
+    assert out.shape == (2, 8, 2, 16) and torch.all(out == 0) and torch.all(lse == float("-inf"))
+    assert sp.kernels.attention(q[:, :0], k, v).shape == (2, 0, 2, 16)
+
+
+@pytest.mark.parametrize("tile,must_do,gqa", [((32, 32), None, 1), ((16, 32), [(0, 10)], 2), ((32, 16), None, 1)])
+def test_cpu_skip_backend_matches_the_reference(tile, must_do, gqa):
+    q, k, v = video_like_qkv(frames=3, height=6, width=8, dim=32, step=0)     # 144 tokens: partial last tiles
+    if gqa > 1:
+        k, v = k[:, :, : k.shape[2] // gqa], v[:, :, : v.shape[2] // gqa]
+    lst = None
+    for step in range(3):
+        q, k2, v2 = video_like_qkv(frames=3, height=6, width=8, dim=32, step=step)
+        if gqa > 1:
+            k2, v2 = k2[:, :, : k2.shape[2] // gqa], v2[:, :, : v2.shape[2] // gqa]
+        o_cpu, n_cpu, l_cpu = sp.kernels.skip_attention(q, k2, v2, lst, -3.0, must_do=must_do, tile=tile,
+                                                        return_lse=True, backend="cpu")
+        o_ref, n_ref, l_ref = skip_reference.skip_attention(q, k2, v2, lst, -3.0, must_do=must_do, tile=tile,
+                                                            return_lse=True)
+        assert n_cpu.equal(n_ref), step
+        assert (o_cpu.double() - o_ref.double()).abs().max() <= attention_bound(q, k2, v2, torch.float32)
+        assert torch.allclose(l_cpu, l_ref, rtol=0, atol=float(1e-5 * (1 + l_ref.abs().max())))
+        lst = n_ref
+    assert lst.density() < 1.0      # the lists really shrank: the comparison covered sparse calls
+
+
+def test_cpu_skip_backend_gathers_below_the_dense_switch():
+    q, k, v = video_like_qkv(frames=4, height=8, width=8, dim=32, step=0)
+    B, S, H, _ = q.shape
+    mask = torch.zeros(B, H, S // 32, S // 32, dtype=torch.bool)
+    mask[..., 0] = True
+    mask[..., 3] = True
+    lst = sp.kernels.SkipList.from_mask(mask, (32, 32), S, S)
+    o_cpu, n_cpu = sp.kernels.skip_attention(q, k, v, lst, -2.0, backend="cpu")
+    o_ref, n_ref = skip_reference.skip_attention(q, k, v, lst, -2.0)
+    assert n_cpu.equal(n_ref)
+    assert (o_cpu - o_ref).abs().max() <= attention_bound(q, k, v, torch.float32)
+
+
+def test_nonfinite_rows_keep_every_tile_they_read():
+    q, k, v = video_like_qkv(frames=2, height=8, width=8, dim=32, step=0)
+    _, lst = sp.kernels.skip_attention(q, k, v, None, -2.0, tile=(32, 32))
+    assert lst.density() < 1.0
+    bad_q = q.clone()
+    bad_q[0, 5, 0, 0] = float("nan")          # row 5: q-tile 0 of head 0
+    out, nxt = sp.kernels.skip_attention(bad_q, k, v, lst, -2.0)
+    assert torch.isnan(out[0, 5, 0]).all()
+    read, got = lst.to_mask(), nxt.to_mask()
+    assert torch.equal(got[0, 0, 0], read[0, 0, 0])           # the poisoned q-tile keeps what it read
+    _, clean = sp.kernels.skip_attention(q, k, v, lst, -2.0)
+    assert torch.equal(got[0, 1], clean.to_mask()[0, 1])      # other heads are untouched
+
+
+def test_skip_step_counts_nonfinite_calls_and_keeps_lists():
+    q, k, v = video_like_qkv(frames=2, height=8, width=8, dim=32, step=0)
+    B, S, H, _ = q.shape
+    buf = sp.kernels.SkipListBuffers.create(B, H, S, S, (32, 32), q.device)
+    sp.kernels.skip_step(q, k, v, buf, -2.0, 0)
+    before = buf.current(0).to_mask().float().mean().item()
+    bad = q.clone()
+    bad[:, :, :, 0] = float("inf")
+    sp.kernels.skip_step(bad, k, v, buf, -2.0, 0)
+    assert int(buf.nonfinite.item()) == 1
+    assert buf.current(0).to_mask().float().mean().item() >= before     # lists did not shrink
+
+
+# --------------------------------------------------------------------------------------------------- GPU
+
+GPU_CASES = [  # (B, Sq, Sk, Hq, Hk, D, causal)
+    (2, 300, 300, 4, 4, 64, False), (2, 300, 300, 8, 2, 128, True), (1, 1, 700, 8, 2, 128, True),
+    (1, 257, 257, 4, 4, 256, True), (1, 129, 500, 4, 2, 96, False), (1, 64, 640, 4, 4, 128, True),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_every_supported_gpu_backend_matches_the_oracle(case, dtype):
+    B, Sq, Sk, Hq, Hk, D, causal = case
+    q, k, v = _inputs(B, Sq, Sk, Hq, Hk, D, dtype, "cuda")
+    want = reference.attention(q.double(), k.double(), v.double(), causal=causal)
+    call = dispatch.Call.of("attention", q, k, v, causal=causal)
+    ran = []
+    for b in dense_op.BACKENDS:
+        if b.supports(call):
+            continue
+        out = sp.kernels.attention(q, k, v, causal=causal, backend=b.name)
+        err = (out.double() - want).abs().max().item()
+        assert err <= attention_bound(q, k, v, dtype), (b.name, err)
+        ran.append(b.name)
+    assert "sdpa" in ran or (causal and Sq not in (1, Sk))
+    assert sp.kernels.explain(q, k, v, causal=causal).backend in ran
+
+
+@gpu
+def test_gpu_skip_backends_agree_and_repair_nonfinite_rows():
+    q, k, v = (t.cuda().half() for t in video_like_qkv(frames=4, height=16, width=16, dim=64, step=0))
+    out_t, n_t = sp.kernels.skip_attention(q, k, v, None, -3.0, tile=(64, 64))
+    out_r, n_r = skip_reference.skip_attention(q, k, v, None, -3.0, tile=(64, 64))
+    assert n_t.equal(n_r)
+    assert (out_t.double() - out_r.double()).abs().max() <= attention_bound(q, k, v, torch.float16)
+    bad = q.clone()
+    bad[0, 3, 1, 0] = float("nan")
+    _, n_bad = sp.kernels.skip_attention(bad, k, v, n_r, -3.0)
+    assert torch.equal(n_bad.to_mask()[0, 1, 0], n_r.to_mask()[0, 1, 0])
+    assert skip_op.DISPATCH.route(dispatch.Call.of("skip_attention", q, k, v, tile=(64, 64))).backend == \
+        "flash_triton"
