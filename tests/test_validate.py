@@ -2,6 +2,7 @@
 The demo command's output is tested in tests/test_cli.py."""
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -46,8 +47,12 @@ def test_validate_reports_per_layer_cos_output_psnr_and_restores(tmp_path):
     assert data["output_ssim"] == report.output_ssim and data["ssim_space"] == "pixel"
     assert [r["ssim"] for r in data["per_step"]] == report.extra["step_ssim"]
     assert report.device == "cpu" and report.dtype == "torch.float32"
-    assert report.backends == {"dense": "diffusers attention (torch SDPA unless set otherwise)",
-                               "patched": "sparsepatch PyTorch reference"}
+    assert report.backends["dense"] == "diffusers attention (torch SDPA unless set otherwise)"
+    # the handle's own account of what served the patched calls: "sparsepatch <backend> x<calls>, ..."
+    served = re.findall(r"([\w:.-]+) x(\d+)", report.backends["patched"])
+    assert report.backends["patched"].startswith("sparsepatch ") and served
+    # 2 layers x 2 branches x 4 steps, in the checked and the timed patched run
+    assert sum(int(n) for _, n in served) == 2 * 2 * 4 * 2
     assert "SSIM" in report.summary() and report.summary().splitlines()[-1] == report.verdict()
 
     # the same generator seed gives the same dense output: keep-everything validates to (near) identity

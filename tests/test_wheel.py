@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ASSETS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "sparsepatch" / "assets").rglob("*") if p.is_file())
+# every file of the package that is not Python: the tiny models, the shipped dispatcher cost tables, ...
+DATA = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "sparsepatch").rglob("*")
+              if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts)
 EXTRAS = ("train", "notebooks", "test")
 
 pytest.importorskip("setuptools", minversion="70.1",
@@ -59,19 +61,21 @@ def built(tmp_path_factory):
     return sdist, next(dist.glob("sparsepatch-*-py3-none-any.whl"))
 
 
-def test_sdist_and_wheel_carry_the_tiny_assets_and_extras(built):
+def test_sdist_and_wheel_carry_the_package_data_and_extras(built):
     sdist, wheel = built
-    assert len(ASSETS) >= 7 and any(a.endswith(".safetensors") for a in ASSETS)
+    assert sum(a.startswith("sparsepatch/assets/") for a in DATA) >= 7
+    assert any(a.endswith(".safetensors") for a in DATA) and "sparsepatch/kernels/cost_tables/sm90.json" in DATA
     with tarfile.open(sdist) as tar:
         members = {m.split("/", 1)[1] for m in tar.getnames() if "/" in m}
     with zipfile.ZipFile(wheel) as whl:
         files = set(whl.namelist())
         metadata = whl.read(next(n for n in files if n.endswith(".dist-info/METADATA"))).decode()
-    for asset in ASSETS:
-        assert asset in members, f"sdist lacks {asset}"
-        assert asset in files, f"wheel lacks {asset}"
-        assert whl_size(wheel, asset) == (ROOT / asset).stat().st_size, asset      # not an LFS pointer
-    assert "sparsepatch/cli.py" in files and "sparsepatch/__main__.py" in files
+    for name in DATA:
+        assert name in members, f"sdist lacks {name}"
+        assert name in files, f"wheel lacks {name}"
+        assert whl_size(wheel, name) == (ROOT / name).stat().st_size, name      # not an LFS pointer
+    sources = {str(p.relative_to(ROOT)) for p in (ROOT / "sparsepatch").rglob("*.py")}
+    assert sources <= files, sorted(sources - files)
     assert not any(f.startswith(("tests/", "benchmarks/")) for f in files)
     for extra in EXTRAS:
         assert f"Provides-Extra: {extra}" in metadata, extra
