@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Sample the committed trained tiny Wan denoiser dense and with SkipConfig,\n"
                                    "and print per step the density, the attention cos-sim against dense attention\n"
                                    "and the PSNR / SSIM of the latents against the dense run, then the timings and\n"
-                                   "a verdict. No download; about a minute on a 2-core CPU.")
+                                   "a verdict. No download; runs on a CPU (a quality check there) or a GPU.")
     p.add_argument("--random", action="store_true",
                    help="a random-weight tiny WanPipeline (sharpened attention) instead of the trained model")
     p.add_argument("--steps", type=int, help="denoising steps; " + default("steps"))
