@@ -220,7 +220,7 @@ def test_default_recipe_and_stats_shape(wan):
     handle = sp.patch(wan)
     try:
         assert isinstance(handle.config, sp.SkipConfig) and handle.config.threshold == -5.0
-        assert handle.stats() == {"calls": 0, "density": {}, "per_step": []}
+        assert handle.stats() == {"calls": 0, "density": {}, "per_step": [], "backends": {}}
     finally:
         handle.remove()
     assert sp.handle_of(wan) is None

@@ -19,9 +19,9 @@ b = log(1/2), so every gate starts at exactly 1/3 (uniform NSA); q is the rotate
 Unpatch removes the submodule (and everything else) so the model is bit-exact with an unpatched twin.
 
 Kernels: CUDA fp16/bf16 inference runs the Triton forward (kernels/nsa.py); anything else (CPU, training with
-grad) runs the differentiable PyTorch reference (kernels/nsa_reference.py).
+grad) runs the differentiable PyTorch reference (kernels/nsa/reference.py).
 Each call is recorded as handle.record_call(layer, "prefill" | "decode", density), density = keys scored
-(compressed + selected + window) / keys of dense causal attention (`nsa_reference.nsa_density`).
+(compressed + selected + window) / keys of dense causal attention (`kernels.nsa.nsa_density`).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from ..config import NSAConfig
 from . import transformers_compat as compat
 from .transformers import SharedRegistration, _add_release, wants_attentions
 from .. import kernels
-from ..kernels.nsa import reference as nsa_reference
+from ..kernels import nsa as nsa_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def patch_nsa(model, config: NSAConfig, handle) -> None:
     from .transformers import _all_configs, _check_model
 
     _check_model(model)
-    nsa_reference.check_config(config)
+    nsa_kernels.check_config(config)
     layers = _attention_modules(model)
     if not layers:
         raise ValueError(f"model: {type(model).__name__} has no Llama-style attention modules (q_proj/k_proj/"
@@ -114,7 +114,7 @@ def patch_nsa(model, config: NSAConfig, handle) -> None:
             p = m.q_proj.weight
             m.add_module(GATE_ATTR, NSAGate(heads, m.head_dim, device=p.device, dtype=p.dtype))
             added.append(m)
-        _PATCHED[m] = (handle, name or type(m).__name__, config, nsa_reference.NSACache(store_kv=False))
+        _PATCHED[m] = (handle, name or type(m).__name__, config, nsa_kernels.NSACache(store_kv=False))
 
     def remove_gates():
         for m in added:
@@ -180,7 +180,7 @@ def nsa_attention_forward(module, query, key, value, attention_mask, dropout: fl
     gates = gate(q) if gate is not None else None
     # Triton forward + backward on CUDA where supported, the reference elsewhere (the dispatcher decides).
     out = kernels.nsa_attention(q, k, v, config, gates=gates, cache=cache, scale=scaling)
-    handle.record_call(name, "prefill" if L == S else "decode", nsa_reference.nsa_density(config, L, S))
+    handle.record_call(name, "prefill" if L == S else "decode", nsa_kernels.nsa_density(config, L, S))
     return out, None
 
 

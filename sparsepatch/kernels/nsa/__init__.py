@@ -1,5 +1,5 @@
 """Native Sparse Attention: `nsa_attention`, its decode cache `NSACache` and kernel parameters `NSAParams`."""
 from .op import BACKENDS, nsa_attention
-from .reference import NSACache, NSAParams
+from .reference import NSACache, NSAParams, check_config, nsa_density
 
-__all__ = ["nsa_attention", "NSACache", "NSAParams", "BACKENDS"]
+__all__ = ["nsa_attention", "NSACache", "NSAParams", "check_config", "nsa_density", "BACKENDS"]

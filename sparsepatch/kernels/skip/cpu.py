@@ -16,7 +16,7 @@ from ..dense.reference import LOG2E, check_qkv
 from .reference import check_skip_list, check_threshold, must_do_tiles
 from .skiplist import SkipList, check_tile, num_tiles
 
-CHUNK_BYTES = 256 << 20   # scores per chunk of (batch, head) pairs
+BLOCK_BYTES = 4 << 20     # scores per block of q-tiles (cache-sized: the passes over them stay in cache)
 GATHER_BELOW = 0.75       # gather a q-tile's k/v tiles when the longest list is below this fraction of Tk
 
 
@@ -66,58 +66,58 @@ def skip_attention(q, k, v, skip_list: SkipList | None = None, threshold: float 
     row_ok = (torch.arange(Tq * tm, device=q.device) < Sq).reshape(Tq, tm)
 
     out = q.new_empty((B, Hq, Tq, tm, v.shape[-1]), dtype=compute)
-    lse = torch.empty((B, Hq, Tq, tm), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, Hq, Tq, tm), dtype=torch.float32, device=q.device) if return_lse else None
     keep = torch.zeros((B, Hq, Tq, Tk), dtype=torch.bool, device=q.device)
     gather = C < Tk * GATHER_BELOW
+    everything = bool(listed.all())          # density 1 without padding columns: no masking pass at all
     all_tiles = torch.arange(Tk, device=q.device)
-    per_pair = Tq * tm * (C if gather else Tk) * tn * (8 if compute == torch.float64 else 4)
-    pairs = [(b, h) for b in range(B) for h in range(Hq)]
-    step = max(1, CHUNK_BYTES // max(per_pair, 1))
-    for c0 in range(0, len(pairs), step):
-        chunk = pairs[c0:c0 + step]
-        bi = torch.tensor([p[0] for p in chunk], device=q.device)
-        hi = torch.tensor([p[1] for p in chunk], device=q.device)
-        n = len(chunk)
-        qc = qt[bi, hi]                                                      # (n, Tq, tm, D)
-        kc, vc = kt[bi, hi // group], vt[bi, hi // group]                    # (n, Tk, tn, D)
-        if gather:
-            idx = order[bi, hi]                                              # (n, Tq, C)
-            ok = slot_ok[bi, hi]                                             # (n, Tq, C)
-            sel = torch.arange(n, device=q.device)[:, None, None]
-            kg = kc[sel, idx].reshape(n, Tq, C * tn, D).to(compute)          # (n, Tq, C * tn, D)
-            vg = vc[sel, idx].reshape(n, Tq, C * tn, -1).to(compute)
-            s = torch.matmul(qc, kg.transpose(-1, -2)) * scale              # (n, Tq, tm, C * tn)
-        else:   # dense enough: one GEMM against every key, unlisted tiles masked (no gathered copies)
-            idx = all_tiles.expand(n, Tq, Tk)
-            ok = listed[bi, hi]
-            s = torch.matmul(qc.reshape(n, 1, Tq * tm, D), kc.reshape(n, 1, Tk * tn, D).to(compute)
-                             .transpose(-1, -2)).reshape(n, Tq, tm, Tk * tn) * scale
-        cols = idx.shape[-1] * tn
-        col_ok = (ok[..., None] & col_ok_tile[idx]).reshape(n, Tq, 1, cols)
-        s = s.masked_fill(~col_ok, float("-inf"))
-        # keep test (DESIGN.md section 5) on tile maxima in visiting order
-        tile_max = s.reshape(n, Tq, tm, -1, tn).amax(-1)                    # (n, Tq, tm, slots)
-        running = torch.cummax(tile_max, dim=-1).values
-        before = torch.cat([torch.full_like(running[..., :1], float("-inf")), running[..., :-1]], dim=-1)
-        gain = (tile_max - before) * LOG2E
-        keep_slot = ((gain > threshold) & row_ok[None, :, :, None]).any(2) & ok   # (n, Tq, C)
-        keep_slot |= ok & (ok.cumsum(-1) == 1)                                # a row's first visited tile
-        kk = torch.zeros((n, Tq, Tk), dtype=torch.bool, device=q.device)
-        kk.scatter_(-1, idx.long(), keep_slot)       # a row's slots hold distinct tiles; padded slots write False
-        keep[bi, hi] = kk
-        # softmax over the gathered columns; rows with no finite score give 0 (lse -inf)
-        m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        e = torch.exp(s - m)
-        total = e.sum(-1, keepdim=True)
-        if gather:
-            o = torch.matmul(e, vg)
-        else:
-            o = torch.matmul(e.reshape(n, 1, Tq * tm, Tk * tn), vc.reshape(n, 1, Tk * tn, -1).to(compute))
-            o = o.reshape(n, Tq, tm, -1)
-        o = o / torch.where(total > 0, total, torch.ones_like(total))
-        out[bi, hi] = o
-        lse[bi, hi] = (m + torch.log(total)).squeeze(-1).to(torch.float32)
+    cols = (C if gather else Tk) * tn
+    # Blocks of q-tiles whose scores fit in cache: every pass over the scores (max, exp, sum) stays there.
+    per_tile = tm * cols * (8 if compute == torch.float64 else 4)
+    tiles_per_block = max(1, BLOCK_BYTES // per_tile)
+    for b in range(B):
+        for h in range(Hq):
+            kc, vc = kt[b, h // group], vt[b, h // group]                   # (Tk, tn, D)
+            if not gather:
+                kf = kc.reshape(Tk * tn, D).to(compute).t()
+                vf = vc.reshape(Tk * tn, -1).to(compute)
+            for t0 in range(0, Tq, tiles_per_block):
+                t1 = min(Tq, t0 + tiles_per_block)
+                n = t1 - t0
+                qc = qt[b, h, t0:t1] * scale                                 # (n, tm, D), scaled once
+                if gather:
+                    idx = order[b, h, t0:t1]                                 # (n, C)
+                    ok = slot_ok[b, h, t0:t1]
+                    kg = kc[idx].reshape(n, C * tn, D).to(compute)
+                    vg = vc[idx].reshape(n, C * tn, -1).to(compute)
+                    s = torch.matmul(qc, kg.transpose(-1, -2))              # (n, tm, C * tn)
+                else:
+                    idx = all_tiles.expand(n, Tk)
+                    ok = listed[b, h, t0:t1]
+                    s = torch.matmul(qc.reshape(n * tm, D), kf).reshape(n, tm, Tk * tn)
+                if not (everything and Sk == Tk * tn and not gather):
+                    col_ok = (ok[..., None] & col_ok_tile[idx]).reshape(n, 1, cols)
+                    s.masked_fill_(~col_ok, float("-inf"))
+                # keep test (DESIGN.md section 5) on tile maxima in visiting order
+                tile_max = s.reshape(n, tm, -1, tn).amax(-1)                 # (n, tm, slots)
+                running = torch.cummax(tile_max, dim=-1).values
+                before = torch.cat([torch.full_like(running[..., :1], float("-inf")), running[..., :-1]], dim=-1)
+                gain = (tile_max - before).mul_(LOG2E)
+                keep_slot = ((gain > threshold) & row_ok[t0:t1, :, None]).any(1) & ok   # (n, slots)
+                keep_slot |= ok & (ok.cumsum(-1) == 1)                        # a row's first visited tile
+                kk = torch.zeros((n, Tk), dtype=torch.bool, device=q.device)
+                kk.scatter_(-1, idx.long(), keep_slot)   # a row's slots hold distinct tiles; padded slots write False
+                keep[b, h, t0:t1] = kk
+                # softmax (one fused pass); rows with no finite score give 0 and lse -inf
+                m = running[..., -1:]                                        # (n, tm, 1): the row max
+                if return_lse:
+                    lse[b, h, t0:t1] = torch.logsumexp(s, -1).to(torch.float32)
+                p = torch.softmax(s, -1)
+                empty = m == float("-inf")                                   # NaN rows stay NaN, as the oracle
+                if bool(empty.any()):
+                    p.masked_fill_(empty, 0.0)
+                o = torch.matmul(p, vg) if gather else torch.matmul(p.reshape(n * tm, -1), vf).reshape(n, tm, -1)
+                out[b, h, t0:t1] = o
     if forced is not None:
         keep |= forced.to(q.device)
     out = out.reshape(B, Hq, Tq * tm, -1)[:, :, :Sq].transpose(1, 2).to(q.dtype)
