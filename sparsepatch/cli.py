@@ -35,6 +35,8 @@ BENCHES = {
     "parallel_step": ("context parallelism (Ulysses, ring) on 2+ GPUs, Wan-shaped step, vs diffusers' CP",
                       "torchrun"),
     "skip": ("temporal skip-list attention forward vs SDPA, FlexAttention (same list), sageattention", "cuda"),
+    "skip_cpu": ("skip-list attention on the CPU backend vs F.scaled_dot_product_attention, densities 1 / .5 / .25",
+                 None),
     "skip_gluon_dense": ("dense forward: Triton grid kernel vs the Gluon kernel vs cuDNN", "sm_90"),
     "training_mode": ("training mode (backward skips too): gradient cos-sim and backward time vs dense", "cuda"),
     "wan_step": ("one Wan2.1-1.3B-shaped denoising step: cuDNN SDPA vs skip lists at fixed densities", "cuda"),
