@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 # Pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build; on a GPU machine install torch first.
 TORCH ?= torch==2.13.0
 DEPS := "diffusers==0.42.1" "transformers==5.23.*" "accelerate==1.15.*" "triton==3.9.*" tokenizers
-TEST_DEPS := pytest matplotlib nbclient nbformat ipykernel
+# setuptools >= 70.1: tests/test_wheel.py builds the wheel without isolation (a 3.11 venv starts with 65.5)
+TEST_DEPS := pytest matplotlib nbclient nbformat ipykernel torchmetrics "setuptools>=70.1"
 
 .PHONY: demo test test-gpu clean
 

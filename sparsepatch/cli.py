@@ -35,6 +35,8 @@ BENCHES = {
     "parallel_step": ("context parallelism (Ulysses, ring, both) on N GPUs, Wan-shaped step, vs diffusers' CP",
                       "torchrun"),
     "skip": ("temporal skip-list attention forward vs SDPA, FlexAttention (same list), sageattention", "cuda"),
+    "skip_cpu": ("skip-list attention on the CPU backend vs F.scaled_dot_product_attention, densities 1 / .5 / .25",
+                 None),
     "skip_gluon_dense": ("dense forward: Triton grid kernel vs the Gluon kernel vs cuDNN", "sm_90"),
     "training_mode": ("training mode (backward skips too): gradient cos-sim and backward time vs dense", "cuda"),
     "wan_step": ("one Wan2.1-1.3B-shaped denoising step: cuDNN SDPA vs skip lists at fixed densities", "cuda"),
@@ -385,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Sample the committed trained tiny Wan denoiser dense and with SkipConfig,\n"
                                    "and print per step the density, the attention cos-sim against dense attention\n"
                                    "and the PSNR / SSIM of the latents against the dense run, then the timings and\n"
-                                   "a verdict. No download; about a minute on a 2-core CPU.")
+                                   "a verdict. No download; runs on a CPU (a quality check there) or a GPU.")
     p.add_argument("--random", action="store_true",
                    help="a random-weight tiny WanPipeline (sharpened attention) instead of the trained model")
     p.add_argument("--steps", type=int, help="denoising steps; " + default("steps"))

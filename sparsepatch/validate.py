@@ -227,6 +227,7 @@ def compare_outputs(dense: torch.Tensor, patched: torch.Tensor) -> dict:
 
 SSIM_SIGMA = 1.5      # gaussian window std (pixels) and constants of Wang et al. 2004, as torchmetrics' defaults
 SSIM_K1, SSIM_K2 = 0.01, 0.03
+SSIM_CHUNK_PIXELS = 1 << 22   # images per chunk x H x W: bounds the fp64 temporaries to a few hundred MB
 
 
 def _as_images(x: torch.Tensor) -> torch.Tensor | None:
@@ -258,20 +259,25 @@ def _ssim_gaussian(dense: torch.Tensor, patched: torch.Tensor, data_range: float
     torchmetrics' `structural_similarity_index_measure` computes with its defaults (gaussian kernel, sigma 1.5),
     which tests/test_validate.py checks when torchmetrics is installed.
     """
-    x, y = dense.double()[:, None], patched.double()[:, None]
-    g = _gaussian_window(SSIM_SIGMA, torch.float64, x.device)
+    g = _gaussian_window(SSIM_SIGMA, torch.float64, dense.device)
     pad = (g.numel() - 1) // 2
-    stack = torch.cat([x, y, x * x, y * y, x * y])                       # (5N, 1, H, W)
-    stack = torch.nn.functional.pad(stack, (pad, pad, pad, pad), mode="reflect")
-    stack = torch.nn.functional.conv2d(stack, g.view(1, 1, -1, 1))       # separable: rows, then columns
-    stack = torch.nn.functional.conv2d(stack, g.view(1, 1, 1, -1))
-    mu_x, mu_y, xx, yy, xy = stack.split(x.shape[0])
-    var_x = (xx - mu_x ** 2).clamp_min(0)
-    var_y = (yy - mu_y ** 2).clamp_min(0)
-    cov = xy - mu_x * mu_y
     c1, c2 = (SSIM_K1 * data_range) ** 2, (SSIM_K2 * data_range) ** 2
-    ssim_map = (2 * mu_x * mu_y + c1) * (2 * cov + c2) / ((mu_x ** 2 + mu_y ** 2 + c1) * (var_x + var_y + c2))
-    return ssim_map.mean().item()
+    n, h, w = dense.shape
+    chunk = max(1, SSIM_CHUNK_PIXELS // (h * w))
+    total = 0.0
+    for i in range(0, n, chunk):
+        x, y = dense[i:i + chunk].double()[:, None], patched[i:i + chunk].double()[:, None]
+        stack = torch.cat([x, y, x * x, y * y, x * y])                       # (5n, 1, H, W)
+        stack = torch.nn.functional.pad(stack, (pad, pad, pad, pad), mode="reflect")
+        stack = torch.nn.functional.conv2d(stack, g.view(1, 1, -1, 1))       # separable: rows, then columns
+        stack = torch.nn.functional.conv2d(stack, g.view(1, 1, 1, -1))
+        mu_x, mu_y, xx, yy, xy = stack.split(x.shape[0])
+        var_x = (xx - mu_x ** 2).clamp_min(0)
+        var_y = (yy - mu_y ** 2).clamp_min(0)
+        cov = xy - mu_x * mu_y
+        ssim_map = (2 * mu_x * mu_y + c1) * (2 * cov + c2) / ((mu_x ** 2 + mu_y ** 2 + c1) * (var_x + var_y + c2))
+        total += ssim_map.sum().item()
+    return total / (n * h * w)
 
 
 def ssim(dense: torch.Tensor, patched: torch.Tensor, data_range: float | None = None) -> float | None:
@@ -280,25 +286,25 @@ def ssim(dense: torch.Tensor, patched: torch.Tensor, data_range: float | None = 
     Images are the two last spatial axes (see `_as_images`: (B, F, C, H, W) video, (B, C, H, W) images, latents,
     or channels-last (..., H, W, C)); SSIM is computed per 2-D image and averaged. data_range: the value range
     L of the constants C1 = (0.01 L)^2, C2 = (0.03 L)^2; default the dense output's peak-to-peak, as the PSNR of
-    `compare_outputs`. Uses torchmetrics when installed, else `_ssim_gaussian` (the same definition, fp64).
+    `compare_outputs`. Computed by `_ssim_gaussian` (fp64), the definition of torchmetrics'
+    `structural_similarity_index_measure` at its defaults; tests/test_validate.py checks the two agree to 1e-12
+    where torchmetrics is installed. It is not called at run time: importing it costs seconds, more than the
+    demo's whole SSIM work.
     None when the outputs are not images (fewer than 3 axes) or smaller than 6 x 6 (the window's reflect padding
     needs 5 pixels on each side).
     """
     if dense.shape != patched.shape:
         raise ValueError(f"patched: shape {tuple(patched.shape)} != dense {tuple(dense.shape)}")
-    x, y = _as_images(dense.detach().cpu()), _as_images(patched.detach().cpu())
+    # fp64 convolutions are slow on CPUs (a 480p x 81-frame video: minutes) and fast on GPUs
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, y = _as_images(dense.detach().to(device)), _as_images(patched.detach().to(device))
     if x is None or min(x.shape[-2:]) < 6:
         return None
     if data_range is None:
         data_range = (x.max() - x.min()).item() or 1.0
     if data_range <= 0:
         raise ValueError(f"data_range must be > 0, got {data_range}")
-    try:
-        from torchmetrics.functional.image import structural_similarity_index_measure
-    except ImportError:
-        return _ssim_gaussian(x, y, data_range)
-    return structural_similarity_index_measure(y.double()[:, None], x.double()[:, None], sigma=SSIM_SIGMA,
-                                               k1=SSIM_K1, k2=SSIM_K2, data_range=float(data_range)).item()
+    return _ssim_gaussian(x, y, data_range)
 
 
 def _output_space(out, call_kwargs: dict) -> str | None:

@@ -2,6 +2,8 @@
 The demo command's output is tested in tests/test_cli.py."""
 import json
 import math
+import re
+import sys
 
 import pytest
 import torch
@@ -45,8 +47,12 @@ def test_validate_reports_per_layer_cos_output_psnr_and_restores(tmp_path):
     assert data["output_ssim"] == report.output_ssim and data["ssim_space"] == "pixel"
     assert [r["ssim"] for r in data["per_step"]] == report.extra["step_ssim"]
     assert report.device == "cpu" and report.dtype == "torch.float32"
-    assert report.backends == {"dense": "diffusers attention (torch SDPA unless set otherwise)",
-                               "patched": "sparsepatch PyTorch reference"}
+    assert report.backends["dense"] == "diffusers attention (torch SDPA unless set otherwise)"
+    # the handle's own account of what served the patched calls: "sparsepatch <backend> x<calls>, ..."
+    served = re.findall(r"([\w:.-]+) x(\d+)", report.backends["patched"])
+    assert report.backends["patched"].startswith("sparsepatch ") and served
+    # 2 layers x 2 branches x 4 steps, in the checked and the timed patched run
+    assert sum(int(n) for _, n in served) == 2 * 2 * 4 * 2
     assert "SSIM" in report.summary() and report.summary().splitlines()[-1] == report.verdict()
 
     # the same generator seed gives the same dense output: keep-everything validates to (near) identity
@@ -133,6 +139,15 @@ def test_ssim_fallback_matches_the_definition(shape, noise):
     # fp64 both ways, sums of ~121 terms of magnitude <= 1: agreement far below 1e-12
     assert got == pytest.approx(_ssim_oracle(x, y, 1.0), abs=1e-12)
     assert 0.0 < got < 1.0
+
+
+def test_ssim_in_chunks_equals_one_pass(monkeypatch):
+    v = sys.modules["sparsepatch.validate"]          # the attribute sparsepatch.validate is the function
+    x, y = _pair((7, 12, 10), 0.1, seed=3)
+    whole = _ssim_gaussian(x, y, data_range=1.0)
+    monkeypatch.setattr(v, "SSIM_CHUNK_PIXELS", 2 * 12 * 10)      # chunks of 2 images, the last one of 1
+    assert _ssim_gaussian(x, y, data_range=1.0) == pytest.approx(whole, abs=1e-14)
+    assert whole == pytest.approx(_ssim_oracle(x, y, 1.0), abs=1e-12)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 16, 16), (1, 4, 3, 24, 20), (2, 5, 3, 12, 12)])
