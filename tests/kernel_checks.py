@@ -194,3 +194,30 @@ def assert_rel(got, want, dtype=None, reduction: float = 1, margin: float = RMS_
         bound = rel_bound(dtype or got.dtype, reduction, depth, margin)
     err = rel(got, want)
     return check_bound(err if err == err else float("nan"), bound, what)
+
+
+def summarize(path: str, worst: int = 15) -> str:
+    """The tightest bounds of a SPARSEPATCH_TOL_LOG file: per (test, what), the largest err / bound over the runs
+    (CPU capabilities, thread counts) logged in it. Entries over their bound come from the negative checks of
+    tests/test_tolerances.py (expected to exceed) or from failed tests (pytest reported them)."""
+    worst_ratio, variants, over = {}, set(), 0
+    with open(path) as f:
+        for line in f:
+            e = json.loads(line)
+            variants.add((e["cap"], e["threads"]))
+            ratio = e["err"] / e["bound"] if e["bound"] > 0 and e["err"] == e["err"] else float("inf")
+            if ratio > 1:
+                over += 1
+                continue
+            key = (e["test"], e["what"])
+            worst_ratio[key] = max(worst_ratio.get(key, 0.0), ratio)
+    rows = sorted(worst_ratio.items(), key=lambda kv: -kv[1])[:worst]
+    out = [f"{len(worst_ratio)} bounds checked under {sorted(variants)}; {over} entries over their bound "
+           f"(negative checks / failures); tightest (err / bound, max over variants):"]
+    out += [f"  {r:6.3f}  {t} {w}".rstrip() for (t, w), r in rows]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    import sys
+    print(summarize(sys.argv[1]))
