@@ -81,29 +81,46 @@ def rel_bound(dtype, reduction: float = 1, depth: float = 1, margin: float = RMS
     return fp_bound(dtype, reduction, 1.0, depth, margin)
 
 
+def _logit_scale(q, k, scale) -> float:
+    """L = |scale| * max_(i, j) sum_d |q_id k_jd| (Cauchy-Schwarz max|q_i| max|k_j| for large inputs): >= every
+    |logit|, and the scale of a logit's rounding. q (B, Sq, Hq, D), k (B, Sk, Hk, D)."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    if not (Sq and Sk):
+        return 0.0
+    qa, ka = q.detach().float().abs(), k.detach().float().abs()
+    if B * Hq * Sq * Sk <= 1 << 24:
+        L = torch.einsum("bqhgd,bkhd->bhgqk", qa.reshape(B, Sq, Hk, Hq // Hk, D), ka).max().item()
+    else:
+        L = (qa.norm(dim=-1).max() * ka.norm(dim=-1).max()).item()
+    return abs(scale) * L
+
+
 def attention_bounds(q, k, v, dtype=None, scale=None, margin: float = MARGIN) -> tuple[float, float]:
     """(out, lse) max-abs error bounds for softmax attention evaluated in `dtype` (default q.dtype) vs the exact
     value. q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) with Hq % Hk == 0; scale defaults to D^-0.5.
 
-    A logit s = scale * sum_i q_i k_i is rounded by ~eps * sqrt(D) * L, L = scale * max sum_i |q_i k_i| (>= every
-    |s|; Cauchy-Schwarz max|q| max|k| for large inputs); that moves the output by up to L's rounding times max|v|
-    and the log-sum-exp by as much. The P.V sum adds eps * sqrt(Sk) * max|v|; the final rounding of the lse adds
-    eps * |lse| <= eps * (L + log Sk). Sources in quadrature."""
-    B, Sq, Hq, D = q.shape
-    Sk, Hk = k.shape[1], k.shape[2]
+    A logit s = scale * sum_d q_d k_d is rounded by ~eps * sqrt(D) * L (`_logit_scale`); that moves the output by
+    up to that times max|v| and the log-sum-exp by as much. The P.V sum adds eps * sqrt(Sk) * max|v|; the final
+    rounding of the lse adds eps * |lse| <= eps * (L + log Sk). Sources in quadrature."""
+    D, Sk = q.shape[-1], k.shape[1]
     scale = D ** -0.5 if scale is None else float(scale)
-    qa, ka = q.detach().float().abs(), k.detach().float().abs()
-    if B * Hq * Sq * Sk <= 1 << 24:
-        qa = qa.reshape(B, Sq, Hk, Hq // Hk, D)
-        L = torch.einsum("bqhgd,bkhd->bhgqk", qa, ka).max().item() if Sq and Sk else 0.0
-    else:
-        L = (qa.norm(dim=-1).max() * ka.norm(dim=-1).max()).item()
-    L *= abs(scale)
+    L = _logit_scale(q, k, scale)
     vmax = v.detach().double().abs().max().item() if v.numel() else 0.0
     logit2 = D * L * L
     out = fp_bound(dtype or q.dtype, Sk + logit2 + 1, vmax, 1, margin)
     lse = fp_bound(dtype or q.dtype, Sk + logit2 + (L + math.log(max(Sk, 1))) ** 2, 1.0, 1, margin)
     return out, lse
+
+
+def attention_rel_bound(q, k, v, dtype=None, scale=None, margin: float = RMS_MARGIN) -> float:
+    """Bound on `rel` (relative rms error) of attention outputs and gradients (dq, dk, dv) computed in `dtype`
+    (default q.dtype) vs the exact values: the sums over keys (out, dq), queries (dk, dv) and features (dP = dO V^T),
+    the logits' rounding sqrt(D) * L (`_logit_scale`) and the stored lse's (L + log Sk), in quadrature."""
+    Sq, D, Sk = q.shape[1], q.shape[-1], k.shape[1]
+    scale = D ** -0.5 if scale is None else float(scale)
+    L = _logit_scale(q, k, scale)
+    return rel_bound(dtype or q.dtype, Sq + Sk + D + D * L * L + (L + math.log(max(Sk, 1))) ** 2, 1, margin)
 
 
 def denoiser_bound(dtype, tokens: int, steps: int, layers: int, guidance: float = 1.0, magnitude: float = 1.0,
@@ -177,3 +194,30 @@ def assert_rel(got, want, dtype=None, reduction: float = 1, margin: float = RMS_
         bound = rel_bound(dtype or got.dtype, reduction, depth, margin)
     err = rel(got, want)
     return check_bound(err if err == err else float("nan"), bound, what)
+
+
+def summarize(path: str, worst: int = 15) -> str:
+    """The tightest bounds of a SPARSEPATCH_TOL_LOG file: per (test, what), the largest err / bound over the runs
+    (CPU capabilities, thread counts) logged in it. Entries over their bound come from the negative checks of
+    tests/test_tolerances.py (expected to exceed) or from failed tests (pytest reported them)."""
+    worst_ratio, variants, over = {}, set(), 0
+    with open(path) as f:
+        for line in f:
+            e = json.loads(line)
+            variants.add((e["cap"], e["threads"]))
+            ratio = e["err"] / e["bound"] if e["bound"] > 0 and e["err"] == e["err"] else float("inf")
+            if ratio > 1:
+                over += 1
+                continue
+            key = (e["test"], e["what"])
+            worst_ratio[key] = max(worst_ratio.get(key, 0.0), ratio)
+    rows = sorted(worst_ratio.items(), key=lambda kv: -kv[1])[:worst]
+    out = [f"{len(worst_ratio)} bounds checked under {sorted(variants)}; {over} entries over their bound "
+           f"(negative checks / failures); tightest (err / bound, max over variants):"]
+    out += [f"  {r:6.3f}  {t} {w}".rstrip() for (t, w), r in rows]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    import sys
+    print(summarize(sys.argv[1]))

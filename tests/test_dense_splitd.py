@@ -1,8 +1,9 @@
 """Split-D dense flash kernels (sparsepatch.kernels.dense.splitd) vs the reference, head dims 32..1024.
 
 CPU: TRITON_INTERPRET=1 at tiny shapes (partial tiles, GQA, causal with Sq != Sk, rows that see no key).
-Metric: relative Frobenius error per output / gradient. fp32 vs the fp64 oracle <= 1e-3; fp16 vs the fp32-input
-reference <= 1e-2. GPU (`-m gpu`): bf16 at D 256-1024, S 1-4096, fwd and grads <= 2e-2; plus a tiny
+Metric: relative Frobenius error per output / gradient. fp32 vs the fp64 oracle: kernel_checks.attention_rel_bound
+(1e-4..3e-4 here); fp16 vs the exact function of the fp16 inputs: P (dS) and the result rounded to fp16,
+rel_bound(fp16, 2 or 3) ~6e-3; LSEs (fp32 scores either way): attention_bounds. GPU (`-m gpu`): bf16 at D 256-1024, S 1-4096, fwd and grads <= 2e-2; plus a tiny
 Llama (head_dim 512) whose attention calls run on this kernel.
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_checks import INTERP, cpu_only, gpu, rel  # noqa: E402
+from kernel_checks import (INTERP, attention_bounds, attention_rel_bound, check_bound, cpu_only, gpu,  # noqa: E402
+                           max_err, rel, rel_bound)
 
 from sparsepatch.kernels.dense import reference  # noqa: E402
 
@@ -52,12 +54,12 @@ def test_forward_interpreter(case):
     q, k, v, _ = inputs(B, Sq, Sk, Hq, Hk, D, dt, seed=D)
     out, lse = dense.attention(q, k, v, causal=causal, return_lse=True)
     want, wlse = reference.attention(q.float(), k.float(), v.float(), causal=causal, return_lse=True)
-    tol = 1e-3 if dt == torch.float32 else 1e-2
+    tol = attention_rel_bound(q, k, v) if dt == torch.float32 else rel_bound(dt, 2)
     assert out.shape == q.shape and out.dtype == dt and lse.shape == (B, Hq, Sq) and lse.dtype == torch.float32
-    assert rel(out, want) <= tol
+    check_bound(rel(out, want), tol, "out")
     fin = torch.isfinite(wlse)
     assert torch.equal(torch.isfinite(lse), fin)
-    assert (lse[fin] - wlse[fin]).abs().max().item() <= 1e-3
+    check_bound(max_err(lse[fin], wlse[fin]), attention_bounds(q, k, v, torch.float32)[1], "lse")
     if not fin.all():
         assert out.float()[~fin.transpose(1, 2).unsqueeze(-1).expand_as(out)].abs().max() == 0
 
@@ -80,10 +82,10 @@ def test_grads_interpreter(case):
     loss = (out.float() * do.float()).sum() + ((lse * w).sum() if w is not None else 0.0)
     got = torch.autograd.grad(loss, (qq, kk, vv))
     _, _, want = ref_grads(q, k, v, do, causal, lse_weight=w)
-    tol = 1e-3 if dt == torch.float32 else 1e-2
+    tol = attention_rel_bound(q, k, v) if dt == torch.float32 else rel_bound(dt, 3)
     for name, a, b in zip("qkv", got, want):
         assert a.shape == b.shape and a.dtype == dt
-        assert rel(a, b) <= tol, (name, rel(a, b))
+        check_bound(rel(a, b), tol, name)
 
 
 @cpu_only
@@ -93,7 +95,7 @@ def test_backward_without_lse_recomputes():
     out = dense.attention(qq, k, v, causal=True)
     (dq,) = torch.autograd.grad(out, (qq,), do)
     _, _, want = ref_grads(q, k, v, do, True)
-    assert rel(dq, want[0]) <= 1e-3
+    check_bound(rel(dq, want[0]), attention_rel_bound(q, k, v), "dq")
 
 
 def test_supports_and_errors():
@@ -177,7 +179,8 @@ def test_llama_head_dim_512_dense_config_cpu():
     finally:
         h.remove()
     assert torch.equal(got, want)
-    assert rel(logits, want_logits) <= 1e-4
+    # two fp32 evaluations of the model (2 layers, 12 + 6 tokens): relative rms bound each
+    check_bound(rel(logits, want_logits), 2 * rel_bound(torch.float32, 18, depth=2), "logits")
 
 
 @gpu
@@ -222,9 +225,9 @@ def test_forward_modes_interpreter(mode):
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=64, DC=64, NC=4, num_warps=4, num_stages=2, q=mode, qk_stages=2)
     out, lse = dense._fwd_impl(q, k, v, True, 320 ** -0.5, True, cfg=cfg)
     want, wlse = reference.attention(q, k, v, causal=True, return_lse=True)
-    assert rel(out, want) <= 1e-3
+    check_bound(rel(out, want), attention_rel_bound(q, k, v), "out")
     fin = torch.isfinite(wlse)
-    assert (lse[fin] - wlse[fin]).abs().max().item() <= 1e-3
+    check_bound(max_err(lse[fin], wlse[fin]), attention_bounds(q, k, v)[1], "lse")
 
 
 @cpu_only
@@ -246,7 +249,7 @@ def test_backward_scratch_chunks_interpreter(scratch):
         dense._bwd_chunks = old
     _, _, want = ref_grads(q, k, v, do, True)
     for name, a, b in zip("qkv", got, want):
-        assert rel(a, b) <= 1e-3, (name, rel(a, b))
+        check_bound(rel(a, b), attention_rel_bound(q, k, v), name)
 
 
 @cpu_only
@@ -268,7 +271,7 @@ def test_forward_materialised_interpreter(scratch):
     finally:
         dense._bwd_chunks = old
     want, wlse = reference.attention(q, k, v, causal=True, return_lse=True)
-    assert rel(out, want) <= 1e-3
+    check_bound(rel(out, want), attention_rel_bound(q, k, v), "out")
     fin = torch.isfinite(wlse)
     assert torch.equal(torch.isfinite(lse), fin) and not fin.all()
-    assert (lse[fin] - wlse[fin]).abs().max().item() <= 1e-3
+    check_bound(max_err(lse[fin], wlse[fin]), attention_bounds(q, k, v)[1], "lse")
