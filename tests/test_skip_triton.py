@@ -204,7 +204,8 @@ def test_skip_step_interp(B, must_do):
         q, k, v, assign = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=10 + call, assign=assign)
         args = (thr, 1, tile[0], tile[1], 1 / math.sqrt(D), must_do)
         out = skip.skip_step(q, k, v, bufs.counts, bufs.indices, bufs.step, bufs.density, *args)
-        rout = stateful._skip_step_reference(q, k, v, refb.counts, refb.indices, refb.step, refb.density, *args)
+        rout = stateful._skip_step_portable(q, k, v, refb.counts, refb.indices, refb.step, refb.density, *args,
+                                            refb.nonfinite, "reference")
         assert_close(out, rout, dtype)
         assert bufs.calls() == refb.calls() == call + 1
         assert bufs.current(1).equal(refb.current(1))

@@ -80,8 +80,11 @@ def test_validate_gradients_exact_and_approximate():
                   encoder_hidden_states=torch.randn(1, 16, 16, generator=g))
     keep_all = sp.validate_gradients(model, sp.SkipConfig(threshold=-1e9, tile=(16, 16)), **inputs)
     # keep-all gradients are two fp32 evaluations (forward + backward through 2 blocks over 192 tokens) of the dense
-    # ones: relative error r <= rel_bound, and 1 - cos = r^2 / 2 for a perturbation orthogonal to the gradient
-    r = rel_bound(torch.float32, reduction=3 * 8 * 8, depth=2 * 2)
+    # ones (dense: SDPA; keep-all: the CPU skip kernel): relative error r <= rel_bound, amplified by the score size
+    # (an fp32 softmax turns the absolute score error eps * |s| into a relative weight error; this model multiplies
+    # its logits by attention_gain / sqrt(head_dim)), and 1 - cos = r^2 / 2 for a perturbation orthogonal to the
+    # gradient
+    r = rel_bound(torch.float32, reduction=3 * 8 * 8, depth=2 * 2) * (1 + 100.0 / 32 ** 0.5)
     check_bound(1 - keep_all.param_grad_cos, r * r / 2, "1 - cos")
     check_bound(1 - keep_all.param_grad_cos_min, r * r / 2, "1 - min cos")
     assert set(keep_all.attention_grad_cos) == {"blocks.0.attn1", "blocks.1.attn1"}

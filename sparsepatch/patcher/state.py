@@ -93,7 +93,7 @@ class PatchHandle:
         self._removed = False
         self._calls = 0
         self._history = defaultdict(lambda: defaultdict(list))   # layer -> branch -> [density per call]
-        self._backends: dict = {}                                # layer -> backend -> calls served
+        self._served: dict = {}                                # layer -> backend -> calls served
         self._buffers: dict[tuple[str, str], tuple] = {}         # (layer, context) -> (buffers, site, names, grid)
         self.contexts: dict[str, str] = {}                       # denoiser prefix -> current cache context
         self.probe = None                                        # validate's hook: fn(site, branch_names, q, k, v, out)
@@ -140,8 +140,11 @@ class PatchHandle:
 
     # --- accounting ---------------------------------------------------------------------------------------------
     def count_backend(self, layer_name: str, backend: str) -> None:
-        """One call of layer_name served by `backend` (stats()["backends"])."""
-        counts = self._backends.setdefault(layer_name, {})
+        """One call of layer_name served by `backend` (stats()["backends"]). Not counted inside torch.compile
+        graphs: a Python counter there would be a guard that recompiles every call."""
+        if torch.compiler.is_compiling():
+            return
+        counts = self._served.setdefault(layer_name, {})
         counts[backend] = counts.get(backend, 0) + 1
 
     def record_call(self, layer_name: str, branch: str, density: float) -> None:
@@ -182,7 +185,7 @@ class PatchHandle:
                     per_step[i].append(d)
         return {"calls": calls, "density": density,
                 "per_step": [sum(v) / len(v) for _, v in sorted(per_step.items())],
-                "backends": {layer: dict(c) for layer, c in self._backends.items()}}
+                "backends": {layer: dict(c) for layer, c in self._served.items()}}
 
     def skip_lists(self) -> dict:
         """{(layer, context): SkipList the next call will read} for the live lists (for inspection and tests)."""

@@ -783,7 +783,7 @@ def skip_attention(q, k, v, skip_list: SkipList | None = None, threshold: float 
 
 
 def skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale, must_do_flat):
-    """CUDA body of `sparsepatch::skip_step`: same semantics as `stateful._skip_step_reference`, no host sync.
+    """CUDA body of `sparsepatch::skip_step`: same semantics as `stateful._skip_step_portable` (the reference backend), no host sync.
 
     counts (2, B, H, Tq) / indices (2, B, H, Tq, Tk) are the list slots, step int64 (1,), density fp32 (N, B).
     The kernel reads `step` itself: calls < warmup_steps run dense and leave the lists alone; later calls read
