@@ -33,7 +33,7 @@ import torch
 
 from ..config import NSAConfig
 from . import transformers_compat as compat
-from .transformers import SharedRegistration, _add_release, wants_attentions
+from .transformers_shared import SharedRegistration, _add_release, wants_attentions
 from .. import kernels
 from ..kernels import nsa as nsa_kernels
 
@@ -75,8 +75,8 @@ def _attention_modules(model):
 
 def patch_nsa(model, config: NSAConfig, handle) -> None:
     """Route `model`'s attention through NSA (prefill and generate); undos registered on `handle`."""
-    from .transformers import _PATCHED as _DENSE_PATCHED
-    from .transformers import _all_configs, _check_model
+    from .transformers_shared import _PATCHED as _DENSE_PATCHED
+    from .transformers_shared import _all_configs, _check_model
 
     _check_model(model)
     nsa_kernels.check_config(config)

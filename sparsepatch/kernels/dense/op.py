@@ -58,7 +58,8 @@ def _empty_keys(q, v, return_lse):
 
 # ------------------------------------------------------------------------------------------------- backends
 
-def _gpu_kernel_reason(call: Call) -> str | None:
+def gpu_kernel_reason(call: Call) -> str | None:
+    """Why our CUDA kernels cannot run `call` (device, dtype, mask, head dims, causal alignment), or None."""
     if call.device != "cuda":
         return "needs a CUDA tensor"
     if call.dtype not in _HALF:
@@ -73,7 +74,7 @@ def _gpu_kernel_reason(call: Call) -> str | None:
 
 
 def _flash_supports(call: Call) -> str | None:
-    why = _gpu_kernel_reason(call)
+    why = gpu_kernel_reason(call)
     if why:
         return why
     if call.head_dim not in (64, 128):
@@ -88,7 +89,7 @@ def _flash_run(q, k, v, *, causal, scale, attn_mask, return_lse):
 
 
 def _splitd_supports(call: Call) -> str | None:
-    why = _gpu_kernel_reason(call)
+    why = gpu_kernel_reason(call)
     if why:
         return why
     if call.head_dim % 32 or not 32 <= call.head_dim <= 1024:

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from ..dense.op import check_attention_inputs
+from ..dense.op import check_attention_inputs, gpu_kernel_reason
 from ..dispatch import Backend, Call, Dispatcher
 from . import reference
 from .skiplist import DEFAULT_TILE, SkipList, check_tile, num_tiles
-
-_HALF = (torch.float16, torch.bfloat16)
-
 
 def triton_tile_ok(tile) -> bool:
     """Tiles the Triton kernel runs: tm in {16, 32, 64, 128}, tn a multiple of 16 up to 512."""
@@ -28,13 +25,10 @@ def triton_tile_ok(tile) -> bool:
 
 
 def _flash_supports(call: Call) -> str | None:
-    if call.device != "cuda":
-        return "needs a CUDA tensor"
-    if call.dtype not in _HALF:
-        return f"needs float16/bfloat16, got {call.dtype}"
-    if call.mask is not None:
-        return "takes no attn_mask"
-    if call.head_dim not in (64, 128) or call.head_dim_v != call.head_dim:
+    why = gpu_kernel_reason(call)
+    if why:
+        return why
+    if call.head_dim not in (64, 128):
         return f"head dim {call.head_dim} (runs 64 / 128)"
     if not triton_tile_ok(call.tile):
         return f"tile {call.tile} (runs tm in 16/32/64/128, tn a multiple of 16 <= 512)"
