@@ -431,16 +431,27 @@ def _logits(model, ids, mask=None):
         return model(input_ids=ids, attention_mask=mask).logits
 
 
+def _generate_scores(model, ids, mask, n):
+    """Greedy generate of n tokens -> (sequences (B, T + n), scores (B, n, vocab)): score 0 from the prefill,
+    1.. from one-token decode steps on the cache."""
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.scores, 1)
+
+
 def test_minimax_patched_generate_and_exact_unpatch():
+    """Patched generate gives the unpatched scores at every step (1e-4: fp32 rounding through 4 layers, the error
+    model of test_minimax_logits.py; the decode bugs tried there move them by 3e-4 to 0.4), then unpatch restores
+    the model."""
     from sparsepatch.patcher.transformers_lightning import patch_lightning_layers
     model = tiny_minimax()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, 96, (2, 37), generator=g)
     mask = torch.ones_like(ids)
     mask[0, :5] = 0                                              # left padding on one row
-    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     base_logits = _logits(model, ids, mask)
-    base_tokens = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    base_tokens, base_scores = _generate_scores(model, ids, mask, 12)
     class_forward = type(model.model.layers[0].self_attn).forward
 
     handle = StandInHandle()
@@ -451,7 +462,9 @@ def test_minimax_patched_generate_and_exact_unpatch():
         patch_lightning_layers(model, None, StandInHandle())
     logits = _logits(model, ids, mask)
     assert (logits - base_logits).abs().max().item() < 1e-4
-    tokens = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    tokens, scores = _generate_scores(model, ids, mask, 12)
+    step_err = (scores - base_scores).abs().amax(dim=(0, 2))
+    assert step_err.max().item() < 1e-4, f"per step: {step_err.tolist()}"
     assert torch.equal(tokens, base_tokens)
     assert handle.calls[("model.layers.0.self_attn", "decode")] == 11
     assert handle.calls[("model.layers.3.self_attn", "prefill")] == 2
@@ -536,14 +549,19 @@ def test_gpu_minimax_patched_generate():
     from sparsepatch.patcher.transformers_lightning import patch_lightning_layers
     model = tiny_minimax(device="cuda")
     ids = torch.randint(2, 96, (2, 100), generator=torch.Generator().manual_seed(2)).cuda()
-    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     base_logits = _logits(model, ids)
     handle = StandInHandle()
     patch_lightning_layers(model, None, handle)
     logits = _logits(model, ids)
-    model.generate(input_ids=ids, **kw)
+    tokens, scores = _generate_scores(model, ids, torch.ones_like(ids), 8)
     handle.remove()
     assert rel(logits, base_logits) < 1e-2                       # tf32 dot products in prefill
+    # every step, decode steps included, against the unpatched model's one forward over the patched run's tokens
+    # (so a tf32 near-tie that flips a token does not change what is compared). The decode kernel is fp32: the
+    # steps carry the prefill's tf32 error (relative ~2^-11 per product) and nothing that grows per step.
+    want = _logits(model, tokens)[:, ids.shape[1] - 1:-1]
+    step_rel = [rel(scores[:, i], want[:, i]) for i in range(scores.shape[1])]
+    assert max(step_rel) < 1e-2, f"per step: {step_rel}"
     assert handle.calls[("model.layers.0.self_attn", "decode")] == 7
     assert torch.equal(_logits(model, ids), base_logits)
 
