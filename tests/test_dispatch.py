@@ -141,6 +141,15 @@ def test_cpu_skip_backend_matches_the_reference(tile, must_do, gqa):
     assert lst.density() < 1.0      # the lists really shrank: the comparison covered sparse calls
 
 
+def test_cpu_skip_backend_first_call_takes_sdpa_for_the_output_and_keeps_the_exact_list():
+    q, k, v = video_like_qkv(frames=3, height=6, width=8, dim=32, step=0)
+    k, v = k[:, :, :1], v[:, :, :1]                       # GQA: every query head on one kv head
+    o_cpu, n_cpu = sp.kernels.skip_attention(q, k, v, None, -3.0, tile=(32, 32), backend="cpu")
+    o_ref, n_ref = skip_reference.skip_attention(q, k, v, None, -3.0, tile=(32, 32))
+    assert n_cpu.equal(n_ref) and n_ref.density() < 1.0
+    assert (o_cpu.double() - o_ref.double()).abs().max() <= attention_bound(q, k, v, torch.float32)
+
+
 def test_cpu_skip_backend_gathers_below_the_dense_switch():
     q, k, v = video_like_qkv(frames=4, height=8, width=8, dim=32, step=0)
     B, S, H, _ = q.shape

@@ -72,6 +72,13 @@ def skip_attention(q, k, v, skip_list: SkipList | None = None, threshold: float 
     everything = bool(listed.all())          # density 1 without padding columns: no masking pass at all
     all_tiles = torch.arange(Tk, device=q.device)
     cols = (C if gather else Tk) * tn
+    # Every tile listed (a first call, density 1): the output is dense attention, so SDPA computes it and the
+    # blocks below only run the keep test (one Q K^T GEMM and a max pass instead of a softmax and a second GEMM).
+    sdpa_out = everything and not return_lse and not gather
+    if sdpa_out:
+        dense = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2).to(compute), k.transpose(1, 2).to(compute), v.transpose(1, 2).to(compute),
+            scale=scale, enable_gqa=group > 1)                               # (B, Hq, Sq, Dv)
     # Blocks of q-tiles whose scores fit in cache: every pass over the scores (max, exp, sum) stays there.
     per_tile = tm * cols * (8 if compute == torch.float64 else 4)
     tiles_per_block = max(1, BLOCK_BYTES // per_tile)
@@ -108,6 +115,8 @@ def skip_attention(q, k, v, skip_list: SkipList | None = None, threshold: float 
                 kk = torch.zeros((n, Tk), dtype=torch.bool, device=q.device)
                 kk.scatter_(-1, idx.long(), keep_slot)   # a row's slots hold distinct tiles; padded slots write False
                 keep[b, h, t0:t1] = kk
+                if sdpa_out:
+                    continue
                 # softmax (one fused pass); rows with no finite score give 0 and lse -inf
                 m = running[..., -1:]                                        # (n, tm, 1): the row max
                 if return_lse:
@@ -120,7 +129,10 @@ def skip_attention(q, k, v, skip_list: SkipList | None = None, threshold: float 
                 out[b, h, t0:t1] = o
     if forced is not None:
         keep |= forced.to(q.device)
-    out = out.reshape(B, Hq, Tq * tm, -1)[:, :, :Sq].transpose(1, 2).to(q.dtype)
+    if sdpa_out:
+        out = dense.transpose(1, 2).to(q.dtype)
+    else:
+        out = out.reshape(B, Hq, Tq * tm, -1)[:, :, :Sq].transpose(1, 2).to(q.dtype)
     nxt = SkipList.from_mask(keep, (tm, tn), Sq, Sk)
     if return_lse:
         return out, nxt, lse.reshape(B, Hq, Tq * tm)[..., :Sq]
