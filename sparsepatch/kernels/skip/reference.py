@@ -61,7 +61,7 @@ def check_skip_list(skip_list: SkipList, B: int, Hq: int, Sq: int, Sk: int) -> N
 
 def skip_attention(q, k, v, skip_list: SkipList | None = None, threshold: float = -5.0, *, scale=None,
                    must_do=None, return_lse: bool = False, tile=DEFAULT_TILE, attn_mask=None):
-    """Temporal skip-list attention (DESIGN.md section 5), the oracle for kernels/skip.py.
+    """Temporal skip-list attention (DESIGN.md section 5), the oracle for every skip backend (triton.py, gluon.py, cpu.py).
 
     Only the tiles in `skip_list` (plus must_do tiles) contribute to the softmax. Tiles are visited in ascending
     k-tile order; a visited tile is kept for the next call iff some row r of its q-tile has

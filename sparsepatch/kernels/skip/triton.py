@@ -21,7 +21,7 @@ the next list by popcounts (POPC) and prefetches the prologue data of the progra
 deleted; benchmarks/NOTES.md, skip forward v4 / v5.)
 
 On an sm_90 GPU with Gluon (Triton 3.6), tile 128x128 skip calls without must_do and non-causal dense calls at
-head dim 128 run `skip_gluon.py` instead (cfg key `gluon`, on by default there): a persistent warp-specialised
+head dim 128 run `gluon.py` instead (cfg key `gluon`, on by default there): a persistent warp-specialised
 kernel with the same function, ~10% faster per tile than this one's and than cuDNN, with a cheaper q-tile epilogue
 and its rho-1 loop within 1-3% of its dense mode (benchmarks/NOTES.md, skip forward v9 / v10 / v12); so does
 `skip_step` (the stateful patcher path) without must_do. must_do, other tiles / head dims, causal dense and the
@@ -631,7 +631,7 @@ _GLUON_OK = [True]   # False after a failed Gluon launch (another Triton's Gluon
 
 
 def _gluon_call(fn, *args, **kwargs):
-    """fn(*args) on the Gluon kernel (skip_gluon.py), or None after warning once if it cannot run here."""
+    """fn(*args) on the Gluon kernel (gluon.py), or None after warning once if it cannot run here."""
     try:
         return fn(*args, **kwargs)
     except torch.OutOfMemoryError:   # not the kernel's fault: the Triton path would need the same memory
