@@ -24,5 +24,10 @@ def patch(pipe_or_model, config=None) -> PatchHandle:
     if config is None:
         config = recipes.default_config(pipe_or_model)
     return patcher.patch(pipe_or_model, config)
-__all__ = ["patch", "unpatch", "handle_of", "PatchHandle", "SkipConfig", "DenseConfig", "NSAConfig",
+def tune(**kwargs):
+    """Measure the dense dispatcher's cost table on this GPU once and cache it (`sparsepatch.kernels.tune`)."""
+    return kernels.tune(**kwargs)
+
+
+__all__ = ["tune", "patch", "unpatch", "handle_of", "PatchHandle", "SkipConfig", "DenseConfig", "NSAConfig",
            "LightningConfig", "validate", "ValidationReport", "validate_gradients", "GradientReport", "kernels"]

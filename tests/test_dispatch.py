@@ -79,6 +79,30 @@ def test_cost_table_routes_to_the_fastest_measured_backend():
         dispatch.set_cost_table(old)
 
 
+def test_shipped_sm90_table_routes_our_kernel_where_it_wins_and_sdpa_elsewhere():
+    """The shipped table (H200 grid): non-causal D128 at 32K -> our kernel; causal D64 prefill and decode -> SDPA."""
+    import json
+    import os
+    path = os.path.join(os.path.dirname(dispatch.__file__), "cost_tables", "sm90.json")
+    with open(path) as f:
+        table = dispatch.CostTable(json.load(f), source=path)
+    assert len(table) >= 100
+
+    def route(B, Sq, Sk, Hq, Hk, D, causal):
+        call = dispatch.Call("attention", "cuda", (9, 0), torch.bfloat16, B, Sq, Sk, Hq, Hk, D, D, causal)
+        costs = table.costs(call)
+        ok = {b.name: costs[b.name] + b.host_ms for b in dense_op.BACKENDS
+              if b.name in costs and b.name in ("flash_triton", "splitd_triton", "sdpa")}
+        return min(ok, key=ok.get), costs
+
+    best, costs = route(1, 32768, 32768, 12, 12, 128, False)       # Wan2.1-1.3B-like: our Gluon kernel wins
+    assert best == "flash_triton" and costs["flash_triton"] < costs["sdpa"]
+    best, costs = route(4, 4096, 4096, 32, 8, 64, True)            # LLM prefill at D64: SDPA wins
+    assert best == "sdpa" and costs["flash_triton"] > costs["sdpa"]
+    best, _ = route(16, 1, 8192, 32, 8, 128, True)                 # decode: SDPA
+    assert best == "sdpa"
+
+
 def test_forced_backend_and_explain():
     q, k, v = _inputs(1, 16, 16, 2, 2, 32, torch.float32, "cpu")
     out = sp.kernels.attention(q, k, v, backend="reference")
