@@ -73,7 +73,8 @@ def gpu_kernel_reason(call: Call) -> str | None:
     return None
 
 
-def _flash_supports(call: Call) -> str | None:
+def flash_kernel_reason(call: Call) -> str | None:
+    """Why the Triton / Gluon flash kernel (the skip-list kernel, also dense) cannot run `call`, or None."""
     why = gpu_kernel_reason(call)
     if why:
         return why
@@ -82,9 +83,14 @@ def _flash_supports(call: Call) -> str | None:
     return None
 
 
+def unit_head_dim_stride(*ts):
+    """The tensors, each copied only where its head dim (last axis) is not unit-stride, as the kernels index it."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
+
+
 def _flash_run(q, k, v, *, causal, scale, attn_mask, return_lse):
     from ..skip import triton as skip_triton
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = unit_head_dim_stride(q, k, v)
     return skip_triton.attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
 
 
@@ -99,7 +105,7 @@ def _splitd_supports(call: Call) -> str | None:
 
 def _splitd_run(q, k, v, *, causal, scale, attn_mask, return_lse):
     from . import splitd
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = unit_head_dim_stride(q, k, v)
     return splitd.attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
 
 
@@ -116,7 +122,7 @@ def _sdpa_backend(name, kernel):
 
 
 BACKENDS = [
-    Backend("flash_triton", _flash_supports, _flash_run),
+    Backend("flash_triton", flash_kernel_reason, _flash_run),
     Backend("splitd_triton", _splitd_supports, _splitd_run),
     _sdpa_backend("sdpa_cudnn", "cudnn"),
     _sdpa_backend("sdpa_flash", "flash"),

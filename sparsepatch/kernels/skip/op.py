@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dense.op import check_attention_inputs, gpu_kernel_reason
+from ..dense.op import check_attention_inputs, flash_kernel_reason, unit_head_dim_stride
 from ..dispatch import Backend, Call, Dispatcher
 from . import reference
 from .skiplist import DEFAULT_TILE, SkipList, check_tile, num_tiles
@@ -25,11 +25,9 @@ def triton_tile_ok(tile) -> bool:
 
 
 def _flash_supports(call: Call) -> str | None:
-    why = gpu_kernel_reason(call)
+    why = flash_kernel_reason(call)
     if why:
         return why
-    if call.head_dim not in (64, 128):
-        return f"head dim {call.head_dim} (runs 64 / 128)"
     if not triton_tile_ok(call.tile):
         return f"tile {call.tile} (runs tm in 16/32/64/128, tn a multiple of 16 <= 512)"
     return None
@@ -38,7 +36,7 @@ def _flash_supports(call: Call) -> str | None:
 def _flash_run(q, k, v, skip_list, threshold, **kw):
     from . import triton as skip_triton
     kw.pop("attn_mask")
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = unit_head_dim_stride(q, k, v)
     return skip_triton.skip_attention(q, k, v, skip_list, threshold, **kw)
 
 
