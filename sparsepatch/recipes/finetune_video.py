@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of clips trained with an all-zero text embedding (for classifier-free guidance)")
     p.add_argument("--colour-jitter", type=float, default=None,
                    help="clip colours fixed per class up to this jitter (data.render_clip); default: random colours")
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="wall-clock budget of the training loop; 0: none. At step 40 the step count is cut to what fits "
+                        "(timed over steps 10-40) and the learning-rate schedule is fitted to that count")
     return p
 
 
@@ -144,17 +147,21 @@ def flow_matching_inputs(x0: torch.Tensor, generator: torch.Generator, shard: tu
     return (1 - tt) * x0 + tt * noise, t * 1000.0, noise - x0
 
 
-def lr_factor(schedule: str, warmup: int, total: int):
-    """Multiplier of the base learning rate at optimizer step s (0-based), for LambdaLR."""
+def lr_factor(schedule: str, warmup: int, total):
+    """Multiplier of the base learning rate at optimizer step s (0-based), for LambdaLR.
+
+    total: the number of steps, an int or a one-element list (read at each step, so a wall-clock budget can
+    shorten the schedule after it has started)."""
     if warmup < 0:
         raise ValueError(f"--lr-warmup must be >= 0, got {warmup}")
+    steps = total if isinstance(total, list) else [total]
 
     def factor(s: int) -> float:
         if s < warmup:
             return (s + 1) / warmup
         if schedule == "constant":
             return 1.0
-        progress = (s - warmup) / max(total - warmup, 1)
+        progress = (s - warmup) / max(steps[0] - warmup, 1)
         return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
     return factor
 
@@ -280,6 +287,8 @@ def main(argv=None) -> dict:
         raise ValueError(f"--list-refresh must be >= 0, got {args.list_refresh}")
     if not 0.0 <= args.cond_dropout < 1.0:
         raise ValueError(f"--cond-dropout must be in [0, 1), got {args.cond_dropout}")
+    if args.max_minutes < 0:
+        raise ValueError(f"--max-minutes must be >= 0, got {args.max_minutes}")
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -306,8 +315,9 @@ def main(argv=None) -> dict:
                                          generator=torch.Generator().manual_seed(args.seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     # Stepped by hand once per optimizer step (not prepared: accelerate would step it once per process).
+    total_steps = [args.max_steps]     # cut by --max-minutes once the step time is known
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(args.lr_schedule, args.lr_warmup,
-                                                                       args.max_steps))
+                                                                       total_steps))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     raw = accelerator.unwrap_model(model)
     # One noise stream for the global batch, seeded alike on every process (see flow_matching_inputs).
@@ -318,7 +328,22 @@ def main(argv=None) -> dict:
     bar = progress(args.max_steps, accelerator.is_local_main_process, f"finetune_video[{args.config}]")
     batches = iter(loader)
     model.train()
+    loop_start = time.perf_counter()
     for step in range(args.max_steps):
+        if step >= total_steps[0]:
+            break
+        if args.max_minutes > 0 and step == 10:
+            steady_start = time.perf_counter()   # the first steps carry compiles and allocator warm-up
+        if args.max_minutes > 0 and step == 40:
+            # Every process must cut at the same step: the mean of the processes' steady step times decides.
+            now = time.perf_counter()
+            per_step = torch.tensor((now - steady_start) / 30, device=accelerator.device)
+            per_step = accelerator.reduce(per_step, reduction="mean") if accelerator.num_processes > 1 else per_step
+            fits = step + int((args.max_minutes * 60 - (now - loop_start)) / float(per_step))
+            total_steps[0] = max(step + 1, min(args.max_steps, fits))
+            if total_steps[0] < args.max_steps:
+                accelerator.print(f"--max-minutes {args.max_minutes}: {float(per_step) * 1000:.1f} ms per step, "
+                                  f"training {total_steps[0]} of {args.max_steps} steps")
         try:
             batch = next(batches)
         except StopIteration:

@@ -47,19 +47,34 @@ LATENT_SIZE = 24    # latent H = W -> 12 x 12 tokens per frame, 8 * 144 = 1152 t
 TEXT_LEN = 8
 SEED = 0
 
+# The model at the GPU kernels' tile sizes (issue 26): head dim 64, so the Triton/Gluon skip kernels serve it, and
+# 16 latent frames x 16 x 16 tokens = 4096 tokens per clip, so a 64- or 128-token tile is a few rows of one frame.
+KERNEL_VIDEO_DIR = ASSET_DIR.parent / "tiny_video_d64"
+PRESETS = {
+    "tiny": dict(config=TINY_VIDEO_CONFIG, frames=FRAMES, latent_size=LATENT_SIZE, output_dir=ASSET_DIR),
+    "d64": dict(config=dict(TINY_VIDEO_CONFIG, attention_head_dim=64, ffn_dim=1024),
+                frames=16, latent_size=32, output_dir=KERNEL_VIDEO_DIR, save_dtype="float16"),
+}
+
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sparsepatch.recipes.train_tiny_video", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="tiny: the committed head-dim-32 model (1152 tokens); d64: head dim 64, 4096 tokens "
+                        "(sparsepatch/assets/tiny_video_d64)")
     p.add_argument("--max-steps", type=int, default=4000)
+    p.add_argument("--max-minutes", type=float, default=0.0, help="wall-clock budget of the loop; 0: none")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--frames", type=int, default=FRAMES)
-    p.add_argument("--latent-size", type=int, default=LATENT_SIZE)
+    p.add_argument("--frames", type=int, default=None, help="latent frames (default: the preset's)")
+    p.add_argument("--latent-size", type=int, default=None, help="latent H = W (default: the preset's)")
     p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine")
     p.add_argument("--lr-warmup", type=int, default=200)
     p.add_argument("--num-workers", type=int, default=0, help="data-loader processes drawing the clips")
-    p.add_argument("--output-dir", default=str(ASSET_DIR))
+    p.add_argument("--output-dir", default=None, help="default: the preset's asset directory")
+    p.add_argument("--init-from", default=None,
+                   help="start from these saved weights (save_pretrained directory) instead of seeded random ones")
     p.add_argument("--log-every", type=int, default=25)
     # training objective (finetune_video's options; defaults = the plain rectified-flow objective)
     p.add_argument("--t-dist", choices=("uniform", "logit-normal"), default="uniform")
@@ -70,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--ffn-dim", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=None)
     # the sampler settings recorded with the weights (training does not use them; testing.trained_video_call_kwargs
     # reads them from training_info.json): Euler timestep shift and classifier-free guidance scale
     p.add_argument("--sample-shift", type=float, default=3.0)
@@ -77,21 +93,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_config(layers=None, heads=None, ffn_dim=None) -> dict:
-    """TINY_VIDEO_CONFIG with the given overrides (None: keep)."""
-    cfg = dict(TINY_VIDEO_CONFIG)
-    for key, value in (("num_layers", layers), ("num_attention_heads", heads), ("ffn_dim", ffn_dim)):
+def model_config(layers=None, heads=None, ffn_dim=None, head_dim=None, base: dict | None = None) -> dict:
+    """`base` (default TINY_VIDEO_CONFIG) with the given overrides (None: keep)."""
+    cfg = dict(base or TINY_VIDEO_CONFIG)
+    for key, value in (("num_layers", layers), ("num_attention_heads", heads), ("ffn_dim", ffn_dim),
+                       ("attention_head_dim", head_dim)):
         if value is not None:
             cfg[key] = value
     return cfg
 
 
-def build_initial(path: str, config: dict | None = None):
-    """Random initial weights of `config` (default TINY_VIDEO_CONFIG) from SEED, saved to `path` (save_pretrained)."""
+def build_initial(path: str, config: dict | None = None, init_from: str | None = None):
+    """Initial weights saved to `path` (save_pretrained): those saved in `init_from` (to resume a run), else random
+    weights of `config` (default TINY_VIDEO_CONFIG) from SEED."""
     import torch
     from diffusers import WanTransformer3DModel
-    torch.manual_seed(SEED)
-    model = WanTransformer3DModel(**(config or TINY_VIDEO_CONFIG))
+    if init_from:
+        model = WanTransformer3DModel.from_pretrained(init_from, torch_dtype=torch.float32)
+    else:
+        torch.manual_seed(SEED)
+        model = WanTransformer3DModel(**(config or TINY_VIDEO_CONFIG))
     model.save_pretrained(path)
     return model
 
@@ -99,23 +120,39 @@ def build_initial(path: str, config: dict | None = None):
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     from . import finetune_video
-    config = model_config(args.layers, args.heads, args.ffn_dim)
+    preset = PRESETS[args.preset]
+    frames = args.frames or preset["frames"]
+    latent_size = args.latent_size or preset["latent_size"]
+    output_dir = args.output_dir or str(preset["output_dir"])
+    config = model_config(args.layers, args.heads, args.ffn_dim, args.head_dim, base=preset["config"])
     objective = ["--t-dist", args.t_dist, "--t-shift", str(args.t_shift), "--cond-dropout", str(args.cond_dropout)]
     colour_jitter = None if args.colour_jitter is None or args.colour_jitter < 0 else args.colour_jitter
     if colour_jitter is not None:
         objective += ["--colour-jitter", str(colour_jitter)]
-    return finetune_video.train_from_initial(
-        "sparsepatch.recipes.train_tiny_video", argv, lambda path: build_initial(path, config), finetune_video.main,
-        ["--config", "dense", "--max-steps", str(args.max_steps), "--batch-size", str(args.batch_size),
-         "--lr", str(args.lr), "--seed", str(SEED), "--frames", str(args.frames),
-         "--latent-size", str(args.latent_size), "--text-len", str(TEXT_LEN), "--output-dir", args.output_dir,
+    result = finetune_video.train_from_initial(
+        "sparsepatch.recipes.train_tiny_video", argv, lambda path: build_initial(path, config, args.init_from),
+        finetune_video.main,
+        ["--config", "dense", "--max-steps", str(args.max_steps), "--max-minutes", str(args.max_minutes),
+         "--batch-size", str(args.batch_size),
+         "--lr", str(args.lr), "--seed", str(SEED), "--frames", str(frames),
+         "--latent-size", str(latent_size), "--text-len", str(TEXT_LEN), "--output-dir", output_dir,
          "--log-every", str(args.log_every), "--lr-schedule", args.lr_schedule, "--lr-warmup", str(args.lr_warmup),
          "--num-workers", str(args.num_workers), *objective],
-        args.output_dir, tail=50, frames=args.frames, latent_size=args.latent_size, text_len=TEXT_LEN,
+        output_dir, tail=50, frames=frames, latent_size=latent_size, text_len=TEXT_LEN, preset=args.preset,
+        init_from=args.init_from,
         batch_size=args.batch_size, lr=args.lr, lr_schedule=args.lr_schedule, t_dist=args.t_dist,
         t_shift=args.t_shift, cond_dropout=args.cond_dropout, colour_jitter=colour_jitter,
         sampler={"shift": args.sample_shift, "guidance_scale": args.sample_guidance},
         mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+    if preset.get("save_dtype") and output_dir:
+        # fp16 halves the committed file; load_trained casts back to fp32 (or the dtype asked for).
+        import torch
+        result["model"].to(getattr(torch, preset["save_dtype"])).save_pretrained(output_dir)
+        info_file = Path(output_dir) / "training_info.json"
+        record = dict(json.loads(info_file.read_text()), weights_dtype=preset["save_dtype"])
+        info_file.write_text(json.dumps(record, indent=1))
+        result["info"] = record
+    return result
 
 
 def load_trained(path: str | os.PathLike | None = None, dtype=None):
