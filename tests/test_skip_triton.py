@@ -351,19 +351,25 @@ def test_skip_gluon_plans_gpu(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Sq,Sk,D,causal", [(4096, 4096, 128, False), (4000, 4100, 64, True),
                                             (1, 5000, 128, True), (32760, 32760, 128, False),
-                                            (4000, 4100, 64, False)])
+                                            (4000, 4100, 64, False), (4096, 4096, 128, True),
+                                            (4000, 4000, 128, True), (1000, 1256, 128, True),
+                                            (4096, 4096, 64, True)])
 @pytest.mark.parametrize("gluon", [False, True])
 def test_dense_gpu(monkeypatch, dtype, Sq, Sk, D, causal, gluon):
-    if gluon and causal:
-        pytest.skip("the Gluon kernel is non-causal only")
+    """Dense forward vs the reference; with gluon, causal shapes that `supports_causal` takes (Sk - Sq a multiple of
+    the key tile: several q-tiles, a partial last tile, an offset diagonal) run the Gluon kernel."""
+    from sparsepatch.kernels.skip import gluon as skip_gluon
     _use_gluon(monkeypatch, gluon, skip.CONFIGS)
+    if gluon and causal:
+        for key in skip.CONFIGS:
+            monkeypatch.setitem(skip.CONFIGS, key, dict(skip.CONFIGS[key], causal_gluon=True))
     g = torch.Generator(device="cuda").manual_seed(6)
     H = 2 if Sq > 10000 else 4
     q = torch.randn(1, Sq, H, D, device="cuda", generator=g).to(dtype)
     k = torch.randn(1, Sk, H // 2, D, device="cuda", generator=g).to(dtype)
     v = torch.randn(1, Sk, H // 2, D, device="cuda", generator=g).to(dtype)
     out, lse = skip.attention(q, k, v, causal=causal, return_lse=True)
-    if gluon:
+    if gluon and (not causal or skip_gluon.supports_causal(q, k)):
         _assert_gluon_ran(q, k, v, (128, 128))
     rout, rlse = reference.attention(q, k, v, causal=causal, return_lse=True)
     assert_close(out, rout, dtype)

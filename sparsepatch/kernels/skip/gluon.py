@@ -67,8 +67,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, warm, PRB,
-                  MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr,
-                  STATEFUL: gl.constexpr, PROBE: gl.constexpr):
+                  MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
+                  SKIP: gl.constexpr, STATEFUL: gl.constexpr, CAUSAL: gl.constexpr, PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -79,8 +79,7 @@ if HAS_GLUON:
                 _stamp(PRB, pb, 0, lin)
                 gl.store(PRB + pb + 3, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lin],
                                                                 dtype=gl.int64, is_pure=False, pack=1))
-            bh = lin // Tq
-            pm = lin % Tq
+            bh, pm = _item(lin, Tq, n_items, CAUSAL)
             b = bh // Hq
             h = bh % Hq
             hk = h // n_rep
@@ -88,6 +87,8 @@ if HAS_GLUON:
                 cnt = gl.load(CNT + lin)
                 if STATEFUL:
                     cnt = gl.where(warm, Tk, cnt)   # a warm-up call visits every tile
+            elif CAUSAL:
+                cnt = _causal_count(pm, Tk, causal_off)
             else:
                 cnt = Tk
             # q of this q-tile: its buffer is free once both consumers passed the last Q K^T of the previous one
@@ -118,11 +119,32 @@ if HAS_GLUON:
             k += 1
 
     @gluon.jit
-    def _softmax(s, m_i, l_i, qk_scale, start_n, Sk, MASK: gl.constexpr, s_layout: gl.constexpr):
-        """One online-softmax step on S (fp32 [64, _BN]): -> (P fp32, new m, new l, alpha, scaled row max)."""
+    def _item(lin, Tq, n_items, CAUSAL: gl.constexpr):
+        """Work item lin -> (batch * head, q-tile). Causal: the longest q-tiles (most key tiles) of every head come
+        first, so the persistent programs' round-robin share of items balances (longest-first scheduling)."""
+        if CAUSAL:
+            BH = n_items // Tq
+            return lin % BH, Tq - 1 - lin // BH
+        else:
+            return lin // Tq, lin % Tq
+
+    @gluon.jit
+    def _causal_count(pm, Tk, causal_off):
+        """Key tiles a causal q-tile visits: up to the one holding key pm * BM + BM - 1 + causal_off (at least 1)."""
+        return gl.maximum(gl.minimum(Tk, (pm * _BM + _BM + causal_off + _BN - 1) // _BN), 1)
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, qk_scale, start_n, Sk, MASK: gl.constexpr, s_layout: gl.constexpr, rows, causal_off,
+                 CAUSAL: gl.constexpr):
+        """One online-softmax step on S (fp32 [64, _BN]): -> (P fp32, new m, new l, alpha, scaled row max).
+        MASK: keys >= Sk (and, CAUSAL, keys > row + causal_off) are masked out."""
         if MASK:
             cols = start_n + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where(gl.expand_dims(cols < Sk, 0), s, float("-inf"))
+            if CAUSAL:
+                keep = gl.expand_dims(cols < Sk, 0) & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + causal_off)
+                s = gl.where(keep, s, float("-inf"))
+            else:
+                s = gl.where(gl.expand_dims(cols < Sk, 0), s, float("-inf"))
         rmax = gl.max(s, 1) * qk_scale
         m_new = gl.maximum(m_i, rmax)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
@@ -132,9 +154,10 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
                   CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk,
-                  n_items, qk_scale, threshold, D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr,
-                  WG: gl.constexpr, LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr, SKIP: gl.constexpr,
-                  KSTAGE: gl.constexpr, PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr, PROBE: gl.constexpr):
+                  n_items, qk_scale, threshold, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
+                  NWORDS: gl.constexpr, WG: gl.constexpr, LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+                  SKIP: gl.constexpr, KSTAGE: gl.constexpr, PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr,
+                  CAUSAL: gl.constexpr, PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists
         (STATEFUL: not on a warm-up call, which visits every tile)."""
         NW: gl.constexpr = gl.num_warps()
@@ -159,8 +182,7 @@ if HAS_GLUON:
             pb = ((pid * MAXK + k) * 3 + WG).to(gl.int64) * 8   # PROBE: this q-tile's stamps of this warpgroup
             if PROBE:
                 _stamp(PRB, pb, 0, lin)
-            bh = lin // Tq
-            pm = lin % Tq
+            bh, pm = _item(lin, Tq, n_items, CAUSAL)
             row = IDX + lin.to(gl.int64) * Tk
             part = False
             if SKIP:
@@ -171,10 +193,18 @@ if HAS_GLUON:
                         part = part | warm
                 if STATEFUL:
                     cnt = gl.where(warm, Tk, cnt)
+            elif CAUSAL:   # the last visited tile holds the diagonal (and any keys >= Sk)
+                cnt = _causal_count(pm, Tk, causal_off)
+                part = CAUSAL
             else:
                 cnt = Tk
                 part = LAST_PARTIAL
             n_it = gl.maximum(cnt, 1)
+            # the masked tile's first key: the list's last entry is k-tile Tk - 1 (SKIP), else tile n_it - 1
+            if SKIP:
+                last_start = (Tk - 1) * _BN
+            else:
+                last_start = (n_it - 1) * _BN
             rows = pm * _BM + RM * WG + gl.arange(0, RM, layout=row_l)
             row_ok = rows < Sq
             m_i = gl.full([RM], float("-inf"), gl.float32, row_l)
@@ -193,9 +223,11 @@ if HAS_GLUON:
                 _stamp(PRB, pb, 2, g)
             s = warpgroup_mma(qh, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
             if part & (n_it == 1):
-                p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, (Tk - 1) * _BN, Sk, True, s_layout)
+                p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, last_start, Sk, True, s_layout, rows,
+                                                      causal_off, CAUSAL)
             else:
-                p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout)
+                p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout, rows,
+                                                      causal_off, CAUSAL)
             if SKIP:
                 word = ((rmax - m_i > threshold) & row_ok).to(gl.int32)
             p16 = gl.convert_layout(p.to(k_smem.dtype), p_layout)
@@ -214,10 +246,11 @@ if HAS_GLUON:
                     o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
                     s = warpgroup_mma_wait(1, deps=[s_tok])
                     if part & (t == n_it - 1):
-                        p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, (Tk - 1) * _BN, Sk, True,
-                                                              s_layout)
+                        p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, last_start, Sk, True,
+                                                              s_layout, rows, causal_off, CAUSAL)
                     else:
-                        p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout)
+                        p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout, rows,
+                                                              causal_off, CAUSAL)
                     acc = warpgroup_mma_wait(0, deps=[o_tok])
                     mbarrier.arrive(empty.index(prev))
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -325,11 +358,12 @@ if HAS_GLUON:
     @gluon.jit
     def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, STEP, O, LSE, PRB, MAXK, n_warmup,
                            slot_cnt, slot_idx, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items,
-                           qk_scale, threshold,
+                           qk_scale, threshold, causal_off,
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
-                           PV_ASYNC: gl.constexpr = True, STATEFUL: gl.constexpr = False, PROBE: gl.constexpr = False):
+                           PV_ASYNC: gl.constexpr = True, STATEFUL: gl.constexpr = False, CAUSAL: gl.constexpr = False,
+                           PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads.
         STATEFUL (the patcher's skip_step): CNT / IDX are two list slots (slot strides slot_cnt / slot_idx) and
@@ -364,15 +398,15 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os,
-                         stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 0,
-                         LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, PROBE)),
+                         stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES, NWORDS,
+                         0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os,
-                         stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, D, STAGES, NWORDS, 1,
-                         LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, PROBE)),
+                         stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES, NWORDS,
+                         1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
-                         CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, D, STAGES, SKIP, STATEFUL,
-                         PROBE)),
+                         CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D, STAGES, SKIP,
+                         STATEFUL, CAUSAL, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -400,9 +434,20 @@ def supported(q, k, v, tile, must_do) -> bool:
     return True
 
 
-def dense_fwd(q, k, v, scale, return_lse, cfg=None):
-    """Gluon dense (non-causal) forward: the skip kernel with skipping compiled out (every k-tile, no lists)."""
-    out, _, _, lse = _launch(q, k, v, None, None, -1.0, scale, return_lse, cfg, skip=False)
+def supports_causal(q, k) -> bool:
+    """Causal dense calls the Gluon kernel runs (on top of `supported`): bottom-right aligned with Sk >= Sq and
+    Sk - Sq a multiple of the key tile, so the diagonal is in each q-tile's last key tile only."""
+    Sq, Sk = q.shape[1], k.shape[1]
+    return Sk >= Sq and (Sk - Sq) % BN == 0
+
+
+def dense_fwd(q, k, v, scale, return_lse, cfg=None, causal: bool = False):
+    """Gluon dense forward: the skip kernel with skipping compiled out (every k-tile, no lists). causal: query i
+    sees keys <= Sk - Sq + i (bottom-right aligned, `supports_causal` inputs); q-tiles run longest first."""
+    if causal and not supports_causal(q, k):
+        raise ValueError(f"causal Gluon attention needs Sk >= Sq and (Sk - Sq) % {BN} == 0, got Sq={q.shape[1]}, "
+                         f"Sk={k.shape[1]}")
+    out, _, _, lse = _launch(q, k, v, None, None, -1.0, scale, return_lse, cfg, skip=False, causal=causal)
     return out, lse
 
 
@@ -429,7 +474,7 @@ _TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "STEP", "O", "LSE", "PRB")
 _DESCS = dict(q_desc=0, k_desc=1, v_desc=2)
 
 
-def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, step=None, warmup=0):
+def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, step=None, warmup=0, causal=False):
     cfg = dict(GLUON_SKIP_CONFIG, **cfg) if cfg else GLUON_SKIP_CONFIG
     B, Sq, Hq, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
@@ -462,7 +507,8 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
     # (the lists' 16-byte alignment is in the key: Gluon specialises pointers on it, q / k / v pass `supported`)
     key = (dev.index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), bool(return_lse), skip,
            counts.data_ptr() % 16 == 0, indices.data_ptr() % 16 == 0, float(threshold), float(scale),
-           tuple(sorted(cfg.items())), stateful, warmup, slot_cnt, slot_idx, stateful and step.data_ptr() % 16 == 0)
+           tuple(sorted(cfg.items())), stateful, warmup, slot_cnt, slot_idx, stateful and step.data_ptr() % 16 == 0,
+           causal)
     plan = _PLANS.get(key) if _DIRECT[0] and probe is None else None
     if plan is not None:
         relaunch, template, tslots, dslots = plan
@@ -491,11 +537,11 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
                   slot_idx=slot_idx, stride_ob=out.stride(0),
                   stride_os=out.stride(1), stride_oh=out.stride(2), Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq,
                   Tk=Tk, n_items=n_items,
-                  qk_scale=scale * LOG2E, threshold=float(threshold), D=D, STAGES=int(cfg["stages"]),
+                  qk_scale=scale * LOG2E, threshold=float(threshold), causal_off=Sk - Sq, D=D, STAGES=int(cfg["stages"]),
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
-                  PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, PROBE=probe is not None)
+                  PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, CAUSAL=bool(causal), PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)

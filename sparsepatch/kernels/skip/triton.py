@@ -701,10 +701,11 @@ def _dense_block_m(Sq):
 def _dense_fwd_impl(q, k, v, causal, scale, return_lse):
     B, Sq, Hq, D = q.shape
     gcfg = CONFIGS.get((D, 128), {})
-    if not causal and gcfg.get("gluon") and _GLUON_OK[0] and not _interpret():
+    if gcfg.get("gluon") and (not causal or gcfg.get("causal_gluon")) and _GLUON_OK[0] and not _interpret():
         from . import gluon as skip_gluon
-        if skip_gluon.supported(q, k, v, (128, 128), None):
-            res = _gluon_call(skip_gluon.dense_fwd, q, k, v, scale, return_lse, cfg=_gluon_options(gcfg))
+        if skip_gluon.supported(q, k, v, (128, 128), None) and (not causal or skip_gluon.supports_causal(q, k)):
+            res = _gluon_call(skip_gluon.dense_fwd, q, k, v, scale, return_lse, cfg=_gluon_options(gcfg),
+                              causal=causal)
             if res is not None:
                 return res
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
