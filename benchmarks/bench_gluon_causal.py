@@ -4,7 +4,9 @@ Times, in one process on the same inputs, the dense `attention` backends at the 
 (`kernels.tuning.default_cells`: B * S = 16K tokens, B = 1 at 32K; MHA and GQA 4) for causal D 64 / 128 and
 non-causal D 64, with `flash_triton` in two launch settings:
   before: the shipped CONFIGS (causal and D 64 on the Triton kernel; non-causal D 128 on Gluon),
-  gluon:  causal D 128 / D 64 and non-causal D 64 on the Gluon kernel (`causal_gluon`, `gluon` config keys).
+  gluon:  causal D 128 / D 64 and non-causal D 64 on the Gluon kernel (`causal_gluon`, `gluon` config keys),
+          causal q-tiles head-major, longest first within each head (causal_order 1, the default),
+  gluon_o0: the same with causal_order 0 (longest q-tiles of all heads first).
 Prints ours / best SDPA per cell and writes the cost-table entries of each setting (kernels/cost_tables format)
 to benchmarks/results/<gpu>-gluon-causal.json (and $OUT).
 
@@ -31,6 +33,8 @@ SDPA = ["sdpa_cudnn", "sdpa_flash", "sdpa"]
 SETTINGS = {
     "before": {},
     "gluon": {(128, 128): dict(gluon=True, causal_gluon=True), (64, 128): dict(gluon=True, causal_gluon=True)},
+    "gluon_o0": {(128, 128): dict(gluon=True, causal_gluon=True, gluon_causal_order=0),
+                 (64, 128): dict(gluon=True, causal_gluon=True, gluon_causal_order=0)},
 }
 
 

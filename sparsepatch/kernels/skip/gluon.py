@@ -44,7 +44,7 @@ from ..dense.reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile
-GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True)
+GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True, causal_order=1)
 
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -68,7 +68,8 @@ if HAS_GLUON:
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, warm, PRB,
                   MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
-                  SKIP: gl.constexpr, STATEFUL: gl.constexpr, CAUSAL: gl.constexpr, PROBE: gl.constexpr):
+                  SKIP: gl.constexpr, STATEFUL: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr,
+                  PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -79,7 +80,7 @@ if HAS_GLUON:
                 _stamp(PRB, pb, 0, lin)
                 gl.store(PRB + pb + 3, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lin],
                                                                 dtype=gl.int64, is_pure=False, pack=1))
-            bh, pm = _item(lin, Tq, n_items, CAUSAL)
+            bh, pm = _item(lin, Tq, n_items, CAUSAL, ORDER)
             b = bh // Hq
             h = bh % Hq
             hk = h // n_rep
@@ -119,12 +120,18 @@ if HAS_GLUON:
             k += 1
 
     @gluon.jit
-    def _item(lin, Tq, n_items, CAUSAL: gl.constexpr):
-        """Work item lin -> (batch * head, q-tile). Causal: the longest q-tiles (most key tiles) of every head come
-        first, so the persistent programs' round-robin share of items balances (longest-first scheduling)."""
+    def _item(lin, Tq, n_items, CAUSAL: gl.constexpr, ORDER: gl.constexpr):
+        """Work item lin -> (batch * head, q-tile). Non-causal: head-major, q-tiles in order (the programs running
+        at once share one head's K/V in L2). Causal, ORDER 1: head-major with each head's longest q-tiles (most key
+        tiles) first, so each program's round-robin share mixes long and short q-tiles; ORDER 0: the longest
+        q-tiles of every head first (longest-first over the whole grid; the programs running at once then read
+        many heads' K/V)."""
         if CAUSAL:
-            BH = n_items // Tq
-            return lin % BH, Tq - 1 - lin // BH
+            if ORDER == 0:
+                BH = n_items // Tq
+                return lin % BH, Tq - 1 - lin // BH
+            else:
+                return lin // Tq, Tq - 1 - lin % Tq
         else:
             return lin // Tq, lin % Tq
 
@@ -157,7 +164,7 @@ if HAS_GLUON:
                   n_items, qk_scale, threshold, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
                   NWORDS: gl.constexpr, WG: gl.constexpr, LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                   SKIP: gl.constexpr, KSTAGE: gl.constexpr, PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr,
-                  CAUSAL: gl.constexpr, PROBE: gl.constexpr):
+                  CAUSAL: gl.constexpr, ORDER: gl.constexpr, PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists
         (STATEFUL: not on a warm-up call, which visits every tile)."""
         NW: gl.constexpr = gl.num_warps()
@@ -182,7 +189,7 @@ if HAS_GLUON:
             pb = ((pid * MAXK + k) * 3 + WG).to(gl.int64) * 8   # PROBE: this q-tile's stamps of this warpgroup
             if PROBE:
                 _stamp(PRB, pb, 0, lin)
-            bh, pm = _item(lin, Tq, n_items, CAUSAL)
+            bh, pm = _item(lin, Tq, n_items, CAUSAL, ORDER)
             row = IDX + lin.to(gl.int64) * Tk
             part = False
             if SKIP:
@@ -363,7 +370,7 @@ if HAS_GLUON:
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
                            PV_ASYNC: gl.constexpr = True, STATEFUL: gl.constexpr = False, CAUSAL: gl.constexpr = False,
-                           PROBE: gl.constexpr = False):
+                           ORDER: gl.constexpr = 1, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads.
         STATEFUL (the patcher's skip_step): CNT / IDX are two list slots (slot strides slot_cnt / slot_idx) and
@@ -399,14 +406,16 @@ if HAS_GLUON:
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os,
                          stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES, NWORDS,
-                         0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, PROBE)),
+                         0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER,
+                         PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os,
                          stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES, NWORDS,
-                         1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, PROBE)),
+                         1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER,
+                         PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
                          CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D, STAGES, SKIP,
-                         STATEFUL, CAUSAL, PROBE)),
+                         STATEFUL, CAUSAL, ORDER, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -541,7 +550,8 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
-                  PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, CAUSAL=bool(causal), PROBE=probe is not None)
+                  PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, CAUSAL=bool(causal),
+                  ORDER=int(cfg["causal_order"]), PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
