@@ -7,6 +7,10 @@ non-causal D 64, with `flash_triton` in two launch settings:
   gluon:  causal D 128 / D 64 and non-causal D 64 on the Gluon kernel (`causal_gluon`, `gluon` config keys),
           causal q-tiles head-major, longest first within each head (causal_order 1, the default),
   gluon_o0: the same with causal_order 0 (longest q-tiles of all heads first).
+`--skip64` also times the skip-list forward at head dim 64, tile (128, 128), on the Gluon and on the Triton kernel
+(the CogVideoX-shaped B1 H48 S17550 and a 32K cell; fixed random lists of density 1 / 0.5 / 0.13) against our
+own dense D64 (Gluon) and cuDNN: the issue-24 line is skip <= 1.05x own dense at density 1 and
+<= 1.1 * rho * own dense + 0.05 ms below.
 Prints ours / best SDPA per cell and writes the cost-table entries of each setting (kernels/cost_tables format)
 to benchmarks/results/<gpu>-gluon-causal.json (and $OUT).
 
@@ -73,21 +77,67 @@ def run(dtypes, dims, log=print):
     return rows, entries
 
 
+def skip64(log=print):
+    """Skip forward at D64 tile 128: Gluon vs Triton kernel vs own dense (Gluon) and cuDNN, ms."""
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from benchmarks.common import random_list
+    from sparsepatch.kernels.skip import gluon as skip_gluon
+    rows = []
+    for B, H, S in ((1, 48, 17550), (1, 32, 32768)):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(B, S, H, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
+        t_cudnn = triton.testing.do_bench(cudnn, warmup=5, rep=40)
+        t_dense = triton.testing.do_bench(lambda: skip_gluon.dense_fwd(q, k, v, 0.125, False), warmup=5, rep=40)
+        for rho in (1.0, 0.5, 0.13):
+            lst = random_list(B, H, S, rho, seed=1)
+            row = dict(B=B, H=H, S=S, rho=rho, cudnn_ms=t_cudnn, own_dense_ms=t_dense,
+                       line_ms=1.05 * t_dense if rho == 1.0 else 1.1 * rho * t_dense + 0.05)
+            for name, on in (("gluon", True), ("triton", False)):
+                saved = dict(skip_triton.SKIP_CONFIGS[(64, 128)])
+                skip_triton.SKIP_CONFIGS[(64, 128)] = dict(saved, gluon=on)
+                try:
+                    fn = lambda: skip_triton.skip_attention(q, k, v, lst, -5.0)   # noqa: E731
+                    fn()
+                    row[f"{name}_ms"] = triton.testing.do_bench(fn, warmup=5, rep=40)
+                finally:
+                    skip_triton.SKIP_CONFIGS[(64, 128)] = saved
+            if rho == 1.0:   # the Gluon skip output equals the dense one at density 1 (same tiles, same order)
+                out = skip_triton.skip_attention(q, k, v, lst, -5.0)[0]
+                row["max_abs_vs_dense"] = (out.float() - skip_gluon.dense_fwd(q, k, v, 0.125, False)[0].float()
+                                           ).abs().max().item()
+            rows.append(row)
+            log(f"skip64 B{B} H{H} S{S} rho {rho}: gluon {row['gluon_ms']:.3f} triton {row['triton_ms']:.3f} "
+                f"own dense {t_dense:.3f} cudnn {t_cudnn:.3f} line {row['line_ms']:.3f} ms")
+        del q, k, v, qt, kt, vt
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--skip64", action="store_true", help="also the head-dim-64 skip rows")
+    ap.add_argument("--no-grid", action="store_true", help="skip the dense grid")
     args = ap.parse_args(argv)
     dtypes = tuple(getattr(torch, d) for d in args.dtypes.split(","))
     dims = tuple(int(d) for d in args.dims.split(","))
-    rows, entries = run(dtypes, dims)
+    skip_rows = skip64() if args.skip64 else []
+    rows, entries = run(dtypes, dims) if not args.no_grid else ([], {})
     print(f"\n{'causal':>6} {'D':>4} {'G':>2} {'dtype':>9} {'B':>3} {'S':>6} {'sdpa ms':>8} "
           + " ".join(f"{n + ' x':>9}" for n in SETTINGS))
     for r in rows:
         print(f"{str(r['causal']):>6} {r['D']:>4} {r['group']:>2} {r['dtype']:>9} {r['B']:>3} {r['Sq']:>6} "
               f"{r['best_sdpa_ms']:8.3f} " + " ".join(f"{(r[n + '_ratio'] or 0):9.3f}" for n in SETTINGS))
     print(f"Gluon kernel still enabled after the run (no launch failure): {skip_triton._GLUON_OK[0]}")
-    save_results({"gpu": gpu_name(), "gluon_ok": skip_triton._GLUON_OK[0], "rows": rows, "entries": entries},
+    save_results({"gpu": gpu_name(), "gluon_ok": skip_triton._GLUON_OK[0], "rows": rows, "entries": entries,
+                  "skip64": skip_rows},
                  f"{gpu_name()}-gluon-causal.json", os.path.join(ROOT, "benchmarks", "results"))
 
 
