@@ -79,6 +79,32 @@ def test_cost_table_routes_to_the_fastest_measured_backend():
         dispatch.set_cost_table(old)
 
 
+def test_training_calls_are_costed_by_forward_plus_backward_entries_only():
+    """A forward-only measurement must not route a call that needs gradients: our forward can win while our
+    backward loses, so without "+backward" entries a training call takes the default order (SDPA)."""
+    fwd = dict(op="attention", causal=False, D=64, group=1, dtype="float32", B=1, Sq=64, Sk=64, Hq=2,
+               ms={"sdpa": 2.0, "reference": 1.0})
+    q, k, v = _inputs(1, 64, 64, 2, 2, 64, torch.float32, "cpu")
+    q.requires_grad_(True)
+    call = dispatch.Call.of("attention", q, k, v)
+    assert call.needs_grad
+    cuda_call = dispatch.Call(**{**call.__dict__, "device": "cuda", "arch": (9, 0)})
+    assert dispatch.CostTable({"entries": [fwd]}).costs(cuda_call) == {}
+    train = dict(fwd, op="attention+backward", ms={"sdpa": 3.0, "reference": 5.0})
+    table = dispatch.CostTable({"entries": [fwd, train]})
+    assert table.costs(cuda_call) == {"sdpa": 3.0, "reference": 5.0}
+    old = dispatch._TABLE[0]
+    try:
+        dispatch.set_cost_table(dispatch.CostTable({"entries": [fwd]}))
+        d = dispatch.Dispatcher("test_op_train", [dispatch.Backend("sdpa", lambda c: None, None),
+                                                  dispatch.Backend("reference", lambda c: None, None)])
+        inference = dispatch.Call(**{**cuda_call.__dict__, "needs_grad": False})
+        assert d.route(inference).backend == "reference"       # forward measured faster
+        assert d.route(cuda_call).backend == "sdpa"             # training: unmeasured -> default order
+    finally:
+        dispatch.set_cost_table(old)
+
+
 def test_shipped_sm90_table_routes_our_kernel_where_it_wins_and_sdpa_elsewhere():
     """The shipped table (H200 grid): non-causal D128 at 32K -> our kernel; causal D64 prefill and decode -> SDPA."""
     import json

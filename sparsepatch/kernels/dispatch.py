@@ -111,7 +111,9 @@ def _dtype_name(dtype) -> str:
 class CostTable:
     """Measured milliseconds per backend at grid points. JSON: {"device": str, "entries": [{"op", "causal", "D",
     "group", "dtype", "B", "Sq", "Sk", "Hq", "ms": {backend: ms}}]}. A call is costed at the nearest point of its
-    (op, causal, D, GQA or not, dtype) class in log2 (Sq, Sk, B * Hq) space."""
+    (op, causal, D, GQA or not, dtype) class in log2 (Sq, Sk, B * Hq) space. A call that needs gradients is costed
+    by entries of op "<op>+backward" (forward plus backward times) only: a forward that wins says nothing about its
+    backward, so without such entries training calls take the default order (SDPA, what an unpatched model runs)."""
 
     def __init__(self, data: dict | None = None, source: str = "empty"):
         self.source = source
@@ -130,7 +132,8 @@ class CostTable:
         dtype = _dtype_name(call.dtype)
         alt = {"bfloat16": "float16", "float16": "bfloat16"}.get(dtype, dtype)
         for dt in (dtype, alt):
-            points = self._points.get((call.op, call.causal, call.head_dim, call.group > 1, dt))
+            op = call.op + "+backward" if call.needs_grad else call.op
+            points = self._points.get((op, call.causal, call.head_dim, call.group > 1, dt))
             if points:
                 break
         else:
