@@ -23,6 +23,7 @@ writes the next list. cfg block_m=128 runs one 8-warp program per q-tile instead
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import triton
@@ -324,25 +325,45 @@ def _launch(q, k8, ks, vt8, vs, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, f
         arrive = torch.zeros((B * Hq * Tq,), dtype=torch.int32, device=q.device)
     else:
         kw = arrive = out
-    kd = vd = None
-    if cfg["host_desc"]:
-        kd, vd = _host_descs(k8, vt8, block_n)
-    host = kd is not None
-    if not host:
-        set_tma_allocator()
-        kd = vd = out
     int8 = k8.dtype == torch.int8
     dummy = out
-    _skip_fp8_kernel[(Tq * split, B * Hq)](
-        q, k8, vt8, ks, vs, out, lse if lse is not None else dummy, cnt_in, idx_in, cnt_out, idx_out,
-        frow if frow is not None else dummy, fcol if fcol is not None else dummy, step if step is not None else dummy,
-        kw, arrive, kd, vd, q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        Sq, Sk, vt8.shape[-1], Hq, Hk, Hq // Hk, ks.shape[-1], Tq, Tk, slot_cnt, slot_idx, warmup,
-        scale * LOG2E, threshold,
-        D=D, BLOCK_M=bm, SPLIT=split, BLOCK_N=block_n, TILE_N=tn, STATEFUL=bool(stateful),
-        HAS_FORCED=frow is not None, LAST_PARTIAL=bool(Sk % tn), WRITE_LSE=lse is not None,
-        LOG2_PS=FP8_LOG2_P_SCALE, QK_ACC=tl.int32 if int8 else tl.float32, QMAX=127.0 if int8 else FP8_MAX,
-        NWORDS=nwords, HOST_DESC=host, FBLK=FP8_BLOCK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    def run(host_desc):
+        kd = vd = None
+        if host_desc:
+            kd, vd = _host_descs(k8, vt8, block_n)
+        host = kd is not None
+        if not host:
+            set_tma_allocator()
+            kd = vd = dummy
+        _skip_fp8_kernel[(Tq * split, B * Hq)](
+            q, k8, vt8, ks, vs, out, lse if lse is not None else dummy, cnt_in, idx_in, cnt_out, idx_out,
+            frow if frow is not None else dummy, fcol if fcol is not None else dummy,
+            step if step is not None else dummy, kw, arrive, kd, vd,
+            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            Sq, Sk, vt8.shape[-1], Hq, Hk, Hq // Hk, ks.shape[-1], Tq, Tk, slot_cnt, slot_idx, warmup,
+            scale * LOG2E, threshold,
+            D=D, BLOCK_M=bm, SPLIT=split, BLOCK_N=block_n, TILE_N=tn, STATEFUL=bool(stateful),
+            HAS_FORCED=frow is not None, LAST_PARTIAL=bool(Sk % tn), WRITE_LSE=lse is not None,
+            LOG2_PS=FP8_LOG2_P_SCALE, QK_ACC=tl.int32 if int8 else tl.float32, QMAX=127.0 if int8 else FP8_MAX,
+            NWORDS=nwords, HOST_DESC=host, FBLK=FP8_BLOCK, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+
+    if cfg["host_desc"] and _HOST_DESC_OK[0]:
+        try:
+            return run(True)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (compile failure of the host-descriptor build: same function)
+            if interpret():
+                raise
+            warnings.warn(f"sparsepatch: the fp8 skip kernel with host TMA descriptors failed ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}); using device-side descriptors")
+            _HOST_DESC_OK[0] = False
+    run(False)
+
+
+_HOST_DESC_OK = [True]
 
 
 def _check(q, k, v, tile):
