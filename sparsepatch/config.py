@@ -65,6 +65,14 @@ class SkipConfig:
         tokens of joint attention that the adapter adds itself.
     backward: training mode: the backward also skips the tiles the forward found negligible.
     layers: "self" (default; cross-attention stays dense) — the only supported value for skip lists.
+    precision: "native" (default: the inputs' fp16/bf16) or "fp8": inference-only skip lists on 8-bit attention
+        (int8 Q K^T with per-128-row q/k scales, e4m3 P V with per-channel V scales, as DenseConfig's): the keep
+        test runs on the quantized scores, so a tile whose gain lies within the quantization error of the
+        threshold can be kept where bf16 drops it or the reverse (BENCHMARKS.md gives the measured fraction).
+        Runs the fp8 skip kernel on Hopper CUDA at head dim 64/128 with tm in (64, 128); on CPU the reference on
+        the same quantized q/k/v (emulation); elsewhere native precision with a one-time warning. The dense calls
+        of the patch (warm-up steps, cross-attention) run `attention_fp8`. A call that needs gradients raises;
+        backward=True is refused.
     """
 
     threshold: float = -5.0
@@ -73,6 +81,7 @@ class SkipConfig:
     must_do: list | None = None
     backward: bool = False
     layers: str = "self"
+    precision: str = "native"
 
     def __post_init__(self):
         t = self.threshold
@@ -104,6 +113,9 @@ class SkipConfig:
         if self.layers != "self":
             raise ValueError(f"layers must be 'self' for SkipConfig (cross-attention has no temporal lists), "
                              f"got {self.layers!r}")
+        _choice("precision", self.precision, PRECISIONS)
+        if self.precision == "fp8" and self.backward:
+            raise ValueError("precision='fp8' is inference-only: it cannot be combined with backward=True")
 
 
 @dataclass

@@ -18,14 +18,15 @@ from .skip import explain as _explain_skip
 
 
 def explain(q, k, v, *, op: str = "attention", causal: bool = False, attn_mask=None, return_lse: bool = False,
-            skip_list=None, tile=DEFAULT_TILE, must_do=None) -> Route:
+            skip_list=None, tile=DEFAULT_TILE, must_do=None, precision: str = "native") -> Route:
     """Which backend `attention` (op="attention") or `skip_attention` (op="skip_attention") runs for these inputs,
-    and why: a Route with the chosen backend, the reason, and every candidate with its cost or why it cannot run."""
+    and why: a Route with the chosen backend, the reason, and every candidate with its cost or why it cannot run.
+    precision ("native" / "fp8"): skip_attention's precision argument."""
     if op == "attention":
         return _explain_dense(q, k, v, causal=causal, attn_mask=attn_mask, return_lse=return_lse)
     if op == "skip_attention":
         return _explain_skip(q, k, v, skip_list, attn_mask=attn_mask, tile=tile, must_do=must_do,
-                             return_lse=return_lse)
+                             return_lse=return_lse, precision=precision)
     raise ValueError(f"op must be 'attention' or 'skip_attention', got {op!r}")
 
 

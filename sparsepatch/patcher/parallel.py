@@ -103,8 +103,8 @@ def attention(binding, query, key, value, attn_mask, dropout_p, is_causal, scale
     cp = parallel_config.context_parallel_config
     _check_inference(query, key, value)
     if binding is not None and getattr(binding.handle.config, "precision", "native") != "native":
-        raise NotImplementedError("sparsepatch backend: DenseConfig(precision='fp8') under context parallelism is "
-                                  "not supported; patch with precision='native'")
+        raise NotImplementedError(f"sparsepatch backend: {type(binding.handle.config).__name__}(precision='fp8') "
+                                  "under context parallelism is not supported; patch with precision='native'")
     if binding is None:
         forward_op = _dense_forward_op
     elif cp.ring_degree > 1:

@@ -21,17 +21,21 @@ from ..kernels import SkipListBuffers, skip_step, skip_step_differentiable
 logger = logging.getLogger("sparsepatch")
 
 
+def _fp8(config) -> bool:
+    return isinstance(config, (DenseConfig, SkipConfig)) and config.precision == "fp8"
+
+
 def dense_route(config, q, k, v, *, causal=False, attn_mask=None) -> str:
     """The backend name a dense call runs (for `stats()["backends"]`)."""
-    if isinstance(config, DenseConfig) and config.precision == "fp8":
+    if _fp8(config):
         return "attention_fp8"
     return kernels.backend_for(q, k, v, causal=causal, attn_mask=attn_mask)
 
 
 def dense_kernel(config):
-    """The dense attention function a config asks for: `kernels.attention_fp8` for DenseConfig(precision="fp8"),
-    `kernels.attention` otherwise (native precision; also the dense calls of a SkipConfig)."""
-    if isinstance(config, DenseConfig) and config.precision == "fp8":
+    """The dense attention function a config asks for: `kernels.attention_fp8` for precision="fp8" (DenseConfig, and
+    the dense calls of a SkipConfig), `kernels.attention` otherwise."""
+    if _fp8(config):
         return kernels.attention_fp8
     return kernels.attention
 
@@ -237,14 +241,18 @@ class PatchHandle:
             ranges = (must_do or []) + extra
             if not hasattr(buffers, "backend"):   # routed once per list (shape, dtype and device fixed)
                 buffers.backend = "skip:" + kernels.explain(q, k, v, op="skip_attention", tile=cfg.tile,
-                                                            must_do=ranges).backend
+                                                            must_do=ranges, precision=cfg.precision).backend
             self.count_backend(site.layer, buffers.backend)
             training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            if training and cfg.precision == "fp8":
+                raise ValueError(f"{site.layer}: SkipConfig(precision='fp8') is inference-only and this call needs "
+                                 "gradients; run under torch.no_grad() or patch with precision='native'")
             if training:
                 out = skip_step_differentiable(q, k, v, buffers, cfg.threshold, cfg.warmup_steps, scale=scale,
                                                must_do=ranges, backward_skip=cfg.backward)
             else:
-                out = skip_step(q, k, v, buffers, cfg.threshold, cfg.warmup_steps, scale=scale, must_do=ranges)
+                out = skip_step(q, k, v, buffers, cfg.threshold, cfg.warmup_steps, scale=scale, must_do=ranges,
+                                precision=cfg.precision)
         if self.probe is not None:
             self.probe(site, names, q, k, v, out, scale)
         return out

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dense.op import attention
+from ..dense.op import attention, attention_fp8
 from ..dispatch import Call
 from . import reference
-from .op import DISPATCH, nonfinite_tiles, skip_attention
+from .op import DISPATCH, FP8_DISPATCH, check_inference, check_precision, nonfinite_tiles, skip_attention, \
+    warn_native_once
 from .skiplist import SkipList, num_tiles
 
 MAX_CALLS = 1024  # density history length per buffer; calls beyond it still run, their density is not recorded
@@ -75,18 +76,20 @@ def _must_do_flat(must_do) -> list[int]:
 
 
 def _skip_step_portable(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
-                        must_do_flat, nonfinite, backend) -> torch.Tensor:
-    """skip_step on the op's other backends (CPU, reference): the step counter is read on the host."""
+                        must_do_flat, nonfinite, backend, precision="native") -> torch.Tensor:
+    """skip_step on the op's other backends (CPU, reference; fp8: the emulation): the step counter is read on the
+    host. precision "fp8": warm-up calls run `attention_fp8` (the fp8 kernel's warm-up reads every tile in fp8)."""
     n = int(step.item())
     B = q.shape[0]
     must_do = list(zip(must_do_flat[0::2], must_do_flat[1::2]))
     if n < warmup_steps:
-        out = attention(q, k, v, scale=scale)
+        out = (attention_fp8 if precision == "fp8" else attention)(q, k, v, scale=scale)
         dens = torch.ones(B, dtype=torch.float32, device=q.device)
     else:
         read = (n - warmup_steps) % 2
         lst = SkipList(counts[read], indices[read], (tm, tn), q.shape[1], k.shape[1])
-        out, nxt = skip_attention(q, k, v, lst, threshold, scale=scale, must_do=must_do, backend=backend)
+        out, nxt = skip_attention(q, k, v, lst, threshold, scale=scale, must_do=must_do, backend=backend,
+                                  precision=precision)
         nonfinite.add_(nonfinite_tiles(out, tm).any().to(nonfinite.dtype))
         forced = reference.must_do_tiles(must_do, q.shape[1], k.shape[1], (tm, tn))
         computed = lst.to_mask() if forced is None else lst.to_mask() | forced.to(q.device)
@@ -116,9 +119,23 @@ def _keep_read_where_nonfinite(out, counts, indices, step, warmup_steps, tm, non
 
 def _skip_step_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor,
                     step: torch.Tensor, density: torch.Tensor, nonfinite: torch.Tensor, threshold: float,
-                    warmup_steps: int, tm: int, tn: int, scale: float, must_do_flat: list[int]) -> torch.Tensor:
-    """Body of the sparsepatch::skip_step op: the skip op's dispatcher picks the backend (the Triton / Gluon kernel
-    reads the step counter on the device; the others read it on the host)."""
+                    warmup_steps: int, tm: int, tn: int, scale: float, must_do_flat: list[int],
+                    precision: str = "native") -> torch.Tensor:
+    """Body of the sparsepatch::skip_step op: the skip op's dispatcher picks the backend (the Triton / Gluon / fp8
+    kernels read the step counter on the device; the others read it on the host)."""
+    if precision == "fp8":
+        call = Call.of(FP8_DISPATCH.op, q, k, v, tile=(tm, tn), must_do=must_do_flat)
+        backend = FP8_DISPATCH.route(call).backend
+        if backend == "fp8_triton":
+            from . import fp8
+            out = fp8.skip_step_fp8(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
+                                    must_do_flat).contiguous()
+            _keep_read_where_nonfinite(out, counts, indices, step, warmup_steps, tm, nonfinite)
+            return out
+        if backend == "fp8_emulated":
+            return _skip_step_portable(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn,
+                                       scale, must_do_flat, nonfinite, backend, precision).contiguous()
+        warn_native_once(q, (tm, tn))   # no fp8 route: the native op, on its own device-side path
     call = Call.of("skip_attention", q, k, v, tile=(tm, tn), must_do=must_do_flat)
     backend = DISPATCH.route(call).backend
     if backend == "flash_triton":
@@ -137,17 +154,21 @@ _skip_step_op = torch.library.custom_op("sparsepatch::skip_step",
 
 
 @_skip_step_op.register_fake
-def _(q, k, v, counts, indices, step, density, nonfinite, threshold, warmup_steps, tm, tn, scale, must_do_flat):
+def _(q, k, v, counts, indices, step, density, nonfinite, threshold, warmup_steps, tm, tn, scale, must_do_flat,
+      precision="native"):
     return q.new_empty(q.shape)  # contiguous (B, Sq, Hq, D)
 
 
 def skip_step(q, k, v, buffers: SkipListBuffers, threshold: float, warmup_steps: int, *, scale=None,
-              must_do=None) -> torch.Tensor:
+              must_do=None, precision: str = "native") -> torch.Tensor:
     """One call of temporal skip attention with the lists carried in `buffers` (updated in place).
 
     q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) -> out (B, Sq, Hq, D). Calls numbered < warmup_steps run dense and
-    leave the lists alone; later calls read the current list and write the next one.
+    leave the lists alone; later calls read the current list and write the next one. precision "fp8": inference
+    only (inputs that require grad raise), the fp8 skip op (op.py) with the same list slots.
     """
+    if check_precision(precision) == "fp8":
+        check_inference(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     tm, tn = buffers.tile
     # Eager calls without autograd run the op's body directly: the same function, without the dispatcher's
@@ -157,7 +178,7 @@ def skip_step(q, k, v, buffers: SkipListBuffers, threshold: float, warmup_steps:
                                                   (q.requires_grad or k.requires_grad or v.requires_grad))
     return (_skip_step_op if needs_op else _skip_step_impl)(
         q, k, v, buffers.counts, buffers.indices, buffers.step, buffers.density, buffers.nonfinite, float(threshold),
-        int(warmup_steps), tm, tn, scale, _must_do_flat(must_do))
+        int(warmup_steps), tm, tn, scale, _must_do_flat(must_do), precision)
 
 
 class _TrainingModeSkip(torch.autograd.Function):

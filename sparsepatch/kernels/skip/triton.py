@@ -615,9 +615,11 @@ def _union(counts, indices, frow, fcol):
     tk = indices.shape[-1]
     slot = torch.arange(tk, device=indices.device)
     valid = slot < counts.unsqueeze(-1)
-    mask = torch.zeros(indices.shape, dtype=torch.bool, device=indices.device)
-    mask.scatter_(-1, torch.where(valid, indices.long(), 0), valid)
-    mask = mask | frow.bool()[:, None] | fcol.bool()[None, :]
+    # add, not assign: the unused slots (pointed at tile 0 here) must not overwrite a listed tile 0 (scatter_ with
+    # duplicate indices keeps an unspecified one of the values)
+    hits = torch.zeros(indices.shape, dtype=torch.int32, device=indices.device)
+    hits.scatter_add_(-1, torch.where(valid, indices.long(), 0), valid.to(torch.int32))
+    mask = (hits > 0) | frow.bool()[:, None] | fcol.bool()[None, :]
     ucounts = mask.sum(-1, dtype=torch.int32)
     order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     return ucounts, order
