@@ -2,8 +2,9 @@
 
 Same function as `skip.skip_attention` (no must_do, tile 128 x 128, head dim 64 / 128, fp16 / bf16), as the stateful
 `skip.skip_step` (STATEFUL: the list slots and the call counter of the patcher's buffers) and, with skipping
-compiled out (SKIP=False), as non-causal `skip.attention`; `skip.py` dispatches here by default on sm_90 at head
-dim 128 (cfg key `gluon`). H100: ~10% faster per tile than the Triton kernel, dense 641-658
+compiled out (SKIP=False), as `skip.attention`, non-causal or causal (CAUSAL: each q-tile stops at its diagonal
+tile, which is masked; q-tiles run longest first within each head); `skip.py` dispatches here by default on sm_90
+at head dim 64 / 128 (cfg keys `gluon`, `causal_gluon`). H100: ~10% faster per tile than the Triton kernel, dense 641-658
 TFLOP/s vs cuDNN 564-590 (benchmarks/NOTES.md, skip forward v9).
 Each program (one per SM) owns q-tiles p, p + P, ...; a 1-warp producer partition walks their lists and keeps a
 STAGES-deep K/V ring (and q) loaded across q-tile boundaries, so the next q-tile's first tiles are in shared memory

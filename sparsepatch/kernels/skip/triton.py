@@ -20,12 +20,13 @@ the next list by popcounts (POPC) and prefetches the prologue data of the progra
 (A persistent grid, keep bits merged once per word and 2-D loop descriptors were measured neutral or slower and
 deleted; benchmarks/NOTES.md, skip forward v4 / v5.)
 
-On an sm_90 GPU with Gluon (Triton 3.6), tile 128x128 skip calls without must_do and non-causal dense calls at
-head dim 128 run `gluon.py` instead (cfg key `gluon`, on by default there): a persistent warp-specialised
-kernel with the same function, ~10% faster per tile than this one's and than cuDNN, with a cheaper q-tile epilogue
-and its rho-1 loop within 1-3% of its dense mode (benchmarks/NOTES.md, skip forward v9 / v10 / v12); so does
-`skip_step` (the stateful patcher path) without must_do. must_do, other tiles / head dims, causal dense and the
-interpreter stay here; a Gluon compile or launch failure warns once and falls back to this kernel.
+On an sm_90 GPU with Gluon (Triton 3.6), tile 128x128 skip calls without must_do and dense calls (non-causal, and
+causal with Sk - Sq a multiple of 128) at head dim 64 / 128 run `gluon.py` instead (cfg keys `gluon`,
+`causal_gluon`, on by default there): a persistent warp-specialised kernel with the same function, ~10% faster per
+tile than this one's and than cuDNN at non-causal D128, with a cheaper q-tile epilogue and its rho-1 loop within
+1-3% of its dense mode (benchmarks/NOTES.md, skip forward v9 / v10 / v12; head dim 64 and causal: session 13); so
+does `skip_step` (the stateful patcher path) without must_do. must_do, other tiles / head dims, other causal
+alignments and the interpreter stay here; a Gluon compile or launch failure warns once and falls back to this kernel.
 
 Ops are registered with torch.library.custom_op (+ fake impls): `sparsepatch::skip_fwd`, `sparsepatch::dense_fwd`.
 `skip_step` is the CUDA body of `sparsepatch::skip_step` (stateful.py): it reads the call counter on the device,
@@ -60,9 +61,9 @@ CHUNK_N = CHUNK
 # Launch configs, keyed by (head_dim, BLOCK_M): BLOCK_N, num_warps, num_stages, use_tma.
 # Chosen from benchmarks/bench_skip.py sweeps on an H100 (see benchmarks/NOTES.md).
 CONFIGS = {
-    (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ws=True, gluon=True),
+    (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, ws=True, gluon=True, causal_gluon=True),
     (128, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
-    (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True),
+    (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, gluon=True, causal_gluon=True),
     (64, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
 }
 # The skip loop (indirect k-tile index per iteration) has its own best settings. host_desc: K/V TMA descriptors built
@@ -75,7 +76,7 @@ SKIP_CONFIGS = {
     (128, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, prefetch_j=True, host_desc=True, q_desc=True,
                      o_desc=True, head_chunk=True, popc=True, pf_next=True, gluon=True),
     (128, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False, prefetch_j=True),
-    (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False, prefetch_j=True),
+    (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=False, prefetch_j=True, gluon=True),
     (64, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False, prefetch_j=True),
 }
 
