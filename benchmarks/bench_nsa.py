@@ -399,9 +399,10 @@ def slc_ab(nsa, cfg, settings, ts, write=None):
 # Variant name -> forward-module overrides; "sel" = the selections it changes (others would repeat base).
 PHASE_VARIANTS = {
     "base": dict(sel=("token", "tile"), attrs=dict(FUSED_TILE=False, SLC_TILE_ROWS=None)),
-    "fused": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=64, FUSED_RES_REGS=True)),
-    "fused_gm": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=64, FUSED_RES_REGS=False)),
-    "fused128": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=128, FUSED_RES_REGS=True)),
+    "fused": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=64, FUSED_RES_REGS=True, FUSED_WARPS=8)),
+    "fused_w4": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=64, FUSED_RES_REGS=True, FUSED_WARPS=4)),
+    "fused_gm": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=64, FUSED_RES_REGS=False, FUSED_WARPS=8)),
+    "fused128": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=128, FUSED_RES_REGS=True, FUSED_WARPS=8)),
     "u128": dict(sel=("token",), attrs=dict(FUSED_TILE=False, SLC_TILE_ROWS=128)),
 }
 PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel",
@@ -474,7 +475,8 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
     union sizes of 8 / 16 consecutive tokens (token mode). Then fwd+bwd at fwd_bwd_t for base and the variants."""
     HQ, H = 64, 4
     rows = []
-    saved = {kk: getattr(nsa, kk) for kk in ("FUSED_TILE", "FUSED_ROWS", "FUSED_RES_REGS", "SLC_TILE_ROWS")}
+    saved = {kk: getattr(nsa, kk) for kk in ("FUSED_TILE", "FUSED_ROWS", "FUSED_RES_REGS", "FUSED_WARPS",
+                                            "SLC_TILE_ROWS")}
     try:
         for T in ts:
             g = torch.Generator(device="cuda").manual_seed(T)
@@ -600,7 +602,7 @@ def main(argv=None):
                     help="issue 27: HQ64/H4 forward per phase and x cuDNN for token and tile selection at --phase-t, "
                          "each --variants entry in the same process, then fwd+bwd at --phase-bwd-t "
                          "(JSON <gpu>-nsa-phases.json)")
-    ap.add_argument("--variants", default="base,fused,fused_gm,fused128,u128",
+    ap.add_argument("--variants", default="base,fused,fused_w4,fused128,u128",
                     help="--phases: comma list, base first; names in PHASE_VARIANTS")
     ap.add_argument("--phase-t", default="4096,8192,16384,32768,65536")
     ap.add_argument("--phase-bwd-t", type=int, default=16384, help="--phases: fwd+bwd length (0: none)")

@@ -517,12 +517,14 @@ SLC_TILE_ROWS = None
 # selection="tile": programs whose tokens lie in one selection tile skip the union and the per-row block masks
 SLC_SHARED = True
 # selection="tile": one launch (`_fused_tile_kernel`) for o_cmp + selected + window instead of three, where every
-# program's tokens lie in one selection tile (as SLC_SHARED). FUSED_ROWS rows per program (4 warps up to 64 rows,
-# else 8); FUSED_RES_REGS: the gated sum in registers (else through an L2-hot fp32 scratch). Env overrides for
+# program's tokens lie in one selection tile (as SLC_SHARED). FUSED_ROWS rows per program; FUSED_RES_REGS: the gated sum in registers (else through an L2-hot fp32 scratch). Env overrides for
 # A/B runs: SPARSEPATCH_NSA_FUSED=0/1, SPARSEPATCH_NSA_FUSED_ROWS, SPARSEPATCH_NSA_FUSED_RES_REGS=0/1.
 FUSED_TILE = os.environ.get("SPARSEPATCH_NSA_FUSED", "1") == "1"
 FUSED_ROWS = int(os.environ.get("SPARSEPATCH_NSA_FUSED_ROWS", "64"))
 FUSED_RES_REGS = os.environ.get("SPARSEPATCH_NSA_FUSED_RES_REGS", "1") == "1"
+# warps of the fused launch. Offline sm_90 builds (Triton 3.6-3.9, D=128, bf16): 64 rows on 4 warps keep 255
+# registers + ~1.7 KB of spill (three loops' loop-invariant address tensors stay live), on 8 warps 72 B.
+FUSED_WARPS = int(os.environ.get("SPARSEPATCH_NSA_FUSED_WARPS", "8"))
 
 
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
@@ -667,7 +669,7 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
             CB=l, CS=d, BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel,
             NSELP=triton.next_power_of_2(nsel), HEAD_DIM=D, GP=GP, BT=bt_f, CMP_BN=CMP_BLOCK_N, SWA_BN=SWA_BLOCK_N,
             HAS_GATES=gates is not None, SAVE=save, RES_REGS=FUSED_RES_REGS, SLC_STAGES=NUM_STAGES["slc_tile"],
-            num_warps=4 if bt_f * GP <= 64 else 8, num_stages=NUM_STAGES["swa"])
+            num_warps=FUSED_WARPS, num_stages=NUM_STAGES["swa"])
         return out, idx, lse, bo
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2),
