@@ -22,6 +22,9 @@ nsa_backward.PROFILE) at HQ64/H4 16K and 64K, sweeps BWD_SETS at --tune-t and us
 (--best-out writes it as JSON for SPARSEPATCH_NSA_BWD); --summary JSON prints the backward tables of a results file.
 --slc-ab R,R,...: only an A/B of the selected-branch kernel (nsa.SLC_TILE_ROWS per value; 0 = per token) at every
 head layout, with index equality and output differences against the first value (section slc_ab).
+--phases (issue 27): HQ64/H4 per-phase forward times and ratios vs cuDNN at 4K..64K for token and tile
+selection, with --variants (PHASE_VARIANTS: module-flag overrides, e.g. the fused tile launch) A/B'd in one process,
+and fwd+bwd at 16K; JSON <out>/<gpu>-nsa-phases.json.
 --selection both (default) also times NSAConfig(selection="tile") on the same inputs: prefill rows tile_ms (and
 tile_* ratios), decode rows tile_graph_us (a step continuing a tile: the cached blocks, no ranking) and
 tile_avg_graph_us (block_size - 1 such steps + one ranking step); --selection tile makes every section tile.
@@ -392,6 +395,181 @@ def slc_ab(nsa, cfg, settings, ts, write=None):
     return rows
 
 
+# ------------------------------------------------------------------------------- issue 27: per-phase A/B (--phases)
+# Variant name -> forward-module overrides; "sel" = the selections it changes (others would repeat base).
+PHASE_VARIANTS = {
+    "base": dict(sel=("token", "tile"), attrs=dict(FUSED_TILE=False, SLC_TILE_ROWS=None)),
+    "fused": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=64, FUSED_RES_REGS=True, FUSED_WARPS=8)),
+    "fused_w4": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=64, FUSED_RES_REGS=True, FUSED_WARPS=4)),
+    "fused_gm": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=64, FUSED_RES_REGS=False, FUSED_WARPS=8)),
+    "fused128": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=128, FUSED_RES_REGS=True, FUSED_WARPS=8)),
+    "u128": dict(sel=("token",), attrs=dict(FUSED_TILE=False, SLC_TILE_ROWS=128)),
+}
+PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel",
+                 "_fused_tile_kernel"]
+
+
+def phase_breakdown(nsa, q, k, v, cfg, calls=3):
+    """ms per phase of one forward: each kernel's launches summed within a call (tile mode launches `_cmp_kernel`
+    twice), compress_kv (PyTorch pooling), total (events around the whole call) and glue = total - the rest (index
+    glue, allocations, launch gaps); min over `calls` calls after one warm-up."""
+    names = PHASE_KERNELS + ["compress_kv"]
+    per_call = []
+    cur = {}
+    origs = {n: getattr(nsa, n).run for n in PHASE_KERNELS}
+    orig_ckv = nsa.compress_kv
+
+    def timed(fn, name):
+        def run(*a, **kw):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            r = fn(*a, **kw)
+            e.record()
+            cur.setdefault(name, []).append((s, e))
+            return r
+        return run
+    for n in PHASE_KERNELS:
+        getattr(nsa, n).run = timed(origs[n], n)
+    nsa.compress_kv = timed(orig_ckv, "compress_kv")
+    try:
+        with torch.no_grad():
+            nsa.nsa_attention(q, k, v, cfg)
+            for _ in range(calls):
+                cur = {}
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                nsa.nsa_attention(q, k, v, cfg)
+                e.record()
+                cur["total"] = [(s, e)]
+                per_call.append(cur)
+        torch.cuda.synchronize()
+    finally:
+        for n in PHASE_KERNELS:
+            getattr(nsa, n).run = origs[n]
+        nsa.compress_kv = orig_ckv
+    out = {}
+    for n in names + ["total"]:
+        vals = [sum(a.elapsed_time(b) for a, b in c[n]) for c in per_call if n in c]
+        if vals:
+            out[n] = round(min(vals), 4)
+    out["glue"] = round(out["total"] - sum(vv for n, vv in out.items() if n != "total"), 4)
+    return out
+
+
+def union_sizes(idx, n_b, groups=(8, 16)):
+    """Mean number of distinct selected blocks over groups of g consecutive tokens (per KV head), for each g."""
+    B, T, Hk, nsel = idx.shape
+    res = {}
+    for g in groups:
+        n = T // g * g
+        x = idx[:, :n].reshape(B, n // g, g, Hk, nsel).permute(0, 1, 3, 2, 4).reshape(B, n // g, Hk, g * nsel).long()
+        hit = torch.zeros(B, n // g, Hk, n_b + 1, dtype=torch.bool, device=idx.device)
+        hit.scatter_(-1, torch.where(x >= 0, x, n_b), True)
+        res[g] = round(hit[..., :n_b].sum(-1).float().mean().item(), 2)
+    return res
+
+
+def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
+    """Issue 27: HQ64/H4 D128 bf16 B=1, NSAConfig() token and tile: per variant (PHASE_VARIANTS) forward ms, its
+    ratio to cuDNN causal (same process, same inputs), per-phase ms, indices equal to base and max |out - base|;
+    union sizes of 8 / 16 consecutive tokens (token mode). Then fwd+bwd at fwd_bwd_t for base and the variants."""
+    HQ, H = 64, 4
+    rows = []
+    saved = {kk: getattr(nsa, kk) for kk in ("FUSED_TILE", "FUSED_ROWS", "FUSED_RES_REGS", "FUSED_WARPS",
+                                            "SLC_TILE_ROWS")}
+    try:
+        for T in ts:
+            g = torch.Generator(device="cuda").manual_seed(T)
+            q = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            k = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            v = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            row = dict(T=T, ms={}, x_cudnn={}, phases={}, same_idx={}, max_diff={})
+            with torch.no_grad():
+                row["cudnn_ms"] = _bench(cudnn_causal(q, k, v), rep=rep)
+                for sel in ("token", "tile"):
+                    cfg = NSAConfig(selection=sel)
+                    base = None
+                    for name in variants:
+                        spec = PHASE_VARIANTS[name]
+                        if sel not in spec["sel"]:
+                            continue
+                        key = f"{sel}:{name}"
+                        nsa.__dict__.update(saved)
+                        nsa.__dict__.update(spec["attrs"])
+                        try:
+                            out, idx = nsa.nsa_attention(q, k, v, cfg, return_indices=True)
+                            if base is None:
+                                base = (out, idx)
+                                if sel == "token":
+                                    row["union_8_16"] = union_sizes(idx, -(-T // cfg.block_size))
+                            row["same_idx"][key] = bool(torch.equal(idx, base[1]))
+                            row["max_diff"][key] = (out.float() - base[0].float()).abs().max().item()
+                            del out, idx
+                            row["ms"][key] = _bench(lambda: nsa.nsa_attention(q, k, v, cfg), rep=rep)
+                            row["x_cudnn"][key] = row["cudnn_ms"] / row["ms"][key]
+                            row["phases"][key] = phase_breakdown(nsa, q, k, v, cfg)
+                        except Exception as exc:  # noqa: BLE001
+                            row.setdefault("errors", {})[key] = _err(exc)
+                        print(f"T={T} {key:16} ms={row['ms'].get(key, float('nan')):8.3f} "
+                              f"x_cudnn={row['x_cudnn'].get(key, float('nan')):6.2f} "
+                              f"same_idx={row['same_idx'].get(key)} max_diff={row['max_diff'].get(key, float('nan')):.2e} "
+                              f"{row['phases'].get(key, row.get('errors', {}).get(key))}", flush=True)
+                    del base
+            print(f"T={T} cudnn_ms={row['cudnn_ms']:.3f} union(8,16 tokens)={row.get('union_8_16')}", flush=True)
+            rows.append(row)
+            if write:
+                write(rows, None)
+            del q, k, v
+            torch.cuda.empty_cache()
+        fb = []
+        if fwd_bwd_t:
+            T = fwd_bwd_t
+            g = torch.Generator(device="cuda").manual_seed(1)
+            q = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+            k = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+            v = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+            dout = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            cud = _bench_n(cudnn_causal_fwd_bwd(q, k, v, dout))
+            for sel in ("token", "tile"):
+                cfg = NSAConfig(selection=sel)
+                for name in variants:
+                    spec = PHASE_VARIANTS[name]
+                    if sel not in spec["sel"]:
+                        continue
+                    nsa.__dict__.update(saved)
+                    nsa.__dict__.update(spec["attrs"])
+                    r = dict(T=T, key=f"{sel}:{name}", cudnn_ms=cud)
+                    try:
+                        r["ms"] = _bench_n(fwd_bwd(lambda a, b, c: nsa.nsa_attention(a, b, c, cfg), (q, k, v), dout))
+                        r["x_cudnn"] = cud / r["ms"]
+                    except Exception as exc:  # noqa: BLE001
+                        r["error"] = _err(exc)
+                    fb.append(r)
+                    print("fwd+bwd", r, flush=True)
+            del q, k, v, dout
+            torch.cuda.empty_cache()
+    finally:
+        nsa.__dict__.update(saved)
+    keys = [f"{sel}:{n}" for sel in ("token", "tile") for n in variants if sel in PHASE_VARIANTS[n]["sel"]]
+    print(f"\n{'forward x cuDNN':16} " + " ".join(f"{r['T'] // 1024:>6}K" for r in rows))
+    print(f"{'cudnn ms':16} " + " ".join(f"{r['cudnn_ms']:7.3f}" for r in rows))
+    for kk in keys:
+        print(f"{kk:16} " + " ".join(f"{r['x_cudnn'].get(kk, float('nan')):7.2f}" for r in rows))
+    for kk in keys:
+        print(f"{kk + ' ms':16} " + " ".join(f"{r['ms'].get(kk, float('nan')):7.3f}" for r in rows))
+    print("phases (ms): " + ", ".join(n for n in PHASE_KERNELS + ["compress_kv", "glue", "total"]))
+    for r in rows:
+        for kk in keys:
+            ph = r["phases"].get(kk, {})
+            print(f"{r['T'] // 1024:>3}K {kk:16} " + " ".join(
+                f"{n.strip('_').replace('_kernel', '')}={ph[n]:.3f}" for n in PHASE_KERNELS + ["compress_kv", "glue",
+                                                                                              "total"] if n in ph))
+    for r in fb:
+        print(f"fwd+bwd {r['T'] // 1024}K {r['key']:16} {r.get('ms', float('nan')):8.2f} ms  cuDNN "
+              f"{r['cudnn_ms']:8.2f}  x {r.get('x_cudnn', float('nan')):.2f}")
+    return rows, fb
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="T = 8K, 16K only")
@@ -420,6 +598,14 @@ def main(argv=None):
                          "T; the other sections use token, or tile with --selection tile")
     ap.add_argument("--fla-only", action="store_true",
                     help="only the G=16 prefill rows (ours, cuDNN, fla without its window branch); no decode")
+    ap.add_argument("--phases", action="store_true",
+                    help="issue 27: HQ64/H4 forward per phase and x cuDNN for token and tile selection at --phase-t, "
+                         "each --variants entry in the same process, then fwd+bwd at --phase-bwd-t "
+                         "(JSON <gpu>-nsa-phases.json)")
+    ap.add_argument("--variants", default="base,fused,fused_w4,fused128,u128",
+                    help="--phases: comma list, base first; names in PHASE_VARIANTS")
+    ap.add_argument("--phase-t", default="4096,8192,16384,32768,65536")
+    ap.add_argument("--phase-bwd-t", type=int, default=16384, help="--phases: fwd+bwd length (0: none)")
     args = ap.parse_args(argv)
     if args.summary:
         with open(args.summary) as f:
@@ -442,6 +628,21 @@ def main(argv=None):
 
     def write(*_):
         _write(res, args.out, gpu, args.tag, quiet=True)
+    if args.phases:
+        variants = args.variants.split(",")
+        bad = [n for n in variants if n not in PHASE_VARIANTS]
+        if bad or variants[0] != "base":
+            raise SystemExit(f"--variants: first 'base', then any of {sorted(PHASE_VARIANTS)}; got {args.variants}")
+        pts = [int(x) for x in args.phase_t.split(",")]
+
+        def wr(rows, fb):
+            res["phases"] = rows
+            if fb is not None:
+                res["phases_fwd_bwd"] = fb
+            write()
+        rows, fb = phases(nsa, pts, variants, write=wr, fwd_bwd_t=args.phase_bwd_t)
+        wr(rows, fb)
+        return _write(res, args.out, gpu, args.tag if args.tag != "nsa" else "nsa-phases")
     if args.slc_ab:
         res["slc_ab"] = slc_ab(nsa, cfg, args.slc_ab.split(","), ts,
                                write=lambda rows: (res.__setitem__("slc_ab", rows), write()))
