@@ -63,7 +63,10 @@ def quality(log):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", action="store_true", help="also time block_m 128 and device-side descriptors")
+    ap.add_argument("--variants", action="store_true",
+                    help="A/B cells: round-1 keep bits (keep_row off), diagnostics seqidx / nokeep, block-order "
+                         "quantize, CUDA-graph replays (device time without host launch cost)")
+    ap.add_argument("--old-variants", action="store_true", help="also time block_m 128 and device-side descriptors")
     ap.add_argument("--S", type=int, default=32760)
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -98,10 +101,20 @@ def main():
     del ref, d8, s8
 
     quant = dense_fp8.quantize_fp8(q, k, v, "int8", quantize_q=False)[2:]
+    quant_block = dense_fp8.quantize_fp8(q, k, v, "int8", quantize_q=False, order="block")[2:]
+    res["checks"]["quantize_orders_bitwise_equal"] = all(   # bytes compared (no fp8 equality kernel needed)
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(a, b)
+        for a, b in zip(quant, quant_block))
+    log(f"quantize head vs block order bitwise equal: {res['checks']['quantize_orders_bitwise_equal']}")
     cells = {"cudnn": lambda: _cudnn(qt, kt, vt), "fp8_dense": lambda: dense_fp8.attention_fp8(q, k, v),
              "quantize_kv": lambda: dense_fp8.quantize_fp8(q, k, v, "int8", quantize_q=False)}
     variants = {"": None}
     if args.variants:
+        cells["quantize_kv_block"] = lambda: dense_fp8.quantize_fp8(q, k, v, "int8", quantize_q=False,
+                                                                    order="block")
+        variants.update({"_keepword": {"keep_row": False}, "_seqidx": {"diag": "seqidx"},
+                         "_nokeep": {"diag": "nokeep"}})
+    if args.old_variants:
         variants.update({"_bm128": {"block_m": 128}, "_devdesc": {"host_desc": False}})
     for rho in DENSITIES:
         lst = lists[rho]
@@ -111,11 +124,18 @@ def main():
                                                                                                cfg=cfg)
         cells[f"fp8_skip_kernel@{rho}"] = lambda lst=lst: skip_fp8.skip_attention_fp8(q, k, v, lst, -5.0,
                                                                                      quantized=quant)
-    times = {name: [] for name in cells}
     with torch.no_grad():
         for name, fn in cells.items():   # compile / warm every cell once
             fn()
         torch.cuda.synchronize()
+        if args.variants:   # device time only: the same calls replayed from a CUDA graph
+            for name in ["quantize_kv", "quantize_kv_block", "fp8_dense"] + [f"fp8_skip@{r}" for r in DENSITIES]:
+                try:
+                    cells[f"graph:{name}"] = _graphed(cells[name])
+                except Exception as exc:  # noqa: BLE001  (diagnostic cells only)
+                    log(f"graph capture of {name} failed: {type(exc).__name__}: {str(exc)[:200]}")
+    times = {name: [] for name in cells}
+    with torch.no_grad():
         log(f"warm-up done at {time.time() - t0:.0f} s")
         for r in range(args.rounds):
             for name, fn in cells.items():
@@ -127,7 +147,12 @@ def main():
     cud, fd = med["cudnn"], med["fp8_dense"]
     rows, ok = [], True
     print(f"B{B} H{H} S{S} D{D} bf16, tile 128x128, {res['gpu']}; medians of {args.rounds} rounds (ms)")
-    print(f"cuDNN bf16 {cud:.3f} | fp8 dense {fd:.3f} ({cud / fd:.2f}x cuDNN) | quantize k+v {med['quantize_kv']:.3f}")
+    print(f"cuDNN bf16 {cud:.3f} | fp8 dense {fd:.3f} ({cud / fd:.2f}x cuDNN) | quantize k+v {med['quantize_kv']:.3f}"
+          + (f" (block order {med['quantize_kv_block']:.3f})" if "quantize_kv_block" in med else ""))
+    graphed = {n[6:]: t for n, t in med.items() if n.startswith("graph:")}
+    if graphed:
+        print("CUDA-graph replay (device time, no host launch cost): "
+              + " | ".join(f"{n} {t:.3f}" for n, t in graphed.items()))
     print("| rho | bf16 skip | fp8 skip | fp8 kernel only | x cuDNN | x fp8 dense | budget | ok |" +
           "".join(f" fp8{suf} |" for suf in variants if suf))
     for rho in DENSITIES:
@@ -156,6 +181,19 @@ def main():
     res["wall_s"] = time.time() - t0
     print(f"all acceptance lines met: {ok}; wall {res['wall_s']:.0f} s")
     save_results(res, "bench_skip_fp8.json", None)
+
+
+def _graphed(fn):
+    """fn captured once in a CUDA graph (after its warm-up call) -> a callable replaying it."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
 
 
 def _cudnn(qt, kt, vt):

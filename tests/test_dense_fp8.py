@@ -41,12 +41,14 @@ def test_quantize_model_error_budget():
 
 
 @cpu_only
-def test_quant_kqv_kernel_interpreter():
-    """The fused k / V-amax / q launch of `quantize_fp8` (interpreter, fp16 in, int8 out): k8, q8 and their block
-    scales dequantize exactly to the model, and V's channel amax (atomic max on the fp32 bits) is exact."""
+@pytest.mark.parametrize("head_fast", [True, False])
+def test_quant_kqv_kernel_interpreter(head_fast):
+    """The fused k / V-amax / q launch of `quantize_fp8` (interpreter, fp16 in, int8 out), both program orders:
+    k8, q8 and their block scales dequantize exactly to the model, and V's channel amax (atomic max on the fp32
+    bits) is exact."""
     import triton
     g = torch.Generator().manual_seed(1)
-    B, Sq, Sk, Hq, Hk, D = 1, 200, 300, 4, 2, 64
+    B, Sq, Sk, Hq, Hk, D = 2, 200, 300, 4, 2, 64
     q = torch.randn(B, Sq, Hq, D, generator=g).half()
     k, v = (torch.randn(B, Sk, Hk, D, generator=g).half() for _ in range(2))
     v[..., 3] *= 40.0
@@ -57,7 +59,7 @@ def test_quant_kqv_kernel_interpreter():
     n_k = nkb * B * Hk
     dense._fp8_quant_kqv_kernel[(n_k + nqb * B * Hq,)](
         k, v, q, k8, ks, vam, q8, qs, *k.stride()[:3], *v.stride()[:3], *q.stride()[:3], Sk, Sq, Hk, Hq, nkb, nqb,
-        n_k, D=D, BLK=128, FMAX=127.0, INT8=True)
+        n_k, D=D, BLK=128, FMAX=127.0, INT8=True, HEAD_FAST=head_fast)
     qd, kd, vd = dense.quantize_fp8_reference(q, k, v, "int8")
     assert torch.equal(vam.view(torch.float32), v.float().abs().amax(1))
     assert torch.equal((k8.float() * ks.repeat_interleave(128, -1)[..., :Sk, None]).transpose(1, 2), kd)

@@ -46,7 +46,12 @@ CHUNK_C = tl.constexpr(CHUNK)
 # attention_fp8), 3 stages; host_desc: K8 / V^T8 TMA descriptors built on the host over the (B, Hk, Sk, D) and
 # (B, Hk, D, Sk) views (no per-program descriptor build: it is part of the fixed cost per q-tile program that
 # dominates at low density, skip NOTES v5).
-FP8_SKIP_CONFIG = dict(block_m=64, num_warps=4, num_stages=3, host_desc=True)
+# keep_row: keep bits accumulated per row (one int32 per row, layout of m_i) and OR-reduced across rows once per
+# 32 visited tiles; False: the round-1 [BLOCK_M, NWORDS] select per tile, one reduction at the end (kept for the
+# A/B until measured). diag: timing diagnostics only, wrong results at density < 1: "seqidx" visits tiles
+# 0..cnt-1 instead of the listed ones (no index loads), "nokeep" skips the keep test (empty next list).
+FP8_SKIP_CONFIG = dict(block_m=64, num_warps=4, num_stages=3, host_desc=True, keep_row=True, diag="")
+_DIAGS = ("", "seqidx", "nokeep")
 
 
 def supports_tile(tile) -> bool:
@@ -116,7 +121,7 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
                      TILE_N: tl.constexpr, STATEFUL: tl.constexpr, HAS_FORCED: tl.constexpr,
                      LAST_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr, LOG2_PS: tl.constexpr,
                      QK_ACC: tl.constexpr, QMAX: tl.constexpr, NWORDS: tl.constexpr, HOST_DESC: tl.constexpr,
-                     FBLK: tl.constexpr):
+                     FBLK: tl.constexpr, KEEP_ROW: tl.constexpr, DIAG: tl.constexpr):
     """Program (pid, bh): rows [pid * BLOCK_M, +BLOCK_M) of (batch, query head) bh, part pid % SPLIT of skip q-tile
     pid // SPLIT (TILE_M = SPLIT * BLOCK_M rows). q is quantized here, one scale per program (as attention_fp8's
     fused q). KW (B * Hq * Tq, SPLIT, NWORDS + 1) int32 and ARRIVE (B * Hq * Tq,) int32 (zeroed): with SPLIT 2,
@@ -185,17 +190,33 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
     if HAS_FORCED:
         frow = (tl.load(FROW + pid_m) != 0).to(tl.int32)
     widx = tl.arange(0, NWORDS)
-    bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
+    words = tl.zeros([NWORDS], tl.int32)
+    rbits = tl.zeros([BLOCK_M], tl.int32)
+    if not KEEP_ROW:
+        bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
     for it in range(0, n_plain):
-        j = j_next       # the index of the next visited tile is loaded one iteration ahead
-        j_next = tl.load(idx_in + tl.minimum(it + 1, Tk - 1))
+        if DIAG == 1:    # diagnostic (cfg diag="seqidx"): tile it instead of the listed index (= the list at rho 1)
+            j = it
+        else:
+            j = j_next       # the index of the next visited tile is loaded one iteration ahead
+            j_next = tl.load(idx_in + tl.minimum(it + 1, Tk - 1))
         if STATEFUL:
             j = tl.where(warm, it, j)
         m_before = m_i
         acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, j, offs_n, Sk, D, TILE_N,
                                     BLOCK_N, False, QK_ACC, LOG2_PS, HOST_DESC, FBLK)
-        hit = (((tmax - m_before) > threshold) & row_ok).to(tl.int32) << (it & 31)
-        bits = bits | tl.where((widx == (it >> 5))[None, :], hit[:, None], 0)
+        if DIAG != 2:    # diag="nokeep" (diagnostic): no keep test, the next list is empty
+            hit = (((tmax - m_before) > threshold) & row_ok).to(tl.int32) << (it & 31)
+            if KEEP_ROW:
+                # keep bits per row in the layout of the row statistics (no [BLOCK_M, NWORDS] select and no layout
+                # change per tile); the cross-row OR runs once per 32 visited tiles
+                rbits = rbits | hit
+                if ((it & 31) == 31) | (it + 1 == n_plain):
+                    w = tl.reduce(rbits, 0, bit_or)
+                    words = words | tl.where(widx == (it >> 5), w, 0)
+                    rbits = tl.zeros([BLOCK_M], tl.int32)
+            else:
+                bits = bits | tl.where((widx == (it >> 5))[None, :], hit[:, None], 0)
     # The partial last k-tile (masked columns), if listed (at most one iteration).
     keep1 = tl.full([], 0, tl.int32)
     for it in range(n_plain, cnt):
@@ -216,7 +237,8 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
         tl.store(LSE + (b64 * Hq + h) * Sq + rows, lse, mask=row_ok)
 
     # One cross-row OR reduction for all tiles; with SPLIT 2 the parts of the q-tile are merged by the last one.
-    words = tl.reduce(bits, 0, bit_or)
+    if not KEEP_ROW:
+        words = tl.reduce(bits, 0, bit_or)
     writer = True
     if SPLIT > 1:
         kw_row = KW + row * (SPLIT * (NWORDS + 1))
@@ -288,6 +310,8 @@ def _cfg(cfg, tm):
     cfg = dict(FP8_SKIP_CONFIG, **given)
     if cfg["block_m"] not in (64, 128):
         raise ValueError(f"cfg['block_m'] must be 64 or 128, got {cfg['block_m']!r}")
+    if cfg["diag"] not in _DIAGS:
+        raise ValueError(f"cfg['diag'] must be one of {_DIAGS}, got {cfg['diag']!r}")
     cfg["block_m"] = min(cfg["block_m"], tm)
     if cfg["block_m"] == 128 and "num_warps" not in given:   # two warpgroups for a 128-row program
         cfg["num_warps"] = 8
@@ -346,7 +370,8 @@ def _launch(q, k8, ks, vt8, vs, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, f
             D=D, BLOCK_M=bm, SPLIT=split, BLOCK_N=block_n, TILE_N=tn, STATEFUL=bool(stateful),
             HAS_FORCED=frow is not None, LAST_PARTIAL=bool(Sk % tn), WRITE_LSE=lse is not None,
             LOG2_PS=FP8_LOG2_P_SCALE, QK_ACC=tl.int32 if int8 else tl.float32, QMAX=127.0 if int8 else FP8_MAX,
-            NWORDS=nwords, HOST_DESC=host, FBLK=FP8_BLOCK, num_warps=cfg["num_warps"],
+            NWORDS=nwords, HOST_DESC=host, FBLK=FP8_BLOCK, KEEP_ROW=bool(cfg["keep_row"]),
+            DIAG=_DIAGS.index(cfg["diag"]), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
 
     if cfg["host_desc"] and _HOST_DESC_OK[0]:
