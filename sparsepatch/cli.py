@@ -39,6 +39,8 @@ BENCHES = {
                  None),
     "skip_gluon_dense": ("dense forward: Triton grid kernel vs the Gluon kernel vs cuDNN", "sm_90"),
     "training_mode": ("training mode (backward skips too): gradient cos-sim and backward time vs dense", "cuda"),
+    "video_d64": ("skip-list sweep on the trained d64 video model: density, attention cos, PSNR, ms/step vs cuDNN",
+                  None),
     "wan_step": ("one Wan2.1-1.3B-shaped denoising step: cuDNN SDPA vs skip lists at fixed densities", "cuda"),
 }
 EXIT_CANNOT_RUN_HERE = 3
