@@ -49,14 +49,14 @@ EXIT_CANNOT_RUN_HERE = 3
 # Defaults per demo model. trained: the head-dim-64 denoiser (sparsepatch/assets/tiny_video_d64, issue 26) at
 # the Triton / Gluon skip kernels' tile (64, 64), one clip. size / frames are nominal pixels: latents are size / 8 and
 # (frames - 1) / 4 + 1 as with Wan's VAE, so 256 x 61 is the trained latent shape 32 x 32 x 16 (4096 tokens). On a
-# CPU (DEMO_CPU) the trained demo samples 8 latent frames (2048 tokens) for 6 steps so that its four runs stay
+# CPU (DEMO_CPU) the trained demo samples 6 latent frames (1536 tokens) for 6 steps so that its four runs stay
 # within a minute on 2 cores; it says so in its output. Threshold: see BENCHMARKS.md "Video" (the d64 sweep).
 # random: the random-weight tiny WanPipeline with sharpened attention (head dim 64, the Triton kernels' size).
 DEMO_DEFAULTS = {
     "trained": dict(steps=10, size=256, frames=61, threshold=-0.5, warmup=2, tile=64, batch=1),
     "random": dict(steps=5, size=96, frames=9, threshold=-3.0, warmup=1, tile=16, batch=1),
 }
-DEMO_CPU = {"trained": dict(steps=6, frames=29)}
+DEMO_CPU = {"trained": dict(steps=6, frames=21)}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
