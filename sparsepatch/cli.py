@@ -39,21 +39,24 @@ BENCHES = {
                  None),
     "skip_gluon_dense": ("dense forward: Triton grid kernel vs the Gluon kernel vs cuDNN", "sm_90"),
     "training_mode": ("training mode (backward skips too): gradient cos-sim and backward time vs dense", "cuda"),
+    "video_d64": ("skip-list sweep on the trained d64 video model: density, attention cos, PSNR, ms/step vs cuDNN",
+                  None),
     "wan_step": ("one Wan2.1-1.3B-shaped denoising step: cuDNN SDPA vs skip lists at fixed densities", "cuda"),
 }
 EXIT_CANNOT_RUN_HERE = 3
 
 
-# Defaults per demo model. trained: the -0.15 row of the BENCHMARKS.md sweep ("Quality-vs-speed sweeps", tile 16,
-# 10 steps, 2 dense warm-up steps: density <= 0.5 from step 3 on, final PSNR ~30-31 dB), one clip instead of two to
-# stay under a minute on a 2-core CPU (--batch 2 reproduces the sweep row exactly). size / frames are nominal
-# pixels: latents are size / 8 and (frames - 1) / 4 + 1 as with Wan's VAE (192 x 29 -> the trained latent shape
-# 24 x 24 x 8).
+# Defaults per demo model. trained: the head-dim-64 denoiser (sparsepatch/assets/tiny_video_d64, issue 26) at
+# the Triton / Gluon skip kernels' tile (64, 64), one clip. size / frames are nominal pixels: latents are size / 8 and
+# (frames - 1) / 4 + 1 as with Wan's VAE, so 256 x 61 is the trained latent shape 32 x 32 x 16 (4096 tokens). On a
+# CPU (DEMO_CPU) the trained demo samples 6 latent frames (1536 tokens) for 6 steps so that its four runs stay
+# within a minute on 2 cores; it says so in its output. Threshold: see BENCHMARKS.md "Video" (the d64 sweep).
 # random: the random-weight tiny WanPipeline with sharpened attention (head dim 64, the Triton kernels' size).
 DEMO_DEFAULTS = {
-    "trained": dict(steps=10, size=192, frames=29, threshold=-0.15, warmup=2, tile=16, batch=1),
+    "trained": dict(steps=10, size=256, frames=61, threshold=-0.5, warmup=2, tile=64, batch=1),
     "random": dict(steps=5, size=96, frames=9, threshold=-3.0, warmup=1, tile=16, batch=1),
 }
+DEMO_CPU = {"trained": dict(steps=6, frames=21)}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -104,7 +107,7 @@ def demo(args) -> int:
     """Dense vs SkipConfig on a tiny video model (no download): per-step table (density, attention cos, PSNR,
     SSIM, ms) and a verdict line.
 
-    Default: the committed trained tiny Wan denoiser (sparsepatch/assets/tiny_video) sampling latent clips of its
+    Default: the committed trained tiny Wan denoiser (sparsepatch/assets/tiny_video_d64) sampling latent clips of its
     procedural classes with a rectified-flow Euler sampler; --random: a random-weight tiny WanPipeline."""
     import torch
 
@@ -112,12 +115,16 @@ def demo(args) -> int:
     from sparsepatch import testing
     start = time.perf_counter()
     mode = "random" if args.random else "trained"
+    device = _device(args.cpu)
+    reduced = {}
     for key, value in DEMO_DEFAULTS[mode].items():
         if getattr(args, key) is None:
-            setattr(args, key, value)
-    device = _device(args.cpu)
-    # bf16 on a GPU (CPU runs fp32). The Triton skip kernel serves head dims 64 / 128: the random model is built
-    # with 64; the trained one has 32, so its skip attention runs the reference on a GPU too.
+            cpu_value = DEMO_CPU.get(mode, {}).get(key) if device == "cpu" else None
+            if cpu_value is not None:
+                reduced[key] = (cpu_value, value)
+            setattr(args, key, value if cpu_value is None else cpu_value)
+    # bf16 on a GPU (CPU runs fp32). The Triton / Gluon skip kernels serve head dims 64 / 128: both the random model
+    # and the trained d64 model have 64 (the older tiny_video model, --model-path, has 32: the reference serves it).
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if mode == "random":
         pipe = testing.tiny_wan_pipeline(head_dim=64, attention_gain=args.attention_gain).to(device, dtype)
@@ -129,7 +136,8 @@ def demo(args) -> int:
     else:
         if args.size % 16 or (args.frames - 1) % 4:
             raise SystemExit("demo: --size must be a multiple of 16 and --frames of the form 4k + 1")
-        pipe, info = testing.tiny_trained_video_pipeline(args.model_path, dtype=dtype)
+        from .recipes.train_tiny_video import KERNEL_VIDEO_DIR
+        pipe, info = testing.tiny_trained_video_pipeline(args.model_path or KERNEL_VIDEO_DIR, dtype=dtype)
         pipe.to(device)
         kwargs = testing.trained_video_call_kwargs(pipe, info, batch=args.batch, frames=(args.frames - 1) // 4 + 1,
                                                    latent_size=args.size // 8, steps=args.steps)
@@ -144,6 +152,13 @@ def demo(args) -> int:
                   "runs on the GPU; use --random for the Triton path)")
     config = sp.SkipConfig(threshold=args.threshold, warmup_steps=args.warmup, tile=(args.tile, args.tile))
     print(f"sparsepatch demo: {what}, {args.steps} steps, {device} {dtype}")
+    if reduced:
+        print("(CPU: fewer " + " and ".join(f"{'latent frames' if k == 'frames' else k} ("
+                                          + (f"{(v - 1) // 4 + 1} instead of {(full - 1) // 4 + 1}" if k == "frames"
+                                             else f"{v} instead of {full}") + ")"
+                                          for k, (v, full) in reduced.items())
+              + " than on a GPU, to stay within a minute on 2 cores; "
+              + " ".join(f"--{k} {full}" for k, (_, full) in reduced.items()) + " for the full run)")
     print(f"config: {config}\nruns: dense, patched (each attention call checked against dense attention), then "
           "patched and dense again for timing", flush=True)
     if device == "cpu":
@@ -381,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr, rnd = DEMO_DEFAULTS["trained"], DEMO_DEFAULTS["random"]
 
     def default(key):
-        return f"default {tr[key]}; --random: {rnd[key]}"
+        cpu = DEMO_CPU["trained"].get(key)
+        return f"default {tr[key]}" + (f" ({cpu} on a CPU)" if cpu is not None else "") + f"; --random: {rnd[key]}"
     p = sub.add_parser("demo", formatter_class=HelpFormatter,
                        help="dense vs skip lists on the committed trained tiny video model (no download)",
                        description="Sample the committed trained tiny Wan denoiser dense and with SkipConfig,\n"
@@ -397,12 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
                    + default("frames"))
     p.add_argument("--threshold", type=float, help="skip threshold, log2 units; " + default("threshold"))
     p.add_argument("--warmup", type=int, help="dense warm-up steps; " + default("warmup"))
-    p.add_argument("--tile", type=int, help="skip tile edge (tiny models: 16; real models: 128); "
+    p.add_argument("--tile", type=int, help="skip tile edge in tokens (the GPU kernels: 64 or 128); "
                    + default("tile"))
     p.add_argument("--batch", type=int, help="trained model: clips per call, prompted with classes 0, 1, ...; "
                    + default("batch"))
     p.add_argument("--model-path", help="trained model: a train_tiny_video output dir (default: the committed "
-                   "sparsepatch/assets/tiny_video)")
+                   "sparsepatch/assets/tiny_video_d64; sparsepatch/assets/tiny_video is the older head-dim-32 model)")
     p.add_argument("--attention-gain", type=float, default=100.0,
                    help="--random: factor on the q/k logits (random weights attend almost uniformly)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA is available")

@@ -319,7 +319,12 @@ def _output_space(out, call_kwargs: dict) -> str | None:
 
 
 def _device_dtype(obj) -> tuple[str, str]:
-    """(device, dtype) of the denoiser / model parameters ("cpu", "torch.float32" when there are none)."""
+    """(device, dtype) of the denoiser / model parameters ("cpu", "torch.float32" when there are none).
+
+    The dtype is the one holding most of the first module's floating-point parameter elements: diffusers keeps
+    small modules in fp32 inside a bf16 model (WanTransformer3DModel's `_keep_in_fp32_modules`: the time
+    embedder, scale-shift tables and norms, which come first in its parameter order), and the model computes its
+    attention in the dtype of the bulk of its weights."""
     modules = [obj] if isinstance(obj, torch.nn.Module) else []
     components = getattr(obj, "components", None)
     if isinstance(components, dict):
@@ -327,8 +332,15 @@ def _device_dtype(obj) -> tuple[str, str]:
         names = sorted(components, key=lambda n: n not in ("transformer", "unet", "transformer_2"))
         modules += [components[n] for n in names if isinstance(components[n], torch.nn.Module)]
     for module in modules:
+        counts: dict = defaultdict(int)
+        device = None
         for p in module.parameters():
-            return str(p.device), str(p.dtype)
+            device = device or str(p.device)
+            if p.is_floating_point():
+                counts[p.dtype] += p.numel()
+        if device is not None:
+            dtype = max(counts, key=counts.get) if counts else next(module.parameters()).dtype
+            return device, str(dtype)
     return "cpu", "torch.float32"
 
 

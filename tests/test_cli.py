@@ -58,7 +58,9 @@ def test_demo_help_names_defaults_and_cpu(capsys):
     opts = _options(_help(capsys, "demo"))
     assert "(default: 100.0)" in opts["--attention-gain"]
     assert "CPU" in opts["--cpu"]
-    assert "default 10" in opts["--steps"] and "default -0.15" in opts["--threshold"]
+    tr = cli.DEMO_DEFAULTS["trained"]
+    assert f"default {tr['steps']} ({cli.DEMO_CPU['trained']['steps']} on a CPU)" in opts["--steps"]
+    assert f"default {tr['threshold']}" in opts["--threshold"] and "default 64" in opts["--tile"]
 
 
 def test_demo_and_validate_are_distinct_commands(capsys):

@@ -35,6 +35,8 @@ FRAMES = 3
 LATENT_SIZE = 16
 PROMPT = ""
 SEED = 0
+PROFILE_STEP = 2
+GPU_RESULTS = None
 OUT_DIR = os.environ["SPARSEPATCH_NB_OUT"]
 """
 
@@ -83,8 +85,9 @@ def _finite(*values):
 
 def test_video_notebook(tmp_path, monkeypatch):
     res, images = _run("quality_vs_speed_video.ipynb", VIDEO_PARAMS, tmp_path, monkeypatch)
-    assert images == 4                                    # each figure of the plots cell shows
-    for png in ("density_vs_step.png", "psnr_pareto.png", "per_layer_cos.png", "validate_report.png"):
+    assert images == 6                  # the plots cell's 4 figures, the GPU curve, the attention distances
+    for png in ("density_vs_step.png", "psnr_pareto.png", "per_layer_cos.png", "validate_report.png",
+                "gpu_curve.png", "attention_distance.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
     rows = res["rows"]
     assert [r["threshold"] for r in rows] == [-2.0, -6.0]
@@ -99,6 +102,14 @@ def test_video_notebook(tmp_path, monkeypatch):
     # a lower threshold keeps more tiles
     assert rows[1]["density_mean"] >= rows[0]["density_mean"] - 1e-9
     assert isinstance(res["verdict"]["met"], bool)
+    # the GPU rows come from a committed JSON (the sweep, else the probe), whatever machine runs the notebook
+    assert res["gpu_rows"] and {r["tile"][0] for r in res["gpu_rows"]} >= {64, 128}
+    # the distance profiles of the model's 4 layers and of video_like_qkv, on the notebook's 3 x 8 x 8 token grid
+    assert len(res["profiles"]) == 5 and "video_like_qkv" in res["profiles"]
+    for prof in res["profiles"].values():
+        assert len(prof["temporal"]["mass"]) == 3
+        assert abs(sum(prof["temporal"]["mass"]) - 1) < 1e-5                       # fp32 softmax rows
+    assert all(0 < c["32"]["density"][1] <= 1 for c in res["coverage"].values())
 
 
 def test_llm_notebook(tmp_path, monkeypatch):

@@ -80,9 +80,13 @@ def pipes():
 @pytest.fixture(scope="module")
 def bands(pipes):
     _, info = pipes
-    frames, size = info["frames"], info["latent_size"]
+    return reference_bands(info["frames"], info["latent_size"], info.get("colour_jitter"))
+
+
+def reference_bands(frames: int, size: int, colour_jitter: float | None) -> dict:
+    """{statistic: {mean, std, noise, lo, hi}}: the bands of the module docstring for clips (4, frames, size, size)."""
     # seeds >= 100_000: no overlap with the training stream (ProceduralClips seeds 0 .. dataset length)
-    refs = [batch_stats(procedural_batch(1000 + j, frames, size, colour_jitter=info.get("colour_jitter")))
+    refs = [batch_stats(procedural_batch(1000 + j, frames, size, colour_jitter=colour_jitter))
             for j in range(REFERENCE_BATCHES)]
     noise = batch_stats(torch.randn(NUM_CLASSES, 4, frames, size, size, generator=torch.Generator().manual_seed(1)))
     out = {}
