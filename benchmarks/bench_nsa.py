@@ -23,7 +23,7 @@ nsa_backward.PROFILE) at HQ64/H4 16K and 64K, sweeps BWD_SETS at --tune-t and us
 --slc-ab R,R,...: only an A/B of the selected-branch kernel (nsa.SLC_TILE_ROWS per value; 0 = per token) at every
 head layout, with index equality and output differences against the first value (section slc_ab).
 --phases (issue 27): HQ64/H4 per-phase forward times and ratios vs cuDNN at 4K..64K for token and tile
-selection, with --variants (PHASE_VARIANTS: module-flag overrides, e.g. the fused tile launch) A/B'd in one process,
+selection, with --variants (PHASE_VARIANTS: nsa.SLC_TILE_ROWS = the rule / union / per token) in one process,
 and fwd+bwd at 16K; JSON <out>/<gpu>-nsa-phases.json.
 --selection both (default) also times NSAConfig(selection="tile") on the same inputs: prefill rows tile_ms (and
 tile_* ratios), decode rows tile_graph_us (a step continuing a tile: the cached blocks, no ranking) and
@@ -398,15 +398,11 @@ def slc_ab(nsa, cfg, settings, ts, write=None):
 # ------------------------------------------------------------------------------- issue 27: per-phase A/B (--phases)
 # Variant name -> forward-module overrides; "sel" = the selections it changes (others would repeat base).
 PHASE_VARIANTS = {
-    "base": dict(sel=("token", "tile"), attrs=dict(FUSED_TILE=False, SLC_TILE_ROWS=None)),
-    "fused": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=64, FUSED_RES_REGS=True, FUSED_WARPS=8)),
-    "fused_w4": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=64, FUSED_RES_REGS=True, FUSED_WARPS=4)),
-    "fused_gm": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=64, FUSED_RES_REGS=False, FUSED_WARPS=8)),
-    "fused128": dict(sel=("tile",), attrs=dict(FUSED_TILE=True, FUSED_ROWS=128, FUSED_RES_REGS=True, FUSED_WARPS=8)),
-    "u128": dict(sel=("token",), attrs=dict(FUSED_TILE=False, SLC_TILE_ROWS=128)),
+    "base": dict(sel=("token", "tile"), attrs=dict(SLC_TILE_ROWS=None)),
+    "u128": dict(sel=("token",), attrs=dict(SLC_TILE_ROWS=128)),     # the token-tile union kernel at every T
+    "per_token": dict(sel=("token",), attrs=dict(SLC_TILE_ROWS=0)),  # the per-token selected kernel at every T
 }
-PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel",
-                 "_fused_tile_kernel"]
+PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel"]
 
 
 def phase_breakdown(nsa, q, k, v, cfg, calls=3):
@@ -475,8 +471,7 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
     union sizes of 8 / 16 consecutive tokens (token mode). Then fwd+bwd at fwd_bwd_t for base and the variants."""
     HQ, H = 64, 4
     rows = []
-    saved = {kk: getattr(nsa, kk) for kk in ("FUSED_TILE", "FUSED_ROWS", "FUSED_RES_REGS", "FUSED_WARPS",
-                                            "SLC_TILE_ROWS")}
+    saved = {kk: getattr(nsa, kk) for kk in ("SLC_TILE_ROWS",)}
     try:
         for T in ts:
             g = torch.Generator(device="cuda").manual_seed(T)
@@ -602,7 +597,7 @@ def main(argv=None):
                     help="issue 27: HQ64/H4 forward per phase and x cuDNN for token and tile selection at --phase-t, "
                          "each --variants entry in the same process, then fwd+bwd at --phase-bwd-t "
                          "(JSON <gpu>-nsa-phases.json)")
-    ap.add_argument("--variants", default="base,fused,fused_w4,fused128,u128",
+    ap.add_argument("--variants", default="base,u128,per_token",
                     help="--phases: comma list, base first; names in PHASE_VARIANTS")
     ap.add_argument("--phase-t", default="4096,8192,16384,32768,65536")
     ap.add_argument("--phase-bwd-t", type=int, default=16384, help="--phases: fwd+bwd length (0: none)")

@@ -13,10 +13,11 @@ Four kernels per call (plus mean/weighted pooling of k/v in PyTorch, `nsa_refere
    +inf, block 0 3e38, then num_selected arg-max rounds with ties to the lower index (as the reference); indices
    written ascending, -1 padded.
 3. `_slc_kernel`  selected-block attention, one program per (token, KV head), rows = the group's heads (padded
-   to >= 16 for tl.dot); causal mask in the local block; writes g_cmp * o_cmp + g_slc * o_slc (fp32). For MHA and
-   small groups at short T (`slc_tile_rows`), `_slc_tile_kernel` instead: 128-row programs of 128 // G tokens
-   visiting the union of their selected blocks, each row masking the blocks its token did not select (the same
-   function; faster where the per-token kernel pads G to 16 rows).
+   to >= 16 for tl.dot); causal mask in the local block; writes g_cmp * o_cmp + g_slc * o_slc (fp32). For MHA,
+   small groups at short T and any group at n_b <= 64 blocks (`slc_tile_rows`), `_slc_tile_kernel` instead:
+   128-row programs of 128 // G tokens visiting the union of their selected blocks, each row masking the blocks
+   its token did not select (the same function; faster where the per-token kernel pads G to 16 rows, or where the
+   union is nearly every visible block).
 4. `_swa_kernel`  sliding-window attention on the same tiles as (1); adds g_swa * o_swa and stores the output.
 
 Supported (else `supports` is False and the dispatcher uses the reference): causal=True, head dim 16..256 power
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 import triton
@@ -374,128 +374,6 @@ def _swa_kernel(Q, K, V, PART, GATES, OUT, BO_W, LSE,
              mask=row_ok[:, None])
 
 
-@triton.jit
-def _fused_tile_kernel(Q, K, V, KC, VC, IDX, GATES, OUT, PART, BO_C, BO_S, BO_W, LSE_C, LSE_S, LSE_W,
-                       sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sckb, scks, sckh, s_ib, s_it, s_ih,
-                       sgb, sgs, sgh, sgc, sob, sos, soh,
-                       T, S, n_c, q_off, Hk, G, qk_scale, window,
-                       CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr,
-                       NSEL: tl.constexpr, NSELP: tl.constexpr, HEAD_DIM: tl.constexpr, GP: tl.constexpr,
-                       BT: tl.constexpr, CMP_BN: tl.constexpr, SWA_BN: tl.constexpr, HAS_GATES: tl.constexpr,
-                       SAVE: tl.constexpr, RES_REGS: tl.constexpr, SLC_STAGES: tl.constexpr):
-    """selection="tile", one launch for the three branches of a tile of BT tokens x the G query heads of one KV
-    head (rows as `_token_tile_rows`), every token of the program inside one selection tile (the host checks it):
-    the compressed pass of `_cmp_kernel` (o_cmp only; the scoring ran at the tile starts), the selected blocks of
-    the tile's first token (as `_slc_tile_kernel` SHARED) and the window of `_swa_kernel`, on the same tiles and
-    in the same order of operations, so the output equals the three-launch path up to compiler scheduling. The
-    gated sum stays in registers (RES_REGS) or goes through PART (fp32 (B, T, Hq, D), rows of this program only:
-    L2-hot), instead of o_cmp / the partial sum crossing two kernel boundaries. OUT, PART and BO_* share the
-    (B, T, Hq, D) strides sob, sos, soh."""
-    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP, 0, 1)
-    M: tl.constexpr = BT * GP
-    tok64 = tok.to(tl.int64)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b64 * sqb + (tok64 * sqs + head * sqh)[:, None] + offs_d[None, :], mask=row_ok[:, None],
-                other=0.0)
-    orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
-    lrow = (b64 * T + tok64) * (Hk * G) + head
-    maxpos = tl.minimum(t0 + BT, T) - 1 + q_off
-
-    # compressed branch (pass 1 of `_cmp_kernel`)
-    offs_c = tl.arange(0, CMP_BN)
-    nvis = tl.where(qpos + 1 >= CB, (qpos + 1 - CB) // CS + 1, 0)
-    nvis = tl.minimum(nvis, n_c)
-    hi = tl.where(maxpos + 1 >= CB, (maxpos + 1 - CB) // CS + 1, 0)
-    hi = tl.minimum(hi, n_c)
-    kcb = KC + b64 * sckb + hk * sckh
-    vcb = VC + b64 * sckb + hk * sckh
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, HEAD_DIM], tl.float32)
-    for start in range(0, hi, CMP_BN):
-        c = start + offs_c
-        kv_ok = c < hi
-        k = tl.load(kcb + c[:, None].to(tl.int64) * scks + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-        v = tl.load(vcb + c[:, None].to(tl.int64) * scks + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(c[None, :] < nvis[:, None], s, float("-inf"))
-        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    if SAVE:
-        tl.store(BO_C + orow, o.to(BO_C.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE_C + lrow, tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(l_safe)), mask=row_ok)
-    if HAS_GATES:
-        gb = GATES + b64 * sgb + tok64 * sgs + head * sgh
-        res = tl.load(gb, mask=row_ok, other=0.0).to(tl.float32)[:, None] * o
-    else:
-        res = o
-    if not RES_REGS:
-        tl.store(PART + orow, res, mask=row_ok[:, None])
-
-    # selected branch: the blocks of the tile's first token (ascending, -1 padding last)
-    offs_n = tl.arange(0, BSP)
-    offs_s = tl.arange(0, NSELP)
-    lbase = IDX + b64 * s_ib + hk * s_ih + t0.to(tl.int64) * s_it
-    n_u = tl.sum((tl.load(lbase + offs_s, mask=offs_s < NSEL, other=-1) >= 0).to(tl.int32), 0)
-    kbase = K + b64 * skb + hk * skh
-    vbase = V + b64 * svb + hk * svh
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, HEAD_DIM], tl.float32)
-    for i in tl.range(0, n_u, num_stages=SLC_STAGES):
-        jb = tl.load(lbase + i)
-        key = jb * BS + offs_n
-        kv_ok = (offs_n < BS) & (key < S)
-        k = tl.load(kbase + key[:, None].to(tl.int64) * sks + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-        v = tl.load(vbase + key[:, None].to(tl.int64) * svs + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(kv_ok[None, :] & (key[None, :] <= qpos[:, None]), s, float("-inf"))
-        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    if SAVE:
-        tl.store(BO_S + orow, o.to(BO_S.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE_S + lrow, m_i + tl.math.log2(l_safe), mask=row_ok)
-    if not RES_REGS:
-        res = tl.load(PART + orow, mask=row_ok[:, None], other=0.0)
-    if HAS_GATES:
-        res = res + tl.load(gb + sgc, mask=row_ok, other=0.0).to(tl.float32)[:, None] * o
-    else:
-        res = (res + o) * (1.0 / 3.0)
-    if not RES_REGS:
-        tl.store(PART + orow, res, mask=row_ok[:, None])
-
-    # window branch (`_swa_kernel`)
-    offs_w = tl.arange(0, SWA_BN)
-    lo = tl.maximum(t0 + q_off - window + 1, 0) // SWA_BN * SWA_BN
-    hi_w = maxpos + 1
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, HEAD_DIM], tl.float32)
-    for start in range(lo, hi_w, SWA_BN):
-        key = start + offs_w
-        kv_ok = key < hi_w
-        k = tl.load(kbase + key[:, None].to(tl.int64) * sks + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-        v = tl.load(vbase + key[:, None].to(tl.int64) * svs + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        ok = (key[None, :] <= qpos[:, None]) & (key[None, :] > qpos[:, None] - window)
-        s = tl.where(ok, s, float("-inf"))
-        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    if SAVE:
-        tl.store(BO_W + orow, o.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE_W + lrow, m_i + tl.math.log2(l_safe), mask=row_ok)
-    if not RES_REGS:
-        res = tl.load(PART + orow, mask=row_ok[:, None], other=0.0)
-    if HAS_GATES:
-        res = res + tl.load(gb + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)[:, None] * o
-    else:
-        res = res + o * (1.0 / 3.0)
-    tl.store(OUT + orow, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-
-
 FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
 
 # ---------------------------------------------------------------------------------------------------------- host
@@ -516,28 +394,22 @@ NUM_STAGES = dict(cmp=2, swa=2, slc=3, slc_tile=3)
 SLC_TILE_ROWS = None
 # selection="tile": programs whose tokens lie in one selection tile skip the union and the per-row block masks
 SLC_SHARED = True
-# selection="tile": one launch (`_fused_tile_kernel`) for o_cmp + selected + window instead of three, where every
-# program's tokens lie in one selection tile (as SLC_SHARED). FUSED_ROWS rows per program; FUSED_RES_REGS: the gated sum in registers (else through an L2-hot fp32 scratch). Env overrides for
-# A/B runs: SPARSEPATCH_NSA_FUSED=0/1, SPARSEPATCH_NSA_FUSED_ROWS, SPARSEPATCH_NSA_FUSED_RES_REGS=0/1.
-FUSED_TILE = os.environ.get("SPARSEPATCH_NSA_FUSED", "1") == "1"
-FUSED_ROWS = int(os.environ.get("SPARSEPATCH_NSA_FUSED_ROWS", "64"))
-FUSED_RES_REGS = os.environ.get("SPARSEPATCH_NSA_FUSED_RES_REGS", "1") == "1"
-# warps of the fused launch. Offline sm_90 builds (Triton 3.6-3.9, D=128, bf16): 64 rows on 4 warps keep 255
-# registers + ~1.7 KB of spill (three loops' loop-invariant address tensors stay live), on 8 warps 72 B.
-FUSED_WARPS = int(os.environ.get("SPARSEPATCH_NSA_FUSED_WARPS", "8"))
 
 
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
     """Rows per selected-branch program (0 = the per-token kernel) for GQA group G and n_b selection blocks.
-    selection="token" (tile_block=0): token tiles of 128 rows for MHA, and for G <= 4 up to 256 blocks (T <= 16K at
-    block 64): where they measured faster. selection="tile" (tile_block = block_size): 64-row programs whose tokens
-    lie in one selection tile, so a program visits exactly one selection (no union, no padded rows); 64 rows on 4
-    warps measured faster than 128 on 8 for G = 4 / MHA and equal for G = 16 (results/h100-nsa-tile-ab-s7r2.json)."""
+    selection="token" (tile_block=0): token tiles of 128 rows for MHA, for G <= 4 up to 256 blocks (T <= 16K at
+    block 64), and for any G up to 64 blocks (T <= 4K at block 64: there the union of 128 // G tokens' blocks is
+    nearly every visible block, so a 128-row pass over it beats per-token 16-row programs; H200 G=16 forward 4K
+    1.71 -> 1.48 ms, 8K 3.52 -> 3.94, results/h200-nsa-phases.json): where they measured faster.
+    selection="tile" (tile_block = block_size): 64-row programs whose tokens lie in one selection tile, so a
+    program visits exactly one selection (no union, no padded rows); 64 rows on 4 warps measured faster than 128
+    on 8 for G = 4 / MHA and equal for G = 16 (results/h100-nsa-tile-ab-s7r2.json)."""
     if SLC_TILE_ROWS is not None:
         return SLC_TILE_ROWS
     if tile_block:
         return min(64, max(16, tile_block * triton.next_power_of_2(G)))
-    return 128 if G == 1 or (G <= 4 and n_b <= 256) else 0
+    return 128 if G == 1 or (G <= 4 and n_b <= 256) or n_b <= 64 else 0
 
 
 def supports_config(config) -> bool:
@@ -594,13 +466,8 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
     v_cmp = v_cmp.contiguous()
     if n_c == 0:
         k_cmp = v_cmp = q.new_zeros((B, 1, Hk, D))
+    o_cmp = torch.empty((B, T, Hq, D), dtype=torch.float32, device=dev)
     tile = config.selection == "tile"
-    if tile and FUSED_TILE and (FUSED_ROWS < 16 or FUSED_ROWS & (FUSED_ROWS - 1)):
-        raise ValueError(f"nsa.FUSED_ROWS must be a power of two >= 16, got {FUSED_ROWS}")
-    bt_f = max(1, FUSED_ROWS // GP)
-    fused = tile and FUSED_TILE and q_off % bs == 0 and bs % bt_f == 0   # every fused program inside one tile
-    o_cmp = torch.empty((B, T, Hq, D) if not (fused and FUSED_RES_REGS) else (1, 1, 1, D), dtype=torch.float32,
-                        device=dev)
     if save:
         lse = torch.empty((3, B, T, Hq), dtype=torch.float32, device=dev)
         bo = torch.empty((3, B, T, Hq, D), dtype=q.dtype, device=dev)
@@ -635,42 +502,29 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
     if not tile:
         idx = select(T, 0, 1, True)
     else:
-        # o_cmp of every token (in the fused kernel when it runs); the importance and top-k only at the selection
-        # tiles' first tokens, whose selection every token of the tile then uses
-        if not fused:
-            _cmp_kernel[grid_tile](
-                *cmp_args, o_cmp, o_cmp, lse_c, *cmp_strides, T, n_c, q_off, Hq, Hk, G, NBP, qk_scale, 0,
-                SELECT=False, SAVE=save, STORE_O=True, TS=1, **cmp_meta)
+        # o_cmp of every token; the importance and top-k only at the selection tiles' first tokens, whose selection
+        # every token of the tile then uses
+        _cmp_kernel[grid_tile](
+            *cmp_args, o_cmp, o_cmp, lse_c, *cmp_strides, T, n_c, q_off, Hq, Hk, G, NBP, qk_scale, 0,
+            SELECT=False, SAVE=save, STORE_O=True, TS=1, **cmp_meta)
         first = -(-q_off // bs)                       # first selection tile starting at or after the first query
         tok0 = first * bs - q_off
         n_tiles = max(0, triton.cdiv(T - tok0, bs))
         sel = select(n_tiles, tok0, bs, False) if n_tiles else torch.empty((B, 0, Hk, nsel), dtype=torch.int32,
                                                                                 device=dev)
-        rows = torch.arange(T, device=dev).add_(q_off).div_(bs, rounding_mode="floor").sub_(first)
         if tok0:   # the first tok0 queries continue a tile that started before this call
             if prior is None:
                 raise ValueError("selection='tile': the first query continues a selection tile started before it: "
                                  "pass its selection (nsa_reference.tile_prior)")
             sel = torch.cat([prior.to(torch.int32).reshape(B, 1, Hk, nsel), sel], 1)
-            rows += 1
-        idx = sel.index_select(1, rows)
+        # sel[:, j] is the selection of tile q_off // bs + j and query i lies in tile (q_off + i) // bs, so the
+        # per-token indices are sel repeated bs times, from row q_off % bs: one copy launch, no index tensor (the
+        # host path is what a short tile-mode call waits on)
+        n = sel.shape[1]
+        r0 = q_off % bs
+        idx = sel.unsqueeze(2).expand(B, n, bs, Hk, nsel).reshape(B, n * bs, Hk, nsel)[:, r0:r0 + T].contiguous()
     part = o_cmp  # g_cmp * o_cmp + g_slc * o_slc is written in place of o_cmp (each program reads its own rows)
     gt = gates if gates is not None else o_cmp
-    if fused:
-        out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
-        _fused_tile_kernel[(triton.cdiv(T, bt_f), B * Hk)](
-            q, k, v, k_cmp, v_cmp, idx, gt, out, part, bo_c, bo_s, bo_w, lse_c, lse_s, lse_w,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
-            idx.stride(0), idx.stride(1), idx.stride(2),
-            gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0,
-            out.stride(0), out.stride(1), out.stride(2),
-            T, S, n_c, q_off, Hk, G, qk_scale, config.window,
-            CB=l, CS=d, BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel,
-            NSELP=triton.next_power_of_2(nsel), HEAD_DIM=D, GP=GP, BT=bt_f, CMP_BN=CMP_BLOCK_N, SWA_BN=SWA_BLOCK_N,
-            HAS_GATES=gates is not None, SAVE=save, RES_REGS=FUSED_RES_REGS, SLC_STAGES=NUM_STAGES["slc_tile"],
-            num_warps=FUSED_WARPS, num_stages=NUM_STAGES["swa"])
-        return out, idx, lse, bo
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2),
                idx.stride(0), idx.stride(1), idx.stride(2),
