@@ -64,8 +64,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", action="store_true",
-                    help="A/B cells: round-1 keep bits (keep_row off), diagnostics seqidx / nokeep, block-order "
-                         "quantize, CUDA-graph replays (device time without host launch cost)")
+                    help="A/B cells: round-1 keep bits (keep_row off), diagnostics seqidx / nokeep, "
+                         "CUDA-graph replays (device time without host launch cost)")
     ap.add_argument("--old-variants", action="store_true", help="also time block_m 128 and device-side descriptors")
     ap.add_argument("--S", type=int, default=32760)
     args = ap.parse_args()
@@ -101,17 +101,10 @@ def main():
     del ref, d8, s8
 
     quant = dense_fp8.quantize_fp8(q, k, v, "int8", quantize_q=False)[2:]
-    quant_block = dense_fp8.quantize_fp8(q, k, v, "int8", quantize_q=False, order="block")[2:]
-    res["checks"]["quantize_orders_bitwise_equal"] = all(   # bytes compared (no fp8 equality kernel needed)
-        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(a, b)
-        for a, b in zip(quant, quant_block))
-    log(f"quantize head vs block order bitwise equal: {res['checks']['quantize_orders_bitwise_equal']}")
     cells = {"cudnn": lambda: _cudnn(qt, kt, vt), "fp8_dense": lambda: dense_fp8.attention_fp8(q, k, v),
              "quantize_kv": lambda: dense_fp8.quantize_fp8(q, k, v, "int8", quantize_q=False)}
     variants = {"": None}
     if args.variants:
-        cells["quantize_kv_block"] = lambda: dense_fp8.quantize_fp8(q, k, v, "int8", quantize_q=False,
-                                                                    order="block")
         variants.update({"_keepword": {"keep_row": False}, "_seqidx": {"diag": "seqidx"},
                          "_nokeep": {"diag": "nokeep"}})
     if args.old_variants:
@@ -129,7 +122,7 @@ def main():
             fn()
         torch.cuda.synchronize()
         if args.variants:   # device time only: the same calls replayed from a CUDA graph
-            for name in ["quantize_kv", "quantize_kv_block", "fp8_dense"] + [f"fp8_skip@{r}" for r in DENSITIES]:
+            for name in ["quantize_kv", "fp8_dense"] + [f"fp8_skip@{r}" for r in DENSITIES]:
                 try:
                     cells[f"graph:{name}"] = _graphed(cells[name])
                 except Exception as exc:  # noqa: BLE001  (diagnostic cells only)
@@ -147,8 +140,7 @@ def main():
     cud, fd = med["cudnn"], med["fp8_dense"]
     rows, ok = [], True
     print(f"B{B} H{H} S{S} D{D} bf16, tile 128x128, {res['gpu']}; medians of {args.rounds} rounds (ms)")
-    print(f"cuDNN bf16 {cud:.3f} | fp8 dense {fd:.3f} ({cud / fd:.2f}x cuDNN) | quantize k+v {med['quantize_kv']:.3f}"
-          + (f" (block order {med['quantize_kv_block']:.3f})" if "quantize_kv_block" in med else ""))
+    print(f"cuDNN bf16 {cud:.3f} | fp8 dense {fd:.3f} ({cud / fd:.2f}x cuDNN) | quantize k+v {med['quantize_kv']:.3f}")
     graphed = {n[6:]: t for n, t in med.items() if n.startswith("graph:")}
     if graphed:
         print("CUDA-graph replay (device time, no host launch cost): "

@@ -11,8 +11,9 @@ of the kernel's program rows): the keep test `(tile_max - running_max_before) * 
 runs on the dequantized scores (q8 . k8) * s_q * s_k. Where the lists can differ from bf16 lists: a tile whose
 gain lies within the score error of the quantization of the threshold flips (int8 Q K^T, per-128-row scales:
 score error ~ |q| |k| / 127 per element, i.e. a few 1e-2 in log2 units at Wan-like magnitudes; BENCHMARKS.md /
-NOTES give the measured fraction). The kernel and its emulation differ only by fp32 rounding of the same scores
-(exact int32 dot products times the scales vs an fp32 dot of dequantized values), ~1e-6 relative.
+NOTES give the measured fraction). The kernel's q8 / k8 / v8 and scales are the emulation's bit for bit
+(`dense.fp8._quant_tile`), so the two differ only by fp32 rounding of the same scores (exact int32 dot products
+times the scales vs a dot of dequantized values), the kernel's exp2 / log2 approximations and P's e4m3 rounding.
 
 Tiles: tm in {64, 128}, tn a multiple of 64 up to 512 (the k scale blocks are 128 rows: a sub-block of 64 keys
 reads its block's scale). Programs are BLOCK_M = 64 rows (4 warps, two programs per SM, as `attention_fp8`'s
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .._common import bit_or, interpret, set_tma_allocator
-from ..dense.fp8 import FP8_BLOCK, FP8_LOG2_P_SCALE, FP8_MAX, QK_FORMATS, _qk_scores, quantize_fp8, \
+from ..dense.fp8 import _QINV, FP8_BLOCK, FP8_LOG2_P_SCALE, QK_FORMATS, _qk_scores, _quant_tile, quantize_fp8, \
     quantize_fp8_reference
 from ..dense.reference import LOG2E, check_qkv
 from . import reference
@@ -120,7 +121,7 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
                      D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                      TILE_N: tl.constexpr, STATEFUL: tl.constexpr, HAS_FORCED: tl.constexpr,
                      LAST_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr, LOG2_PS: tl.constexpr,
-                     QK_ACC: tl.constexpr, QMAX: tl.constexpr, NWORDS: tl.constexpr, HOST_DESC: tl.constexpr,
+                     QK_ACC: tl.constexpr, QINV: tl.constexpr, NWORDS: tl.constexpr, HOST_DESC: tl.constexpr,
                      FBLK: tl.constexpr, KEEP_ROW: tl.constexpr, DIAG: tl.constexpr):
     """Program (pid, bh): rows [pid * BLOCK_M, +BLOCK_M) of (batch, query head) bh, part pid % SPLIT of skip q-tile
     pid // SPLIT (TILE_M = SPLIT * BLOCK_M rows). q is quantized here, one scale per program (as attention_fp8's
@@ -150,10 +151,7 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
                                            block_shape=[D, BLOCK_N])
     qf = tl.load(Q + b64 * stride_qb + h * stride_qh + rows[:, None] * stride_qs + offs_d[None, :],
                  mask=row_ok[:, None], other=0.0).to(tl.float32)
-    sq = tl.maximum(tl.max(tl.max(tl.abs(qf), 1), 0), 1e-30) / QMAX
-    qy = qf * (1.0 / sq)
-    if QK_ACC == tl.int32:  # the int8 cast truncates: round half away from zero first
-        qy = tl.where(qy >= 0, qy + 0.5, qy - 0.5).to(tl.int32)
+    qy, sq = _quant_tile(qf, QINV, QK_ACC == tl.int32)    # bit for bit `quantize_fp8_reference`'s q
     q = qy.to(K8.dtype.element_ty)
     cq = sq * qk_scale
     ks_base = KS + bhk * nkb
@@ -369,7 +367,7 @@ def _launch(q, k8, ks, vt8, vs, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, f
             scale * LOG2E, threshold,
             D=D, BLOCK_M=bm, SPLIT=split, BLOCK_N=block_n, TILE_N=tn, STATEFUL=bool(stateful),
             HAS_FORCED=frow is not None, LAST_PARTIAL=bool(Sk % tn), WRITE_LSE=lse is not None,
-            LOG2_PS=FP8_LOG2_P_SCALE, QK_ACC=tl.int32 if int8 else tl.float32, QMAX=127.0 if int8 else FP8_MAX,
+            LOG2_PS=FP8_LOG2_P_SCALE, QK_ACC=tl.int32 if int8 else tl.float32, QINV=_QINV["int8" if int8 else "e4m3"],
             NWORDS=nwords, HOST_DESC=host, FBLK=FP8_BLOCK, KEEP_ROW=bool(cfg["keep_row"]),
             DIAG=_DIAGS.index(cfg["diag"]), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
