@@ -11,7 +11,8 @@ models patched vs unpatched, in one process.
 2. Whole models, patched with DenseConfig vs unpatched (transformers' / diffusers' SDPA): Llama-shaped (4 layers,
    32 x 128 heads, GQA 4), Qwen3-shaped, D256-shaped LLMs (prefill 1K / 8K / 32K; greedy decode tokens/s at B 1
    and 16 after a warm-up of the same batch), and a Wan2.1-1.3B-shaped transformer step (4 layers, 32760 tokens)
-   with DenseConfig and with the default recipe (skip lists; random weights keep every tile).
+   with DenseConfig and with the default recipe (skip lists; random weights keep every tile); a CogVideoX-5B-shaped
+   step (4 layers, 48 x 64 heads, 17550 + 226 tokens) the same way. `--models` picks rows.
 Results: benchmarks/results/<gpu>-never-slower.json; a table printed last.
 """
 from __future__ import annotations
@@ -116,11 +117,11 @@ def _time_decode(model, B, prompt=512, new=32):
     return B * new / best
 
 
-def llm_rows(log, quick):
+def llm_rows(log, quick, kinds=("llama", "qwen3", "d256"), seqs=None, decode=True):
     rows = []
-    for kind in ("llama", "qwen3", "d256"):
+    for kind in kinds:
         model = _llm(kind)
-        seqs = (1024, 8192) if quick else (1024, 8192, 32768)
+        seqs = seqs or ((1024, 8192) if quick else (1024, 8192, 32768))
         for S in seqs:
             base = _time_prefill(model, S)
             h = sp.patch(model, sp.DenseConfig())
@@ -130,7 +131,7 @@ def llm_rows(log, quick):
             rows.append(dict(model=kind, what=f"prefill {S}", unpatched_ms=base, patched_ms=ours,
                              ratio=base / ours, backends=backends))
             log(f"  {kind} prefill {S}: {base:.2f} vs {ours:.2f} ms ({base / ours:.3f}x)")
-        for B in (1, 16):
+        for B in (1, 16) if decode else ():
             base = _time_decode(model, B)
             sp.patch(model, sp.DenseConfig())
             ours = _time_decode(model, B)
@@ -172,6 +173,50 @@ def wan_rows(log):
     return rows
 
 
+def cogvideox_rows(log, layers=4):
+    """CogVideoX-5B-shaped transformer step (48 x 64 heads, 13 latent frames x 30 x 45 = 17550 video tokens + 226
+    text tokens in joint attention; `layers` blocks, random weights, bf16): unpatched vs DenseConfig and vs the
+    default recipe (skip lists; random weights keep every tile, so this is the density-1 warm-up cost)."""
+    try:
+        from diffusers import CogVideoXTransformer3DModel
+    except ImportError as exc:
+        log(f"  CogVideoX step skipped: {exc}")
+        return []
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = CogVideoXTransformer3DModel(num_attention_heads=48, attention_head_dim=64, in_channels=16,
+                                            out_channels=16, time_embed_dim=512, text_embed_dim=4096,
+                                            num_layers=layers, sample_width=90, sample_height=60, sample_frames=49,
+                                            patch_size=2, use_rotary_positional_embeddings=True)
+    model = model.to(torch.bfloat16).eval()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 13, 16, 60, 90, device="cuda", dtype=torch.bfloat16, generator=g)
+    text = torch.randn(1, 226, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    t = torch.tensor([500], device="cuda")
+
+    def step():
+        with torch.no_grad():
+            return model(hidden_states=x, encoder_hidden_states=text, timestep=t, return_dict=False)[0]
+
+    rows = []
+    base = _bench(step)
+    for name, cfg in (("DenseConfig", sp.DenseConfig()), ("default recipe", None)):
+        h = sp.patch(model, cfg)
+        ours = _bench(step)
+        stats = h.stats()
+        sp.unpatch(model)
+        rows.append(dict(model=f"cogvideox-5b-shaped {layers} layers", what=f"step {name}", unpatched_ms=base,
+                         patched_ms=ours, ratio=base / ours, backends=stats.get("backends", {})))
+        log(f"  cogvideox step {name}: {base:.2f} vs {ours:.2f} ms ({base / ours:.3f}x)")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+MODEL_ROWS = ("llama", "qwen3", "d256", "wan", "cogvideox")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m sparsepatch bench never_slower", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -179,6 +224,9 @@ def main(argv=None):
     p.add_argument("--skip-models", action="store_true", help="kernel grid only")
     p.add_argument("--models-only", action="store_true", help="whole models only, with the shipped cost table")
     p.add_argument("--table-out", default=None, help="write the measured cost table (JSON) here")
+    p.add_argument("--models", default=",".join(MODEL_ROWS), help=f"whole-model rows to run, of {MODEL_ROWS}")
+    p.add_argument("--llm-seqs", default=None, help="LLM prefill lengths, comma-separated (default: 1K, 8K, 32K)")
+    p.add_argument("--no-decode", action="store_true", help="skip the LLM decode rows")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="results directory")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -196,7 +244,15 @@ def main(argv=None):
             json.dump(table, f, indent=0)
     models = []
     if not args.skip_models:
-        models = llm_rows(log, args.quick) + wan_rows(log)
+        chosen = [m for m in args.models.split(",") if m]
+        bad = [m for m in chosen if m not in MODEL_ROWS]
+        if bad:
+            p.error(f"--models must name rows of {MODEL_ROWS}, got {bad}")
+        seqs = tuple(int(x) for x in args.llm_seqs.split(",")) if args.llm_seqs else None
+        models = llm_rows(log, args.quick, kinds=[m for m in chosen if m in ("llama", "qwen3", "d256")],
+                          seqs=seqs, decode=not args.no_decode)
+        models += wan_rows(log) if "wan" in chosen else []
+        models += cogvideox_rows(log) if "cogvideox" in chosen else []
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, grid=grid, models=models)
     save_results(res, f"{gpu_name()}-never-slower{'-models' if args.models_only else ''}.json", args.out)
     log("\n| causal | D | Hq/Hk | dtype | B x Sq x Sk | backend | ms | best SDPA | ratio | own kernel / best SDPA |")
