@@ -27,6 +27,8 @@ BENCHMARKS = SOURCE_ROOT / "benchmarks"
 BENCHES = {
     "backward": ("attention backward: Triton dense + skip lists vs SDPA (cuDNN, flash) and FlexAttention", "cuda"),
     "dense": ("split-D dense flash attention (head dims 128..1024) vs the SDPA backends", "cuda"),
+    "gluon_causal": ("causal / head-dim-64 dense and head-dim-64 skip on the Gluon kernel vs SDPA (cuDNN, flash)",
+                     "sm_90"),
     "lightning": ("lightning attention decode / prefill vs fla and torch, bandwidth vs a copy", "cuda"),
     "minimax_decode": ("whole-model MiniMax generate tokens/s, patched vs unpatched (CPU too)", None),
     "never_slower": ("dispatched attention vs every SDPA backend over the grid; whole models patched vs not",
@@ -37,6 +39,8 @@ BENCHES = {
     "skip": ("temporal skip-list attention forward vs SDPA, FlexAttention (same list), sageattention", "cuda"),
     "skip_cpu": ("skip-list attention on the CPU backend vs F.scaled_dot_product_attention, densities 1 / .5 / .25",
                  None),
+    "skip_fp8": ("fp8 skip lists vs cuDNN bf16, our fp8 dense and bf16 skip lists (same lists), quality check",
+                 "sm_90"),
     "skip_gluon_dense": ("dense forward: Triton grid kernel vs the Gluon kernel vs cuDNN", "sm_90"),
     "training_mode": ("training mode (backward skips too): gradient cos-sim and backward time vs dense", "cuda"),
     "video_d64": ("skip-list sweep on the trained d64 video model: density, attention cos, PSNR, ms/step vs cuDNN",
