@@ -160,6 +160,11 @@ def wan_rows(log):
         with torch.no_grad():
             return model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
 
+    return _step_rows("wan1.3b-shaped 4 layers", model, step, log)
+
+
+def _step_rows(label, model, step, log):
+    """One denoising step timed unpatched, with DenseConfig and with the default recipe (skip lists)."""
     rows = []
     base = _bench(step)
     for name, cfg in (("DenseConfig", sp.DenseConfig()), ("default recipe", None)):
@@ -167,9 +172,9 @@ def wan_rows(log):
         ours = _bench(step)
         stats = h.stats()
         sp.unpatch(model)
-        rows.append(dict(model="wan1.3b-shaped 4 layers", what=f"step {name}", unpatched_ms=base, patched_ms=ours,
-                         ratio=base / ours, backends=stats.get("backends", {})))
-        log(f"  wan step {name}: {base:.2f} vs {ours:.2f} ms ({base / ours:.3f}x)")
+        rows.append(dict(model=label, what=f"step {name}", unpatched_ms=base, patched_ms=ours, ratio=base / ours,
+                         backends=stats.get("backends", {})))
+        log(f"  {label} step {name}: {base:.2f} vs {ours:.2f} ms ({base / ours:.3f}x)")
     return rows
 
 
@@ -198,16 +203,7 @@ def cogvideox_rows(log, layers=4):
         with torch.no_grad():
             return model(hidden_states=x, encoder_hidden_states=text, timestep=t, return_dict=False)[0]
 
-    rows = []
-    base = _bench(step)
-    for name, cfg in (("DenseConfig", sp.DenseConfig()), ("default recipe", None)):
-        h = sp.patch(model, cfg)
-        ours = _bench(step)
-        stats = h.stats()
-        sp.unpatch(model)
-        rows.append(dict(model=f"cogvideox-5b-shaped {layers} layers", what=f"step {name}", unpatched_ms=base,
-                         patched_ms=ours, ratio=base / ours, backends=stats.get("backends", {})))
-        log(f"  cogvideox step {name}: {base:.2f} vs {ours:.2f} ms ({base / ours:.3f}x)")
+    rows = _step_rows(f"cogvideox-5b-shaped {layers} layers", model, step, log)
     del model
     gc.collect()
     torch.cuda.empty_cache()

@@ -64,6 +64,32 @@ def key_range(start_m, Sk, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def list_slots(CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, row, Tk, STEP, n_warmup, slot_stride_cnt, slot_stride_idx,
+               STATEFUL: tl.constexpr):
+    """Pointers to q-tile `row`'s read and write lists -> (cnt_in, idx_in, cnt_out, idx_out, warm, write_ok).
+
+    STATEFUL (the patcher's double-buffered slots): the call counter *STEP picks them on the device: calls
+    < n_warmup are warm-up calls (warm: read every tile; write_ok 0: leave the lists alone), later calls read slot
+    (n - n_warmup) % 2 and write the other. Otherwise IN / OUT are the lists as given, warm False, write_ok 1."""
+    cnt_in = CNT_IN + row
+    idx_in = IDX_IN + row * Tk
+    cnt_out = CNT_OUT + row
+    idx_out = IDX_OUT + row * Tk
+    if STATEFUL:
+        n = tl.load(STEP)
+        warm = n < n_warmup
+        rs = tl.where(warm, 0, (n - n_warmup) % 2)
+        cnt_in += rs * slot_stride_cnt
+        idx_in += rs * slot_stride_idx
+        cnt_out += (1 - rs) * slot_stride_cnt
+        idx_out += (1 - rs) * slot_stride_idx
+        write_ok = (n >= n_warmup).to(tl.int32)
+        return cnt_in, idx_in, cnt_out, idx_out, warm, write_ok
+    else:
+        return cnt_in, idx_in, cnt_out, idx_out, False, 1
+
+
+@triton.jit
 def bit_or(a, b):
     """Combine function of tl.reduce: bitwise OR."""
     return a | b

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import bit_or, interpret, set_tma_allocator
+from .._common import bit_or, interpret, list_slots, set_tma_allocator
 from ..dense.fp8 import _QINV, FP8_BLOCK, FP8_LOG2_P_SCALE, QK_FORMATS, _qk_scores, _quant_tile, quantize_fp8, \
     quantize_fp8_reference
 from ..dense.reference import LOG2E, check_qkv
@@ -161,19 +161,8 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
     acc = tl.zeros([BLOCK_M, D], tl.float32)
 
     row = (b64 * Hq + h) * Tq + pid_m
-    cnt_in = CNT_IN + row
-    idx_in = IDX_IN + row * Tk
-    cnt_out = CNT_OUT + row
-    idx_out = IDX_OUT + row * Tk
-    if STATEFUL:
-        n = tl.load(STEP)
-        warm = n < n_warmup
-        rs = tl.where(warm, 0, (n - n_warmup) % 2)
-        cnt_in += rs * slot_stride_cnt
-        idx_in += rs * slot_stride_idx
-        cnt_out += (1 - rs) * slot_stride_cnt
-        idx_out += (1 - rs) * slot_stride_idx
-        write_ok = (n >= n_warmup).to(tl.int32)
+    cnt_in, idx_in, cnt_out, idx_out, warm, write_ok = list_slots(
+        CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, row, Tk, STEP, n_warmup, slot_stride_cnt, slot_stride_idx, STATEFUL)
     cnt = tl.load(cnt_in)
     j_next = tl.load(idx_in)
     if STATEFUL:

@@ -44,7 +44,7 @@ import triton.language as tl
 from .._common import DescriptorArgs, bit_or, current_stream, direct_launcher, empty_out_lse, head_major_desc, \
     num_sms, popc32
 from .._common import interpret as _interpret
-from .._common import set_tma_allocator
+from .._common import list_slots, set_tma_allocator
 from . import backward as skip_backward
 from ..dense import reference as dense_reference
 from . import reference
@@ -246,19 +246,8 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
 
     if SKIP:
         row = (b64 * Hq + h) * Tq + pid_m
-        cnt_in = CNT_IN + row
-        idx_in = IDX_IN + row * Tk
-        cnt_out = CNT_OUT + row
-        idx_out = IDX_OUT + row * Tk
-        if STATEFUL:
-            n = tl.load(STEP)
-            warm = n < warmup
-            rs = tl.where(warm, 0, (n - warmup) % 2)
-            cnt_in += rs * slot_stride_cnt
-            idx_in += rs * slot_stride_idx
-            cnt_out += (1 - rs) * slot_stride_cnt
-            idx_out += (1 - rs) * slot_stride_idx
-            write_ok = (n >= warmup).to(tl.int32)
+        cnt_in, idx_in, cnt_out, idx_out, warm, write_ok = list_slots(
+            CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, row, Tk, STEP, warmup, slot_stride_cnt, slot_stride_idx, STATEFUL)
         offs_c = tl.arange(0, CHUNK)
         if HEAD_CHUNK:
             head = tl.load(idx_in + offs_c, mask=offs_c < Tk, other=0)
