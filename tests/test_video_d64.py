@@ -167,7 +167,8 @@ def test_sweep_script_runs_end_to_end_at_a_tiny_shape(tmp_path, capsys, monkeypa
     stats = res["attention_statistics"]
     assert stats["grid"] == [2, 8, 8] and len(stats["model"]) == 4
     for entry in list(stats["model"].values()) + [stats["video_like_qkv"]]:
-        assert sum(entry["profile"]["temporal"]["mass"]) == pytest.approx(1.0, abs=1e-9)
+        # fp32 softmax rows (each sums to 1 within a few fp32 eps), averaged in fp64
+        assert sum(entry["profile"]["temporal"]["mass"]) == pytest.approx(1.0, abs=4 * torch.finfo(torch.float32).eps)
         assert 0 < entry["coverage"]["64"]["density"][1] <= 1
 
 
