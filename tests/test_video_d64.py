@@ -175,7 +175,6 @@ def test_sweep_script_runs_end_to_end_at_a_tiny_shape(tmp_path, capsys, monkeypa
 # --- samples from noise (GPU: 8 clips x 4096 tokens x 6 steps with guidance is minutes on a CPU) --------------------
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("steps", [6, 10])
 def test_d64_samples_from_noise_match_the_training_distribution(steps):
     """As tests/test_trained_video.py for the old model: 8 clips (one per class) sampled from pure noise at the
