@@ -227,8 +227,8 @@ def first_sparse_step(density_per_step) -> int:
 def summarize_report(report) -> dict:
     """The sweep row of one sp.validate report: per-step density / attention cos (mean over layers and branches),
     their means over the steps after warm-up (the steps from the first one that skipped a tile on; the last step
-    if none did), per-layer attention cos (mean and min over those steps' calls), per-step and final latent PSNR /
-    SSIM."""
+    if none did), per-layer attention cos (mean and min over those steps' calls) and density (mean), per-step and
+    final latent PSNR / SSIM."""
     steps = report.per_step()
     first = first_sparse_step([r["density"] for r in steps])
     late = steps[first:] or steps[-1:]
@@ -238,8 +238,14 @@ def summarize_report(report) -> dict:
         vals = [c for values in branches.values() for c in values[start:]] or \
                [c for values in branches.values() for c in values]
         per_layer[layer] = {"mean": sum(vals) / len(vals), "min": min(vals)}
+    layer_density = {}
+    for layer, branches in report.density.items():
+        vals = [d for values in branches.values() for d in values[start:]] or \
+               [d for values in branches.values() for d in values]
+        layer_density[layer] = sum(vals) / len(vals)
     return dict(
         first_sparse_step=first,
+        per_layer_density=layer_density,
         density_per_step=[r["density"] for r in steps],
         attn_cos_mean_per_step=[r["cos_mean"] for r in steps],
         attn_cos_min_per_step=[r["cos_min"] for r in steps],
