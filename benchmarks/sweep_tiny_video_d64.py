@@ -26,7 +26,6 @@ Writes <out>/<device>-tiny-video-d64-sweep.json (and $OUT/... when OUT is set) a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -149,7 +148,7 @@ def main(argv=None) -> int:
         result["attention_statistics"] = attention_statistics(pipe, kwargs, step, args.tiles, args.profile_queries,
                                                               log=log)
     save({})
-    print(f"\ndense per step: " + "; ".join(f"{k}: {vs._ms(v)}" for k, v in result["dense"].items()))
+    print("\ndense per step: " + "; ".join(f"{k}: {vs._ms(v)}" for k, v in result["dense"].items()))
     fl = result["floor"]
     print(f"floor (sparsepatch dense attention, same steps): PSNR {fl['psnr_db']:.2f} dB, SSIM {fl['ssim']:.5f}")
     print("columns: density = mean over the steps after warm-up (from the first step that skips: warm-up w -> step "
@@ -160,7 +159,7 @@ def main(argv=None) -> int:
     for row in result["rows"]:
         print(vs.format_row(row))
     ok = [r for r in result["rows"] if r["meets"] and r["tile"] == [64, 64]]
-    print(f"acceptance at tile 64 (density <= 0.5 after warm-up, PSNR >= 32 dB, cos/step >= 0.995): "
+    print("acceptance at tile 64 (density <= 0.5 after warm-up, PSNR >= 32 dB, cos/step >= 0.995): "
           + ("MET by " + ", ".join(f"thr {r['threshold']:g} wu {r['warmup_steps']}" for r in ok) if ok else "NOT MET"))
     print(f"wrote {os.path.join(args.out, name)}" + (f" and $OUT/{name}" if os.environ.get("OUT") else "")
           + f" ({time.perf_counter() - start:.1f} s)")
