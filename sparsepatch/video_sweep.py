@@ -216,18 +216,36 @@ def time_steps(pipe, call_kwargs: dict, config=None, reps: int = 3, sdpa: str | 
     return {"step_s": step_s, "total_s": sum(step_s), "runs": reps, "backends": backends}
 
 
-def summarize_report(report, warmup_steps: int) -> dict:
+def first_sparse_step(density_per_step) -> int:
+    """Index of the first step with density < 1: the steps before it are the warm-up. With warmup_steps = w the
+    first w steps run dense without lists and step w still computes every tile (it writes the first lists), so
+    this is w + 1 unless a threshold keeps every tile; len(density_per_step) when no step skipped anything (the
+    same rule as `ValidationReport.verdict`)."""
+    return next((i for i, d in enumerate(density_per_step) if d < 1.0), len(density_per_step))
+
+
+def summarize_report(report) -> dict:
     """The sweep row of one sp.validate report: per-step density / attention cos (mean over layers and branches),
-    their means over the steps after warm-up, per-layer attention cos (mean and min over the post-warm-up calls),
-    per-step and final latent PSNR / SSIM."""
+    their means over the steps after warm-up (the steps from the first one that skipped a tile on; the last step
+    if none did), per-layer attention cos (mean and min over those steps' calls) and density (mean), per-step and
+    final latent PSNR / SSIM."""
     steps = report.per_step()
-    late = [r for r in steps if r["step"] >= warmup_steps] or steps[-1:]
+    first = first_sparse_step([r["density"] for r in steps])
+    late = steps[first:] or steps[-1:]
+    start = late[0]["step"]
     per_layer = {}
     for layer, branches in report.attention_cos.items():
-        vals = [c for values in branches.values() for c in values[warmup_steps:]] or \
+        vals = [c for values in branches.values() for c in values[start:]] or \
                [c for values in branches.values() for c in values]
         per_layer[layer] = {"mean": sum(vals) / len(vals), "min": min(vals)}
+    layer_density = {}
+    for layer, branches in report.density.items():
+        vals = [d for values in branches.values() for d in values[start:]] or \
+               [d for values in branches.values() for d in values]
+        layer_density[layer] = sum(vals) / len(vals)
     return dict(
+        first_sparse_step=first,
+        per_layer_density=layer_density,
         density_per_step=[r["density"] for r in steps],
         attn_cos_mean_per_step=[r["cos_mean"] for r in steps],
         attn_cos_min_per_step=[r["cos_min"] for r in steps],
@@ -276,7 +294,7 @@ def sweep(pipe, call_kwargs: dict, tiles, thresholds, warmups, *, reps: int = 3,
         base_sdpa = None
     t0 = time.perf_counter()
     floor = sp.validate(pipe, sp.DenseConfig(layers="self"), measure_speed=False, **call_kwargs)
-    result["floor"] = dict(summarize_report(floor, 0), config="DenseConfig(layers='self')",
+    result["floor"] = dict(summarize_report(floor), config="DenseConfig(layers='self')",
                            validate_s=time.perf_counter() - t0)
     log(f"floor (sparsepatch dense): PSNR {result['floor']['psnr_db']:.2f} dB, attn cos min "
         f"{result['floor']['attn_cos_min']:.6f}")
@@ -287,7 +305,7 @@ def sweep(pipe, call_kwargs: dict, tiles, thresholds, warmups, *, reps: int = 3,
                 t0 = time.perf_counter()
                 report = sp.validate(pipe, cfg, measure_speed=False, **call_kwargs)
                 row = dict(tile=list(cfg.tile), threshold=thr, warmup_steps=warmup,
-                           **summarize_report(report, warmup), validate_s=time.perf_counter() - t0)
+                           **summarize_report(report), validate_s=time.perf_counter() - t0)
                 if time_it:
                     sdpa = base_sdpa
                     try:
@@ -301,8 +319,9 @@ def sweep(pipe, call_kwargs: dict, tiles, thresholds, warmups, *, reps: int = 3,
                     row["dense_sdpa"] = sdpa or "default"
                     if "step_s" in dense:
                         row["speedup_total"] = dense["total_s"] / timing["total_s"]
-                        d_late = dense["step_s"][warmup:] or dense["step_s"]
-                        p_late = timing["step_s"][warmup:] or timing["step_s"]
+                        first = row["first_sparse_step"]
+                        d_late = dense["step_s"][first:] or dense["step_s"]
+                        p_late = timing["step_s"][first:] or timing["step_s"]
                         row["speedup_after_warmup"] = sum(d_late) / sum(p_late)
                 row["meets"] = meets_acceptance(row)
                 result["rows"].append(row)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -100,7 +99,7 @@ def test_distance_profile_uniform_attention_matches_the_key_share():
         assert abs(m.sum().item() - 1) < 4 * eps
     # temporal key share, by counting: pairs at |dt| = d over 3 frames are (3, 4, 2) / 9 of all pairs
     assert prof["temporal"]["key_fraction"] == pytest.approx([3 / 9, 4 / 9, 2 / 9], abs=1e-12)
-    assert prof["spatial"]["enrichment"][0] == pytest.approx(1.0, abs=1e-9)
+    assert prof["spatial"]["enrichment"][0] == pytest.approx(1.0, abs=4 * eps)   # a ratio of two such masses
 
 
 def test_distance_profile_self_attention_is_all_at_distance_zero():
@@ -167,14 +166,14 @@ def test_sweep_script_runs_end_to_end_at_a_tiny_shape(tmp_path, capsys, monkeypa
     stats = res["attention_statistics"]
     assert stats["grid"] == [2, 8, 8] and len(stats["model"]) == 4
     for entry in list(stats["model"].values()) + [stats["video_like_qkv"]]:
-        assert sum(entry["profile"]["temporal"]["mass"]) == pytest.approx(1.0, abs=1e-9)
+        # fp32 softmax rows (each sums to 1 within a few fp32 eps), averaged in fp64
+        assert sum(entry["profile"]["temporal"]["mass"]) == pytest.approx(1.0, abs=4 * torch.finfo(torch.float32).eps)
         assert 0 < entry["coverage"]["64"]["density"][1] <= 1
 
 
 # --- samples from noise (GPU: 8 clips x 4096 tokens x 6 steps with guidance is minutes on a CPU) --------------------
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("steps", [6, 10])
 def test_d64_samples_from_noise_match_the_training_distribution(steps):
     """As tests/test_trained_video.py for the old model: 8 clips (one per class) sampled from pure noise at the
