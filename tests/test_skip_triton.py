@@ -190,6 +190,41 @@ def test_dense_interp():
 
 
 @cpu_only
+@pytest.mark.parametrize("warmup,calls", [(1, 3), (0, 1), (5, 3)])
+def test_repair_nonfinite_kernel_interp(warmup, calls):
+    """The one-launch repair after a stateful call: q-tiles whose output holds a NaN / inf get the list they read in
+    the slot the call wrote (other q-tiles and the read slot untouched); the call is counted once however many
+    q-tiles are bad; a warm-up call changes nothing."""
+    B, Sq, Hq, D, tm, Tk = 2, 200, 3, 40, 64, 7
+    Tq = -(-Sq // tm)
+    g = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, Tk + 1, (2, B, Hq, Tq), generator=g, dtype=torch.int32)
+    indices = torch.randint(0, Tk, (2, B, Hq, Tq, Tk), generator=g, dtype=torch.int32)
+    out = torch.randn(B, Sq, Hq, D, generator=g)
+    out[0, 5, 1, 3] = float("nan")            # q-tile 0 of (b 0, h 1)
+    out[1, Sq - 1, 2, D - 1] = float("-inf")  # the partial last q-tile of (b 1, h 2)
+    step = torch.tensor([calls], dtype=torch.int64)
+    nonfinite = torch.zeros(2, dtype=torch.int64)
+    before_c, before_i = counts.clone(), indices.clone()
+    skip.repair_nonfinite(out, counts, indices, step, warmup, tm, nonfinite)
+    skip.repair_nonfinite(out, counts, indices, step, warmup, tm, nonfinite)   # same call again: counted once
+    n = calls - 1
+    if n < warmup:
+        assert counts.equal(before_c) and indices.equal(before_i) and int(nonfinite[0]) == 0
+        return
+    rd, wr = (n - warmup) % 2, 1 - (n - warmup) % 2
+    want_c, want_i = before_c.clone(), before_i.clone()
+    for b, h, t in ((0, 1, 0), (1, 2, Tq - 1)):
+        want_c[wr, b, h, t] = before_c[rd, b, h, t]
+        want_i[wr, b, h, t] = before_i[rd, b, h, t]
+    assert counts.equal(want_c) and indices.equal(want_i)
+    assert int(nonfinite[0]) == 1 and int(nonfinite[1]) == calls
+    step += 1                                  # the next call, also bad: counted again
+    skip.repair_nonfinite(out, counts, indices, step, warmup, tm, nonfinite)
+    assert int(nonfinite[0]) == 2
+
+
+@cpu_only
 @pytest.mark.parametrize("B,must_do", [(1, [0, 20]), (2, [])])
 def test_skip_step_interp(B, must_do):
     """skip_step against the reference over 3 calls: output, the carried lists, the call counter and the density

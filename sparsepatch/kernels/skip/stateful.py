@@ -29,7 +29,8 @@ class SkipListBuffers:
     counts  int32 (2, B, H, Tq), indices int32 (2, B, H, Tq, Tk): list slots; slot 0 starts full.
     step    int64 (1,): calls made so far (warmup calls included).
     density fp32 (MAX_CALLS, B): fraction of tiles computed per call and batch element (1.0 for warmup calls).
-    nonfinite int64 (1,): calls whose output held a NaN / inf (those q-tiles kept every tile they read).
+    nonfinite int64 (2,): [0] calls whose output held a NaN / inf (those q-tiles kept every tile they read); [1] is
+        bookkeeping (1 + the last call counted, so a device-side repair counts each call once).
     """
 
     counts: torch.Tensor
@@ -43,7 +44,7 @@ class SkipListBuffers:
 
     def __post_init__(self):
         if self.nonfinite is None:
-            self.nonfinite = torch.zeros(1, dtype=torch.int64, device=self.step.device)
+            self.nonfinite = torch.zeros(2, dtype=torch.int64, device=self.step.device)
 
     @classmethod
     def create(cls, B, H, Sq, Sk, tile, device) -> "SkipListBuffers":
@@ -90,7 +91,7 @@ def _skip_step_portable(q, k, v, counts, indices, step, density, threshold, warm
         lst = SkipList(counts[read], indices[read], (tm, tn), q.shape[1], k.shape[1])
         out, nxt = skip_attention(q, k, v, lst, threshold, scale=scale, must_do=must_do, backend=backend,
                                   precision=precision)
-        nonfinite.add_(nonfinite_tiles(out, tm).any().to(nonfinite.dtype))
+        nonfinite[:1].add_(nonfinite_tiles(out, tm).any().to(nonfinite.dtype))
         forced = reference.must_do_tiles(must_do, q.shape[1], k.shape[1], (tm, tn))
         computed = lst.to_mask() if forced is None else lst.to_mask() | forced.to(q.device)
         dens = computed.float().mean(dim=(1, 2, 3))
@@ -104,7 +105,12 @@ def _skip_step_portable(q, k, v, counts, indices, step, density, threshold, warm
 
 def _keep_read_where_nonfinite(out, counts, indices, step, warmup_steps, tm, nonfinite) -> None:
     """After a device-side call (step already incremented): q-tiles whose output is non-finite get the list they
-    read in the slot the call wrote, and `nonfinite` counts the call. Device ops only (no host sync)."""
+    read in the slot the call wrote, and `nonfinite` counts the call. Device work only (no host sync): one Triton
+    launch where the list slots are contiguous (the patcher's buffers), else the same with torch ops."""
+    if out.stride(-1) == 1 and counts[0].is_contiguous() and indices[0].is_contiguous() and nonfinite.numel() == 2:
+        from . import triton as skip_triton
+        skip_triton.repair_nonfinite(out, counts, indices, step, int(warmup_steps), tm, nonfinite)
+        return
     n = step - 1
     active = n >= warmup_steps
     rd = torch.remainder(n - warmup_steps, 2)
@@ -114,7 +120,7 @@ def _keep_read_where_nonfinite(out, counts, indices, step, warmup_steps, tm, non
     read_i, wrote_i = indices.index_select(0, rd)[0], indices.index_select(0, wr)[0]
     counts.index_copy_(0, wr, torch.where(bad, read_c, wrote_c)[None])
     indices.index_copy_(0, wr, torch.where(bad[..., None], read_i, wrote_i)[None])
-    nonfinite.add_(bad.any().to(nonfinite.dtype))
+    nonfinite[:1].add_(bad.any().to(nonfinite.dtype))
 
 
 def _skip_step_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor,

@@ -857,6 +857,56 @@ def _step_density(cnt, step, density, warmup, Tk):
                 _STEP_PLANS[key] = relaunch
 
 
+@triton.jit
+def _repair_nonfinite_kernel(O, CNT, IDX, STEP, NF, stride_ob, stride_os, stride_oh, Sq, Hq, Tq, Tk, D, n_warmup,
+                             slot_cnt, slot_idx, TM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_T: tl.constexpr):
+    """One program per (b, h, q-tile), after a stateful call (*STEP already counts it): if the call was past warm-up
+    and this q-tile's output (B, Sq, Hq, D) holds a NaN / inf, the slot the call wrote gets the list it read
+    (those rows' keep tests saw non-finite scores); NF[0] counts such calls once each (NF[1] = 1 + the last call
+    counted, so the first program to see a bad tile of call n counts it)."""
+    pid = tl.program_id(0)
+    t = pid % Tq
+    bh = pid // Tq
+    h = bh % Hq
+    b = bh // Hq
+    n = tl.load(STEP) - 1
+    base = O + b.to(tl.int64) * stride_ob + h * stride_oh
+    cols = tl.arange(0, BLOCK_D)
+    bad = tl.zeros([], tl.int32)
+    for r0 in range(0, TM, ROWS):
+        rows = t * TM + r0 + tl.arange(0, ROWS)
+        ok = (rows < Sq)[:, None] & (cols < D)[None, :]
+        x = tl.load(base + rows[:, None].to(tl.int64) * stride_os + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        finite = (x == x) & (tl.abs(x) < float("inf"))
+        bad += tl.sum(tl.sum((~finite).to(tl.int32), 1), 0)
+    if (bad > 0) & (n >= n_warmup):
+        rd = (n - n_warmup) % 2
+        wr = 1 - rd
+        tl.store(CNT + wr * slot_cnt + pid, tl.load(CNT + rd * slot_cnt + pid))
+        offs = tl.arange(0, BLOCK_T)
+        for j0 in range(0, Tk, BLOCK_T):
+            jm = j0 + offs < Tk
+            row = IDX + pid.to(tl.int64) * Tk + j0 + offs
+            tl.store(row + wr * slot_idx, tl.load(row + rd * slot_idx, mask=jm, other=0), mask=jm)
+        prev = tl.atomic_max(NF + 1, n + 1)
+        if prev < n + 1:
+            tl.atomic_add(NF, 1)
+
+
+def repair_nonfinite(out, counts, indices, step, warmup, tm, nonfinite) -> None:
+    """Launch `_repair_nonfinite_kernel`: out (B, Sq, Hq, D) with unit stride in D, counts int32 (2, B, Hq, Tq) /
+    indices int32 (2, B, Hq, Tq, Tk) the list slots (each slot contiguous), step int64 (1,) already incremented,
+    nonfinite int64 (2,). One launch instead of ~15 small torch ops (~0.4 ms of host time per patched call)."""
+    B, Sq, Hq, D = out.shape
+    Tq, Tk = counts.shape[3], indices.shape[4]
+    rows = min(tm, max(1, 4096 // triton.next_power_of_2(D)))
+    _repair_nonfinite_kernel[(B * Hq * Tq,)](
+        out, counts, indices, step, nonfinite, out.stride(0), out.stride(1), out.stride(2), Sq, Hq, Tq, Tk, D,
+        warmup, counts.stride(0), indices.stride(0), TM=tm, ROWS=rows, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_T=min(1024, triton.next_power_of_2(Tk)), num_warps=4)
+
+
 # The autograd of sparsepatch::skip_fwd / dense_fwd: the backward kernels live in their own module.
 skip_backward.make_differentiable("sparsepatch::skip_fwd")
 skip_backward.make_differentiable("sparsepatch::dense_fwd")
