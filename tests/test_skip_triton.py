@@ -225,6 +225,34 @@ def test_repair_nonfinite_kernel_interp(warmup, calls):
 
 
 @cpu_only
+def test_repair_kernel_and_its_torch_fallback_agree(monkeypatch):
+    """A Triton that cannot build the repair kernel falls back (one warning) to torch ops with the same result."""
+    B, Sq, Hq, D, tm, Tk = 1, 130, 2, 32, 64, 5
+    g = torch.Generator().manual_seed(4)
+    counts = torch.randint(0, Tk + 1, (2, B, Hq, 3), generator=g, dtype=torch.int32)
+    indices = torch.randint(0, Tk, (2, B, Hq, 3, Tk), generator=g, dtype=torch.int32)
+    out = torch.randn(B, Sq, Hq, D, generator=g)
+    out[0, 70, 0, 1] = float("inf")
+    results = []
+    for broken in (False, True):
+        c, i, nf, step = counts.clone(), indices.clone(), torch.zeros(2, dtype=torch.int64), torch.tensor([2])
+        monkeypatch.setattr(stateful, "_REPAIR_KERNEL_OK", [True])
+        if broken:
+            def fail(*a, **k):
+                raise RuntimeError("no kernel here")
+            monkeypatch.setattr(skip, "repair_nonfinite", fail)
+            with pytest.warns(UserWarning, match="repair kernel failed"):
+                stateful._keep_read_where_nonfinite(out, c, i, step, 1, tm, nf)
+            assert stateful._REPAIR_KERNEL_OK[0] is False
+        else:
+            stateful._keep_read_where_nonfinite(out, c, i, step, 1, tm, nf)
+        results.append((c, i, int(nf[0])))
+    assert results[0][0].equal(results[1][0]) and results[0][1].equal(results[1][1])
+    assert results[0][2] == results[1][2] == 1
+    assert not results[0][0].equal(counts) or not results[0][1].equal(indices)   # the bad q-tile was repaired
+
+
+@cpu_only
 @pytest.mark.parametrize("B,must_do", [(1, [0, 20]), (2, [])])
 def test_skip_step_interp(B, must_do):
     """skip_step against the reference over 3 calls: output, the carried lists, the call counter and the density

@@ -8,6 +8,7 @@ increments the counter, all on the device (no host sync on the Triton / Gluon pa
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -103,14 +104,25 @@ def _skip_step_portable(q, k, v, counts, indices, step, density, threshold, warm
     return out
 
 
+_REPAIR_KERNEL_OK = [True]
+
+
 def _keep_read_where_nonfinite(out, counts, indices, step, warmup_steps, tm, nonfinite) -> None:
     """After a device-side call (step already incremented): q-tiles whose output is non-finite get the list they
     read in the slot the call wrote, and `nonfinite` counts the call. Device work only (no host sync): one Triton
     launch where the list slots are contiguous (the patcher's buffers), else the same with torch ops."""
-    if out.stride(-1) == 1 and counts[0].is_contiguous() and indices[0].is_contiguous() and nonfinite.numel() == 2:
+    if (_REPAIR_KERNEL_OK[0] and out.stride(-1) == 1 and counts[0].is_contiguous() and indices[0].is_contiguous()
+            and nonfinite.numel() == 2):
         from . import triton as skip_triton
-        skip_triton.repair_nonfinite(out, counts, indices, step, int(warmup_steps), tm, nonfinite)
-        return
+        try:
+            skip_triton.repair_nonfinite(out, counts, indices, step, int(warmup_steps), tm, nonfinite)
+            return
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (a Triton that cannot build it: the same repair in torch ops)
+            warnings.warn(f"sparsepatch: the non-finite repair kernel failed ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}); using torch ops")
+            _REPAIR_KERNEL_OK[0] = False
     n = step - 1
     active = n >= warmup_steps
     rd = torch.remainder(n - warmup_steps, 2)
