@@ -213,7 +213,9 @@ def attention(q, k, v, *, causal: bool = False, scale=None, attn_mask=None, retu
 _WARNED: set = set()
 
 
-def _fp8_kernel_supports(call: Call) -> str | None:
+def fp8_kernel_reason(call: Call) -> str | None:
+    """Why the fp8 Triton kernels (dense and skip) cannot run `call`, or None: inference only, no mask, CUDA fp16 /
+    bf16 at head dim 64 / 128, sm_90+, v's head dim equal to q's."""
     if call.needs_grad:
         return "inference only"
     if call.mask is not None:
@@ -250,7 +252,7 @@ def _native_run(q, k, v, **kw):
 
 
 FP8_BACKENDS = [
-    Backend("fp8_triton", _fp8_kernel_supports, _fp8_kernel_run),
+    Backend("fp8_triton", fp8_kernel_reason, _fp8_kernel_run),
     Backend("fp8_emulated", lambda call: None if call.device == "cpu" and call.dtype != torch.float64 else
             "the emulation runs CPU float16/bfloat16/float32 inputs", _fp8_emulated_run),
     Backend("native", lambda call: None, _native_run),

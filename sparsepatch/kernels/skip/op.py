@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from ..dense.op import check_attention_inputs, flash_kernel_reason, unit_head_dim_stride
+from ..dense.op import check_attention_inputs, flash_kernel_reason, fp8_kernel_reason, unit_head_dim_stride
 from ..dispatch import Backend, Call, Dispatcher
 from . import reference
 from .skiplist import DEFAULT_TILE, SkipList, check_tile, num_tiles
@@ -82,14 +82,9 @@ _WARNED: set = set()
 
 def _fp8_kernel_supports(call: Call) -> str | None:
     from . import fp8
-    if call.needs_grad:
-        return "inference only"
-    if call.mask is not None:
-        return "takes no attn_mask"
-    if call.device != "cuda" or call.dtype not in (torch.float16, torch.bfloat16) or call.head_dim not in (64, 128):
-        return "needs CUDA float16/bfloat16 at head dim 64 / 128"
-    if call.arch is None or call.arch[0] < 9 or call.head_dim_v != call.head_dim:
-        return "needs sm_90 and v's head dim equal to q's"
+    why = fp8_kernel_reason(call)
+    if why:
+        return why
     if not fp8.supports_tile(call.tile):
         return f"tile {call.tile} (runs tm in 64/128, tn a multiple of 64 <= 512)"
     return None
