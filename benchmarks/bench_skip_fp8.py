@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import gpu_name, random_list, save_results
+from common import gpu_name, graph_replay, random_list, save_results
 
 DENSITIES = (1.0, 0.5, 0.13)
 
@@ -124,7 +124,7 @@ def main():
         if args.variants:   # device time only: the same calls replayed from a CUDA graph
             for name in ["quantize_kv", "fp8_dense"] + [f"fp8_skip@{r}" for r in DENSITIES]:
                 try:
-                    cells[f"graph:{name}"] = _graphed(cells[name])
+                    cells[f"graph:{name}"] = graph_replay(cells[name], warmup=1)
                 except Exception as exc:  # noqa: BLE001  (diagnostic cells only)
                     log(f"graph capture of {name} failed: {type(exc).__name__}: {str(exc)[:200]}")
     times = {name: [] for name in cells}
@@ -173,19 +173,6 @@ def main():
     res["wall_s"] = time.time() - t0
     print(f"all acceptance lines met: {ok}; wall {res['wall_s']:.0f} s")
     save_results(res, "bench_skip_fp8.json", None)
-
-
-def _graphed(fn):
-    """fn captured once in a CUDA graph (after its warm-up call) -> a callable replaying it."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def _cudnn(qt, kt, vt):

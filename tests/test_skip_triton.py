@@ -225,6 +225,41 @@ def test_repair_nonfinite_kernel_interp(warmup, calls):
 
 
 @cpu_only
+def test_skip_step_op_body_on_the_triton_route_interp(monkeypatch):
+    """The op body `_skip_step_impl` on the flash_triton route (what CUDA calls take): the Triton step, then the
+    one-launch non-finite repair; against the reference backend's body over a warm-up call, a clean call and a call
+    with a non-finite q-tile (whose written list must equal the list it read)."""
+    from sparsepatch.kernels import dispatch
+    from sparsepatch.kernels.skip import op as skip_op
+    real_route = skip_op.DISPATCH.route
+    monkeypatch.setattr(skip_op.DISPATCH, "route", lambda call, backend=None: dispatch.Route(
+        call.op, "flash_triton", "forced by the test", ()) if backend is None else real_route(call, backend))
+    B, S, Hq, Hk, D, tile, dtype = 1, 200, 2, 1, 64, (64, 64), torch.float16
+    thr = lattice_threshold(D)
+    bufs = stateful.SkipListBuffers.create(B, Hq, S, S, tile, "cpu")
+    refb = stateful.SkipListBuffers.create(B, Hq, S, S, tile, "cpu")
+    assign = None
+    for call in range(3):
+        q, k, v, assign = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=20 + call, assign=assign)
+        if call == 2:
+            q = q.clone()
+            q[0, 70, 1, :] = float("nan")                        # q-tile 1 of head 1
+        args = (thr, 1, tile[0], tile[1], 1 / math.sqrt(D), [])
+        out = stateful._skip_step_impl(q, k, v, bufs.counts, bufs.indices, bufs.step, bufs.density,
+                                       bufs.nonfinite, *args)
+        rout = stateful._skip_step_portable(q, k, v, refb.counts, refb.indices, refb.step, refb.density, *args,
+                                            refb.nonfinite, "reference")
+        fin = torch.isfinite(rout)
+        assert torch.equal(fin, torch.isfinite(out))
+        assert_close(torch.where(fin, out, 0), torch.where(fin, rout, 0), dtype)
+        assert bufs.calls() == refb.calls() == call + 1
+        assert bufs.current(1).equal(refb.current(1))
+    assert int(bufs.nonfinite[0]) == int(refb.nonfinite[0]) == 1
+    read, wrote = bufs.current(0), bufs.current(1)
+    assert torch.equal(wrote.to_mask()[0, 1, 1], read.to_mask()[0, 1, 1])
+
+
+@cpu_only
 def test_repair_kernel_and_its_torch_fallback_agree(monkeypatch):
     """A Triton that cannot build the repair kernel falls back (one warning) to torch ops with the same result."""
     B, Sq, Hq, D, tm, Tk = 1, 130, 2, 32, 64, 5

@@ -141,29 +141,28 @@ def _skip_step_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: t
                     precision: str = "native") -> torch.Tensor:
     """Body of the sparsepatch::skip_step op: the skip op's dispatcher picks the backend (the Triton / Gluon / fp8
     kernels read the step counter on the device; the others read it on the host)."""
+    device_step, run_precision = None, "native"
     if precision == "fp8":
-        call = Call.of(FP8_DISPATCH.op, q, k, v, tile=(tm, tn), must_do=must_do_flat)
-        backend = FP8_DISPATCH.route(call).backend
+        backend = FP8_DISPATCH.route(Call.of(FP8_DISPATCH.op, q, k, v, tile=(tm, tn), must_do=must_do_flat)).backend
         if backend == "fp8_triton":
             from . import fp8
-            out = fp8.skip_step_fp8(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
-                                    must_do_flat).contiguous()
-            _keep_read_where_nonfinite(out, counts, indices, step, warmup_steps, tm, nonfinite)
-            return out
-        if backend == "fp8_emulated":
-            return _skip_step_portable(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn,
-                                       scale, must_do_flat, nonfinite, backend, precision).contiguous()
-        warn_native_once(q, (tm, tn))   # no fp8 route: the native op, on its own device-side path
-    call = Call.of("skip_attention", q, k, v, tile=(tm, tn), must_do=must_do_flat)
-    backend = DISPATCH.route(call).backend
-    if backend == "flash_triton":
-        from . import triton as skip_triton
-        out = skip_triton.skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
-                                    must_do_flat).contiguous()
+            device_step = fp8.skip_step_fp8
+        elif backend == "fp8_emulated":
+            run_precision = "fp8"
+        else:
+            warn_native_once(q, (tm, tn))   # no fp8 route: the native op, on its own device-side path
+    if device_step is None and run_precision == "native":
+        backend = DISPATCH.route(Call.of("skip_attention", q, k, v, tile=(tm, tn), must_do=must_do_flat)).backend
+        if backend == "flash_triton":
+            from . import triton as skip_triton
+            device_step = skip_triton.skip_step
+    if device_step is not None:
+        out = device_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
+                          must_do_flat).contiguous()
         _keep_read_where_nonfinite(out, counts, indices, step, warmup_steps, tm, nonfinite)
         return out
     return _skip_step_portable(q, k, v, counts, indices, step, density, threshold, warmup_steps, tm, tn, scale,
-                               must_do_flat, nonfinite, backend).contiguous()
+                               must_do_flat, nonfinite, backend, run_precision).contiguous()
 
 
 _skip_step_op = torch.library.custom_op("sparsepatch::skip_step",
