@@ -33,7 +33,7 @@ for tile in ((64, 64), (128, 128)):
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record(); [f() for _ in range(50)]; e1.record(); torch.cuda.synchronize()
     print(f"tile {tile}: host {host:.3f} ms/call, wall {wall:.3f}, events {e0.elapsed_time(e1)/50:.3f}, "
-          f"gluon_ok {skip_triton._GLUON_OK[0]} supported {skip_gluon.supported(q, k, v, tile, None)} "
+          f"gluon_ok {skip_triton._GLUON_OK[0]} supported {skip_gluon.supported(q, k, v, tile)} "
           f"plans {len(skip_gluon._PLANS)} direct {skip_gluon._DIRECT[0]}", flush=True)
     pr = cProfile.Profile(); pr.enable(); [f() for _ in range(20)]; torch.cuda.synchronize(); pr.disable()
     s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(14); print(s.getvalue()[-2500:])

@@ -129,6 +129,44 @@ def test_shipped_sm90_table_routes_our_kernel_where_it_wins_and_sdpa_elsewhere()
     assert best == "sdpa"
 
 
+def test_memory_layout_names_sequence_and_head_major_views():
+    x = torch.zeros(2, 64, 4, 16)
+    assert dispatch.memory_layout(x) == "seq"
+    assert dispatch.memory_layout(torch.zeros(2, 4, 64, 16).transpose(1, 2)) == "head"     # SDPA callers' views
+    assert dispatch.memory_layout(torch.zeros(2, 64, 3, 4, 16)[:, :, 1]) == "seq"         # a fused-QKV view
+    assert dispatch.memory_layout(torch.zeros(2, 64, 16, 4).transpose(2, 3)) == "other"   # D not unit-stride
+    assert dispatch.memory_layout(torch.zeros(4, 2, 64, 16).permute(1, 2, 0, 3)) == "other"
+
+
+def test_flash_cells_do_not_stand_for_calls_the_measured_kernel_does_not_take():
+    """On sm_90 the table's flash_triton cells are the Gluon kernel's: a layout it does not take, or causal prefill
+    with Sk - Sq not a multiple of 128, runs the slower Triton kernel, so flash_triton counts as unmeasured there
+    and SDPA runs; sequence- / head-major layouts, aligned causal calls and decode keep the measured route."""
+    entries = [dict(op="attention", causal=c, D=128, group=1, dtype="bfloat16", B=1, Sq=sq, Sk=sk, Hq=16,
+                    ms={"flash_triton": 1.0, "sdpa": 1.2}) for c in (False, True) for sq, sk in ((4096, 4096), (1, 4096))]
+    old = dispatch._TABLE[0]
+    dispatch.set_cost_table(dispatch.CostTable(dict(entries=entries)))
+    # (dense_op's flash_triton predicate on stand-in backends: the real SDPA backend asks torch.cuda)
+    d = dispatch.Dispatcher("attention", [
+        dispatch.Backend("flash_triton", lambda c: None, None, measured_for=dense_op.flash_measured_for),
+        dispatch.Backend("sdpa", lambda c: None, None)])
+    try:
+        def route(Sq, Sk, causal, layouts=("seq", "seq", "seq"), arch=(9, 0)):
+            call = dispatch.Call("attention", "cuda", arch, torch.bfloat16, 1, Sq, Sk, 16, 16, 128, 128, causal,
+                                 layouts=layouts)
+            return d.route(call).backend
+        assert route(4096, 4096, False) == "flash_triton"
+        assert route(4096, 4096, False, ("head", "head", "seq")) == "flash_triton"
+        assert route(4096, 4096, False, ("head", "other", "seq")) == "sdpa"
+        assert route(4096, 4096, False, ("head", "other", "seq"), arch=(8, 0)) == "flash_triton"   # Triton there
+        assert route(4000, 4128, True) == "flash_triton"
+        assert route(4000, 4100, True) == "sdpa"
+        assert route(1, 4100, True) == "flash_triton"      # decode cells were measured on the Triton kernel
+    finally:
+        dispatch.set_cost_table(old)
+        dispatch._DISPATCHERS["attention"] = dense_op.DISPATCH
+
+
 def test_forced_backend_and_explain():
     q, k, v = _inputs(1, 16, 16, 2, 2, 32, torch.float32, "cpu")
     out = sp.kernels.attention(q, k, v, backend="reference")

@@ -358,7 +358,7 @@ def _use_gluon(monkeypatch, on, *tables, variant="gluon"):
 def _assert_gluon_ran(q, k, v, tile):
     """The Gluon kernel served these inputs (not the Triton fallback after a failed launch)."""
     from sparsepatch.kernels.skip import gluon as skip_gluon
-    assert skip_gluon.supported(q, k, v, tile, None) and skip._GLUON_OK[0]
+    assert skip_gluon.supported(q, k, v, tile) and skip._GLUON_OK[0]
 
 
 @gpu
@@ -381,7 +381,9 @@ def test_skip_gpu(monkeypatch, dtype, S, D, tile, H, gluon):
     check_skip(q, k, v, nxt, thr, tile=tile, dtype=dtype)
     if gluon:
         _assert_gluon_ran(q, k, v, tile)
-    check_skip(q, k, v, nxt, thr, tile=tile, must_do=[(0, 300)], dtype=dtype)   # (must_do: the Triton kernel)
+    check_skip(q, k, v, nxt, thr, tile=tile, must_do=[(0, 300)], dtype=dtype)
+    # forced rows and columns in the middle and at the partial end (text tokens after the video ones)
+    check_skip(q, k, v, nxt, thr, tile=tile, must_do=[(1000, 1100), (S - 70, S)], dtype=dtype)
 
 
 @gpu
@@ -396,7 +398,7 @@ def test_skip_gluon_edge_lists_gpu(monkeypatch, dtype, variant):
     B, S, Hq, Hk, D, tile = 2, 4000, 4, 2, 128, (128, 128)
     thr = lattice_threshold(D)
     q, k, v, assign = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=70, device="cuda", clusters=6)
-    if not skip_gluon.supported(q, k, v, tile, None):
+    if not skip_gluon.supported(q, k, v, tile):
         pytest.skip("Gluon kernel not available here")
     nxt = check_skip(q, k, v, None, thr, tile=tile, dtype=dtype)
     counts, idx = nxt.counts.clone(), nxt.indices.clone()
@@ -419,7 +421,7 @@ def test_skip_gluon_plans_gpu(monkeypatch):
     S, D, tile, dtype = 4096, 128, (128, 128), torch.bfloat16
     thr = lattice_threshold(D)
     q, k, v, assign = structured_qkv(1, S, S, 4, 2, D, dtype, tile, seed=80, device="cuda", clusters=8)
-    if not skip_gluon.supported(q, k, v, tile, None):
+    if not skip_gluon.supported(q, k, v, tile):
         pytest.skip("Gluon kernel not available here")
     skip_gluon._PLANS.clear()
     nxt = check_skip(q, k, v, None, thr, tile=tile, dtype=dtype)
@@ -442,6 +444,35 @@ def test_skip_gluon_plans_gpu(monkeypatch):
         assert torch.equal(via_plan[2], via_jit[2]) and torch.equal(dense_plan, dense_jit)
         check_skip(q, k, v, nxt, thr, tile=tile, dtype=dtype)
         nxt = via_plan[1]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("B,S,D", [(2, 4000, 64), (1, 4096, 128)])
+def test_gluon_head_major_inputs_gpu(monkeypatch, B, S, D):
+    """The Gluon kernel on head-major q / k (the (B, S, H, D) views of contiguous (B, H, S, D) tensors, as SDPA
+    callers such as CogVideoX hand over) with a sequence-major v: dense, causal, skip with must_do, against the
+    reference on the same values; batch 2 and a partial last tile (rows past a head's S belong to the next head)."""
+    from sparsepatch.kernels.skip import gluon as skip_gluon
+    from sparsepatch.kernels.dispatch import memory_layout
+    _use_gluon(monkeypatch, True)
+    for key in skip.CONFIGS:
+        monkeypatch.setitem(skip.CONFIGS, key, dict(skip.CONFIGS[key], causal_gluon=True))
+    dtype, tile, Hq, Hk = torch.bfloat16, (128, 128), 4, 2
+    thr = lattice_threshold(D)
+    q, k, v, _ = structured_qkv(B, S, S, Hq, Hk, D, dtype, tile, seed=90, device="cuda", clusters=6)
+    qh, kh = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
+    assert memory_layout(qh) == memory_layout(kh) == "head" and memory_layout(v) == "seq"
+    if not skip_gluon.supported(qh, kh, v, tile):
+        pytest.skip("Gluon kernel not available here")
+    for causal in (False, True):
+        out, lse = skip.attention(qh, kh, v, causal=causal, return_lse=True)
+        rout, rlse = reference.attention(q, k, v, causal=causal, return_lse=True)
+        assert_close(out, rout, dtype)
+        torch.testing.assert_close(lse, rlse, atol=2e-3, rtol=1e-4)
+    nxt = check_skip(qh, kh, v, None, thr, tile=tile, must_do=[(0, 226)], dtype=dtype)
+    check_skip(qh, kh, v, nxt, thr, tile=tile, must_do=[(0, 226)], dtype=dtype)
+    _assert_gluon_ran(qh, kh, v, tile)
 
 
 @gpu
@@ -516,13 +547,16 @@ def _step_inputs(S, D, dtype, seed, assign, tile):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("S", [4096, 4000])
+@pytest.mark.parametrize("S,D,must_do", [(4096, 128, None), (4000, 128, None), (4000, 64, [(0, 226)]),
+                                         (4096, 128, [(0, 130), (3900, 4096)])])
 @pytest.mark.parametrize("gluon", [False, True])
-def test_skip_step_gpu_graph_compile(monkeypatch, S, gluon):
+def test_skip_step_gpu_graph_compile(monkeypatch, S, D, must_do, gluon):
     """skip_step (the patcher's stateful path) against the reference over 3 calls (a dense warm-up call, then lists
     carried between the slots), a CUDA graph replayed, and torch.compile without recompilation; on the Triton and
-    the Gluon kernel, with and without a partial last tile."""
-    D, tile, dtype = 128, (128, 128), torch.bfloat16
+    the Gluon kernel, with and without a partial last tile, head dim 64 / 128, with and without must_do (text
+    tokens first, as the CogVideoX adapter passes them, or at both ends)."""
+    tile, dtype = (128, 128), torch.bfloat16
+    flat = [x for rng in must_do or [] for x in rng]
     _use_gluon(monkeypatch, gluon, skip.SKIP_CONFIGS)
     thr = lattice_threshold(D)
     bufs = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))
@@ -530,13 +564,13 @@ def test_skip_step_gpu_graph_compile(monkeypatch, S, gluon):
     assign = None
     for call in range(3):
         q, k, v, assign = _step_inputs(S, D, dtype, 30 + call, assign, tile)
-        out = stateful.skip_step(q, k, v, bufs, thr, 1)
+        out = stateful.skip_step(q, k, v, bufs, thr, 1, must_do=must_do)
         rout = stateful._skip_step_portable(q, k, v, refb.counts, refb.indices, refb.step, refb.density, thr, 1,
-                                            tile[0], tile[1], 1 / math.sqrt(D), [], refb.nonfinite, "reference")
+                                            tile[0], tile[1], 1 / math.sqrt(D), flat, refb.nonfinite, "reference")
         assert_close(out, rout, dtype)
         assert bufs.current(1).equal(refb.current(1))
         torch.testing.assert_close(bufs.history(), refb.history())
-    assert bufs.current(1).density().item() < 0.9
+    assert bufs.current(1).density().item() < (0.9 if must_do is None else 0.95)   # (forced tiles add up to 24%)
     if gluon:
         _assert_gluon_ran(q, k, v, tile)
 
@@ -544,15 +578,15 @@ def test_skip_step_gpu_graph_compile(monkeypatch, S, gluon):
     gb = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))
     eager = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))
     q, k, v, _ = _step_inputs(S, D, dtype, 40, assign, tile)
-    stateful.skip_step(q, k, v, gb, thr, 1)          # warm-up call (compiles), also dense warmup step
-    stateful.skip_step(q, k, v, eager, thr, 1)
+    stateful.skip_step(q, k, v, gb, thr, 1, must_do=must_do)   # warm-up call (compiles), also dense warmup step
+    stateful.skip_step(q, k, v, eager, thr, 1, must_do=must_do)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gout = stateful.skip_step(q, k, v, gb, thr, 1)
+        gout = stateful.skip_step(q, k, v, gb, thr, 1, must_do=must_do)
     for _ in range(2):
         graph.replay()
-        eout = stateful.skip_step(q, k, v, eager, thr, 1)
+        eout = stateful.skip_step(q, k, v, eager, thr, 1, must_do=must_do)
         torch.cuda.synchronize()
         assert torch.equal(gout, eout)
     assert gb.calls() == eager.calls() == 3   # capture itself does not run the step
@@ -564,7 +598,7 @@ def test_skip_step_gpu_graph_compile(monkeypatch, S, gluon):
     cb = stateful.SkipListBuffers.create(1, 4, S, S, tile, torch.device("cuda"))
 
     def f(q, k, v):
-        return stateful.skip_step(q, k, v, cb, thr, 1) * 2
+        return stateful.skip_step(q, k, v, cb, thr, 1, must_do=must_do) * 2
 
     cf = torch.compile(f, fullgraph=True)
     with _dynamo.config.patch(error_on_recompile=True):

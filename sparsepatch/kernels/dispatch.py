@@ -52,6 +52,7 @@ class Call:
     must_do: bool = False
     interpret: bool = False       # TRITON_INTERPRET=1: Triton kernels run on CPU tensors
     params: tuple = ()            # op parameters that decide support (NSA: block sizes), hashable
+    layouts: tuple = ()           # `memory_layout` of q, k, v (what a kernel's speed may depend on)
 
     @property
     def group(self) -> int:
@@ -67,7 +68,23 @@ class Call:
         return Call(op, dev.type, arch, q.dtype, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2],
                     q.shape[3], v.shape[3], bool(causal), mask, bool(return_lse), needs_grad,
                     None if tile is None else tuple(tile), bool(must_do),
-                    os.environ.get("TRITON_INTERPRET", "0") == "1", tuple(params))
+                    os.environ.get("TRITON_INTERPRET", "0") == "1", tuple(params),
+                    tuple(memory_layout(t) for t in (q, k, v)))
+
+
+def memory_layout(t) -> str:
+    """How a (B, S, H, D) tensor lies in memory: "seq" (sequence-major: unit-stride D, heads adjacent, one row stride
+    over B * S, as a (B, S, H * D) projection or a fused-QKV view), "head" (the transposed view of a contiguous
+    (B, H, S, D) tensor, as SDPA callers hand over) or "other"."""
+    B, S, H, D = t.shape
+    st = t.stride()
+    if st[3] != 1 and D > 1:
+        return "other"
+    if (H == 1 or st[2] == D) and (B == 1 or st[0] == S * st[1]):
+        return "seq"
+    if (S == 1 or st[1] == D) and (H == 1 or st[2] == S * D) and (B == 1 or st[0] == H * S * D):
+        return "head"
+    return "other"
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,9 @@ class Backend:
     supports: Callable[[Call], "str | None"]
     run: Callable
     host_ms: float = 0.0     # host time a call adds beyond what the table measured (added to the table's cost)
+    # whether the table's measurements of this backend hold for a call (None: always); where they do not (e.g. the
+    # measured kernel cannot take the call's layout and a slower one runs it), the backend counts as unmeasured
+    measured_for: Callable[[Call], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -193,9 +213,11 @@ _ON_CLEAR: list = []   # callbacks that drop route caches kept outside the dispa
 # ------------------------------------------------------------------------------------------------- dispatcher
 
 def length_class(seq_q: int, seq_k: int) -> tuple:
-    """What a route depends on in the sequence lengths: decode or not, the Sq / Sk relation (causal alignment), an
-    empty key set, and the lengths' power-of-two buckets (the cost table's resolution)."""
-    return (seq_q == 1, seq_q == seq_k, seq_q > seq_k, seq_k == 0, int(seq_q).bit_length(), int(seq_k).bit_length())
+    """What a route depends on in the sequence lengths: decode or not, the Sq / Sk relation (causal alignment, and
+    for more than one query whether Sk - Sq is a multiple of 128, the largest kernel key tile), an empty key set,
+    and the lengths' power-of-two buckets (the cost table's resolution)."""
+    return (seq_q == 1, seq_q == seq_k, seq_q > seq_k, seq_q > 1 and (seq_k - seq_q) % 128 == 0, seq_k == 0,
+            int(seq_q).bit_length(), int(seq_k).bit_length())
 
 
 def _route_key(call: Call) -> tuple:
@@ -249,7 +271,8 @@ class Dispatcher:
         cands = []
         for b in self.backends.values():
             why = b.supports(call)
-            cost = None if why or b.name not in costs else costs[b.name] + b.host_ms
+            cost = None if why or b.name not in costs or (b.measured_for is not None and not b.measured_for(call)) \
+                else costs[b.name] + b.host_ms
             cands.append((b.name, why, cost))
         ok = [c for c in cands if c[1] is None]
         if not ok:
@@ -280,4 +303,4 @@ def dispatcher(op: str) -> Dispatcher:
 
 
 __all__ = ["Call", "Backend", "Route", "Dispatcher", "CostTable", "cost_table", "set_cost_table", "dispatcher",
-           "user_table_path"]
+           "user_table_path", "memory_layout"]

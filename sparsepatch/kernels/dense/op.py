@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..dispatch import _ON_CLEAR, Backend, Call, Dispatcher
+from ..dispatch import _ON_CLEAR, Backend, Call, Dispatcher, memory_layout
 from ..dispatch import length_class as dispatch_length_class
 from . import reference, sdpa
 
@@ -83,6 +83,18 @@ def flash_kernel_reason(call: Call) -> str | None:
     return None
 
 
+def flash_measured_for(call: Call) -> bool:
+    """The shipped sm_90 table measured flash_triton's prefill cells on the Gluon kernel; calls that kernel does not
+    take (a layout other than sequence- / head-major; causal prefill with Sk - Sq not a multiple of its 128-key
+    tile) run the slower Triton kernel, which those cells do not describe: for them flash_triton counts as
+    unmeasured (SDPA runs). Decode cells (Sq = 1) were measured on the Triton kernel and stand."""
+    if call.arch is None or call.arch[0] != 9:
+        return True
+    if any(lay == "other" for lay in call.layouts):
+        return False
+    return not call.causal or call.seq_q == 1 or (call.seq_k - call.seq_q) % 128 == 0
+
+
 def unit_head_dim_stride(*ts):
     """The tensors, each copied only where its head dim (last axis) is not unit-stride, as the kernels index it."""
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
@@ -122,7 +134,7 @@ def _sdpa_backend(name, kernel):
 
 
 BACKENDS = [
-    Backend("flash_triton", flash_kernel_reason, _flash_run),
+    Backend("flash_triton", flash_kernel_reason, _flash_run, measured_for=flash_measured_for),
     Backend("splitd_triton", _splitd_supports, _splitd_run),
     _sdpa_backend("sdpa_cudnn", "cudnn"),
     _sdpa_backend("sdpa_flash", "flash"),
@@ -165,7 +177,8 @@ def _fast_key(q, k, v, causal, attn_mask, return_lse, backend):
         mask = (attn_mask.dtype, attn_mask.device, ms[:-2], ms[-2:] == (Sq, Sk), ms[-2] == 1, ms[-1] == 1)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     # sequence lengths by class, so a decode step (Sk + 1 every call) reuses its route
-    return (dispatch_length_class(Sq, Sk), q.shape[0], q.shape[2:], k.shape[0], k.shape[2:], v.shape[0],
+    return (dispatch_length_class(Sq, Sk), memory_layout(q), memory_layout(k),
+            memory_layout(v), q.shape[0], q.shape[2:], k.shape[0], k.shape[2:], v.shape[0],
             v.shape[1] == Sk, v.shape[2:], q.dtype, k.dtype, v.dtype, q.device, k.device, bool(causal), mask,
             bool(return_lse), grad, backend)
 

@@ -1,6 +1,6 @@
 """Persistent, warp-specialised skip-list attention forward in Gluon (Hopper, sm_90), and its dense mode.
 
-Same function as `skip.skip_attention` (no must_do, tile 128 x 128, head dim 64 / 128, fp16 / bf16), as the stateful
+Same function as `skip.skip_attention` (tile 128 x 128, head dim 64 / 128, fp16 / bf16), as the stateful
 `skip.skip_step` (STATEFUL: the list slots and the call counter of the patcher's buffers) and, with skipping
 compiled out (SKIP=False), as `skip.attention`, non-causal or causal (CAUSAL: each q-tile stops at its diagonal
 tile, which is masked; q-tiles run longest first within each head); `skip.py` dispatches here by default on sm_90
@@ -41,6 +41,7 @@ except Exception:  # pragma: no cover - depends on the installed Triton
     HAS_GLUON = False
 
 from .._common import DescriptorArgs, current_stream, direct_launcher, num_sms
+from ..dispatch import memory_layout
 from ..dense.reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
@@ -70,7 +71,7 @@ if HAS_GLUON:
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, warm, PRB,
                   MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
                   SKIP: gl.constexpr, STATEFUL: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr,
-                  PROBE: gl.constexpr):
+                  LAYOUT: gl.constexpr, PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -98,7 +99,12 @@ if HAS_GLUON:
             if PROBE:
                 _stamp(PRB, pb, 1, cnt)
             mbarrier.expect(q_ready, _BM * D * 2)
-            tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
+            # TMA coordinates in each tensor's 2-D descriptor (LAYOUT bits 1 / 2 / 4: q / k / v head-major)
+            if LAYOUT & 1:
+                tma.async_copy_global_to_shared(q_desc, [bh * Sq + pm * _BM, 0], q_ready, q_smem)
+            else:
+                tma.async_copy_global_to_shared(q_desc, [b * Sq + pm * _BM, h * D], q_ready, q_smem)
+            bhk = b * (Hq // n_rep) + hk
             row = IDX + lin.to(gl.int64) * Tk
             for t in range(gl.maximum(cnt, 1)):   # an empty list: one placeholder tile (k-tile 0), discarded
                 if SKIP:
@@ -111,10 +117,18 @@ if HAS_GLUON:
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
                 mbarrier.expect(ready.index(slot), 2 * _BN * D * 2)
-                tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
-                                                k_smem.index(slot))
-                tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
-                                                v_smem.index(slot))
+                if LAYOUT & 2:
+                    tma.async_copy_global_to_shared(k_desc, [bhk * Sk + j * _BN, 0], ready.index(slot),
+                                                    k_smem.index(slot))
+                else:
+                    tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
+                                                    k_smem.index(slot))
+                if LAYOUT & 4:
+                    tma.async_copy_global_to_shared(v_desc, [bhk * Sk + j * _BN, 0], ready.index(slot),
+                                                    v_smem.index(slot))
+                else:
+                    tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
+                                                    v_smem.index(slot))
                 g += 1
             if PROBE:
                 _stamp(PRB, pb, 2, g)
@@ -161,13 +175,14 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
-                  CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk,
+                  CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk,
                   n_items, qk_scale, threshold, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
                   NWORDS: gl.constexpr, WG: gl.constexpr, LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                   SKIP: gl.constexpr, KSTAGE: gl.constexpr, PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr,
-                  CAUSAL: gl.constexpr, ORDER: gl.constexpr, PROBE: gl.constexpr):
+                  CAUSAL: gl.constexpr, ORDER: gl.constexpr, FORCED: gl.constexpr, PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists
-        (STATEFUL: not on a warm-up call, which visits every tile)."""
+        (STATEFUL: not on a warm-up call, which visits every tile); FORCED: the must_do tiles (q-tile row flags FROW,
+        k-tile column flags FCOL, int8) are kept whatever their keep test said."""
         NW: gl.constexpr = gl.num_warps()
         WSPAN: gl.constexpr = 32 if SKIP else (1 << 30)   # tiles per run of the tile loop
         RM: gl.constexpr = 16 * NW
@@ -308,11 +323,17 @@ if HAS_GLUON:
                 out_cnt = cnt * 0
                 if write:
                     dst = IDX_OUT + lin.to(gl.int64) * Tk
+                    if FORCED:
+                        forced_row = gl.load(FROW + pm) != 0
                     for wi in gl.static_range(NWORDS):
                         if wi * 32 < cnt:
                             c1 = gl.minimum(cnt - wi * 32, 32)
                             wd = gl.sum(gl.where(widx_w == wi, words, 0), 0)
                             jv = gl.load(row + wi * 32 + offs_c, mask=offs_c < c1, other=0)
+                            if FORCED:   # (a forced row keeps all its tiles: the union listed every one)
+                                fc = gl.load(FCOL + jv, mask=offs_c < c1, other=0) != 0
+                                wd = wd | gl.reduce(gl.where(fc, 1 << offs_c, 0), 0, _bit_or)
+                                wd = gl.where(forced_row, -1, wd)
                             wv = wd & gl.where(c1 >= 32, -1, (1 << c1) - 1)
                             keep = ((wv >> offs_c) & 1) != 0
                             gl.store(dst + out_cnt + _popc(wv & ((1 << offs_c) - 1)), jv, mask=keep)
@@ -364,25 +385,30 @@ if HAS_GLUON:
             k += 1
 
     @gluon.jit
-    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, STEP, O, LSE, PRB, MAXK, n_warmup,
+    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, STEP, O, LSE, PRB, MAXK,
+                           n_warmup,
                            slot_cnt, slot_idx, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items,
                            qk_scale, threshold, causal_off,
                            D: gl.constexpr, STAGES: gl.constexpr, NWORDS: gl.constexpr, LAST_PARTIAL: gl.constexpr,
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
                            PV_ASYNC: gl.constexpr = True, STATEFUL: gl.constexpr = False, CAUSAL: gl.constexpr = False,
-                           ORDER: gl.constexpr = 1, PROBE: gl.constexpr = False):
+                           ORDER: gl.constexpr = 1, FORCED: gl.constexpr = False, LAYOUT: gl.constexpr = 0,
+                           PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads.
-        STATEFUL (the patcher's skip_step): CNT / IDX are two list slots (slot strides slot_cnt / slot_idx) and
-        CNT_OUT / IDX_OUT ignored; the call counter *STEP decides: calls < n_warmup visit every tile and write no
-        list, later calls read slot (step - n_warmup) % 2 and write the other one."""
+        STATEFUL (the patcher's skip_step): CNT / IDX (read) and CNT_OUT / IDX_OUT (written) are two list slots each
+        (slot strides slot_cnt / slot_idx; the same tensors, or with must_do the read ones are the union of the
+        slots and the forced tiles); the call counter *STEP decides: calls < n_warmup visit every tile and write no
+        list, later calls read slot (step - n_warmup) % 2 and write the other one.
+        FORCED (must_do): the lists read already hold the forced tiles (`skip._union`); FROW (Tq,) / FCOL (Tk,) int8
+        flag them so that the next lists keep them."""
         if STATEFUL:
             n = gl.load(STEP)
             warm = n < n_warmup
             rs = gl.where(warm, 0, (n - n_warmup) % 2)
-            CNT_OUT = CNT + (1 - rs) * slot_cnt
-            IDX_OUT = IDX + (1 - rs) * slot_idx
+            CNT_OUT = CNT_OUT + (1 - rs) * slot_cnt
+            IDX_OUT = IDX_OUT + (1 - rs) * slot_idx
             CNT = CNT + rs * slot_cnt
             IDX = IDX + rs * slot_idx
         else:
@@ -405,18 +431,18 @@ if HAS_GLUON:
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
-                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os,
-                         stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES, NWORDS,
-                         0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER,
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob,
+                         stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES,
+                         NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER, FORCED,
                          PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
-                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, warm, O, LSE, PRB, MAXK, stride_ob, stride_os,
-                         stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES, NWORDS,
-                         1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER,
+                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob,
+                         stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES,
+                         NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER, FORCED,
                          PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
                          CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D, STAGES, SKIP,
-                         STATEFUL, CAUSAL, ORDER, PROBE)),
+                         STATEFUL, CAUSAL, ORDER, LAYOUT, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -425,19 +451,27 @@ def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def supported(q, k, v, tile, must_do) -> bool:
-    """True when the Gluon kernel runs these inputs: Gluon, an sm_90 GPU, tile (128, 128), no must_do, fp16 / bf16,
-    head dim 64 / 128, (B, S, H, D) tensors whose (B * S) rows have one stride (q / k / v views of a fused QKV
-    qualify), 16-byte aligned."""
-    if not (HAS_GLUON and q.is_cuda and tuple(tile) == (BM, BN) and not must_do):
+def _head_major(t) -> bool:
+    return memory_layout(t) == "head"
+
+
+def _layout_bits(q, k, v) -> int:
+    """The kernel's LAYOUT: bit 1 / 2 / 4 set when q / k / v is head-major, else sequence-major."""
+    return sum(bit for bit, t in ((1, q), (2, k), (4, v)) if _head_major(t))
+
+
+def supported(q, k, v, tile) -> bool:
+    """True when the Gluon kernel runs these inputs: Gluon, an sm_90 GPU, tile (128, 128), fp16 / bf16, head dim
+    64 / 128, 16-byte aligned (B, S, H, D) tensors, each sequence-major (its (B * S) rows have one stride: views
+    of a fused QKV qualify) or head-major (the transposed view of a contiguous (B, H, S, D) tensor)."""
+    if not (HAS_GLUON and q.is_cuda and tuple(tile) == (BM, BN)):
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
         return False
     if _capability_major(q.device.index if q.device.index is not None else torch.cuda.current_device()) != 9:
         return False
     for t in (q, k, v):
-        B, S, H, D = t.shape
-        if t.stride(3) != 1 or t.stride(2) != D or (B > 1 and t.stride(0) != S * t.stride(1)):
+        if memory_layout(t) == "other":
             return False
         if t.data_ptr() % 16 or (t.stride(1) * t.element_size()) % 16:
             return False
@@ -461,18 +495,22 @@ def dense_fwd(q, k, v, scale, return_lse, cfg=None, causal: bool = False):
     return out, lse
 
 
-def skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse, cfg=None):
-    """Gluon skip forward: same outputs as `skip._skip_fwd_impl` at tile (128, 128) without must_do."""
-    return _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip=True)
+def skip_fwd(q, k, v, counts, indices, threshold, scale, return_lse, cfg=None, forced=None):
+    """Gluon skip forward: same outputs as `skip._skip_fwd_impl` at tile (128, 128). must_do: counts / indices
+    already hold the forced tiles (`skip._union`) and forced = (frow (Tq,), fcol (Tk,)) int8 flags them, so that
+    the next list keeps them."""
+    return _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip=True, forced=forced)
 
 
-def skip_step(q, k, v, counts, indices, step, warmup, threshold, scale, cfg=None):
-    """Gluon body of `skip.skip_step` (tile (128, 128), no must_do) -> out. counts int32 (2, B, H, Tq) / indices
-    int32 (2, B, H, Tq, Tk) are the list slots (each slot contiguous: the caller checks), step int64 (1,) the call
+def skip_step(q, k, v, counts, indices, step, warmup, threshold, scale, cfg=None, read=None, forced=None):
+    """Gluon body of `skip.skip_step` (tile (128, 128)) -> out. counts int32 (2, B, H, Tq) / indices int32
+    (2, B, H, Tq, Tk) are the list slots (each slot contiguous: the caller checks), step int64 (1,) the call
     counter, read by the kernel: calls < warmup visit every tile and leave the lists alone, later calls read slot
-    (step - warmup) % 2 and write the other. The counter is not incremented here."""
+    (step - warmup) % 2 and write the other. The counter is not incremented here.
+    must_do: read = (counts, indices) of the slots with the forced tiles added (`skip._union`, same slot strides),
+    which the kernel reads instead, and forced = (frow, fcol) as in `skip_fwd`."""
     return _launch(q, k, v, counts, indices, threshold, scale, False, cfg, skip=True, step=step,
-                   warmup=int(warmup))[0]
+                   warmup=int(warmup), read=read, forced=forced)[0]
 
 
 # Launch plans, as skip._launch's (host time: benchmarks/NOTES.md, skip forward v7): the first call of a key goes
@@ -480,11 +518,12 @@ def skip_step(q, k, v, counts, indices, step, warmup, threshold, scale, cfg=None
 # and descriptor bases only. Key: every shape / stride / dtype / scalar argument and the config.
 _PLANS: dict = {}
 _DIRECT = [True]
-_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "STEP", "O", "LSE", "PRB")
+_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "FROW", "FCOL", "STEP", "O", "LSE", "PRB")
 _DESCS = dict(q_desc=0, k_desc=1, v_desc=2)
 
 
-def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, step=None, warmup=0, causal=False):
+def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, step=None, warmup=0, causal=False,
+            read=None, forced=None):
     cfg = dict(GLUON_SKIP_CONFIG, **cfg) if cfg else GLUON_SKIP_CONFIG
     B, Sq, Hq, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
@@ -495,6 +534,10 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
     stateful = step is not None
     if stateful:   # the kernel picks the read / write slots from *step
         next_counts, next_indices = counts, indices
+        if read is not None:
+            counts, indices = read
+            if (counts.stride(0), indices.stride(0)) != (next_counts.stride(0), next_indices.stride(0)):
+                raise ValueError("read: the union's slot strides must equal the list slots' strides")
     elif skip:
         next_counts = torch.empty((B, Hq, Tq), dtype=torch.int32, device=dev)
         next_indices = torch.empty((B, Hq, Tq, Tk), dtype=torch.int32, device=dev)
@@ -509,7 +552,8 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
     probe = cfg.get("probe")
     if probe is not None and (probe.dtype != torch.int64 or probe.numel() < grid[0] * maxk * 24):
         raise ValueError(f"cfg['probe'] must be an int64 tensor of >= {grid[0] * maxk * 24} elements")
-    tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices,
+    frow, fcol = forced if forced is not None else (lse, lse)   # (never read without must_do)
+    tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices, FROW=frow, FCOL=fcol,
                    STEP=step if stateful else next_counts, O=out, LSE=lse, PRB=lse if probe is None else probe)
     slot_cnt, slot_idx = (counts.stride(0), indices.stride(0)) if stateful else (0, 0)
     # (skip_step returns out only: no empty LSE to allocate for it)
@@ -518,7 +562,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
     key = (dev.index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), bool(return_lse), skip,
            counts.data_ptr() % 16 == 0, indices.data_ptr() % 16 == 0, float(threshold), float(scale),
            tuple(sorted(cfg.items())), stateful, warmup, slot_cnt, slot_idx, stateful and step.data_ptr() % 16 == 0,
-           causal)
+           causal, forced is not None, *(t.data_ptr() % 16 == 0 for t in (next_counts, next_indices, frow, fcol)))
     plan = _PLANS.get(key) if _DIRECT[0] and probe is None else None
     if plan is not None:
         relaunch, template, tslots, dslots = plan
@@ -537,12 +581,19 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
             _PLANS.clear()
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     lay = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
-    # 2-D views (B * S, H * D): rows past a batch's S belong to the next batch; only the partial last k-tile
-    # reaches them and its columns >= Sk are masked (q rows >= Sq are never stored)
-    qd = TensorDescriptor(q, [B * Sq, Hq * D], [q.stride(1), 1], [BM, D], gl.NVMMASharedLayout.get_default_for(
-        [BM, D], dt))
-    kd = TensorDescriptor(k, [B * Sk, Hk * D], [k.stride(1), 1], [BN, D], lay)
-    vd = TensorDescriptor(v, [B * Sk, Hk * D], [v.stride(1), 1], [BN, D], lay)
+    # 2-D views (B * S, H * D), or (B * H * S, D) for a head-major tensor: rows past a (batch, head)'s S belong to
+    # the next one; only the partial last k-tile reaches them and its columns >= Sk are masked (q rows >= Sq are
+    # never stored)
+    layout = _layout_bits(q, k, v)
+
+    def desc(t, S, H, rows, shared):
+        if _head_major(t):
+            return TensorDescriptor(t, [t.shape[0] * H * S, D], [D, 1], [rows, D], shared)
+        return TensorDescriptor(t, [t.shape[0] * S, H * D], [t.stride(1), 1], [rows, D], shared)
+
+    qd = desc(q, Sq, Hq, BM, gl.NVMMASharedLayout.get_default_for([BM, D], dt))
+    kd = desc(k, Sk, Hk, BN, lay)
+    vd = desc(v, Sk, Hk, BN, lay)
     params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, MAXK=maxk, n_warmup=warmup, slot_cnt=slot_cnt,
                   slot_idx=slot_idx, stride_ob=out.stride(0),
                   stride_os=out.stride(1), stride_oh=out.stride(2), Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq,
@@ -552,7 +603,8 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
                   PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, CAUSAL=bool(causal),
-                  ORDER=int(cfg["causal_order"]), PROBE=probe is not None)
+                  ORDER=int(cfg["causal_order"]), FORCED=forced is not None, LAYOUT=layout,
+                  PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)

@@ -20,13 +20,14 @@ the next list by popcounts (POPC) and prefetches the prologue data of the progra
 (A persistent grid, keep bits merged once per word and 2-D loop descriptors were measured neutral or slower and
 deleted; benchmarks/NOTES.md, skip forward v4 / v5.)
 
-On an sm_90 GPU with Gluon (Triton 3.6), tile 128x128 skip calls without must_do and dense calls (non-causal, and
+On an sm_90 GPU with Gluon (Triton 3.6), tile 128x128 skip calls and dense calls (non-causal, and
 causal with Sk - Sq a multiple of 128) at head dim 64 / 128 run `gluon.py` instead (cfg keys `gluon`,
 `causal_gluon`, on by default there): a persistent warp-specialised kernel with the same function, ~10% faster per
 tile than this one's and than cuDNN at non-causal D128, with a cheaper q-tile epilogue and its rho-1 loop within
 1-3% of its dense mode (benchmarks/NOTES.md, skip forward v9 / v10 / v12; head dim 64 and causal: session 13); so
-does `skip_step` (the stateful patcher path) without must_do. must_do, other tiles / head dims, other causal
-alignments and the interpreter stay here; a Gluon compile or launch failure warns once and falls back to this kernel.
+does `skip_step` (the stateful patcher path). With must_do, both read the list with the forced tiles added
+(`_union`, device ops) and keep them in the next list. Other tiles / head dims, other causal alignments and the
+interpreter stay here; a Gluon compile or launch failure warns once and falls back to this kernel.
 
 Ops are registered with torch.library.custom_op (+ fake impls): `sparsepatch::skip_fwd`, `sparsepatch::dense_fwd`.
 `skip_step` is the CUDA body of `sparsepatch::skip_step` (stateful.py): it reads the call counter on the device,
@@ -649,16 +650,16 @@ def _skip_fwd_impl(q, k, v, counts, indices, threshold, scale, tm, tn, must_do_f
     frow, fcol = _forced_flags(must_do, Sq, Sk, tm, tn, q.device)
     counts = counts.contiguous()
     indices = indices.contiguous()
+    if frow is not None:
+        counts, indices = _union(counts, indices, frow, fcol)
     cfg = _config(D, triton.next_power_of_2(tm), tn)
     if cfg.get("gluon") and _GLUON_OK[0] and not _interpret():
         from . import gluon as skip_gluon
-        if skip_gluon.supported(q, k, v, (tm, tn), must_do):
+        if skip_gluon.supported(q, k, v, (tm, tn)):
             res = _gluon_call(skip_gluon.skip_fwd, q, k, v, counts, indices, threshold, scale, return_lse,
-                              cfg=_gluon_options(cfg))
+                              cfg=_gluon_options(cfg), forced=None if frow is None else (frow, fcol))
             if res is not None:
                 return res
-    if frow is not None:
-        counts, indices = _union(counts, indices, frow, fcol)
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if return_lse else None
     next_counts = torch.empty((B, Hq, Tq), dtype=torch.int32, device=q.device)
@@ -695,7 +696,7 @@ def _dense_fwd_impl(q, k, v, causal, scale, return_lse):
     gcfg = CONFIGS.get((D, 128), {})
     if gcfg.get("gluon") and (not causal or gcfg.get("causal_gluon")) and _GLUON_OK[0] and not _interpret():
         from . import gluon as skip_gluon
-        if skip_gluon.supported(q, k, v, (128, 128), None) and (not causal or skip_gluon.supports_causal(q, k)):
+        if skip_gluon.supported(q, k, v, (128, 128)) and (not causal or skip_gluon.supports_causal(q, k)):
             res = _gluon_call(skip_gluon.dense_fwd, q, k, v, scale, return_lse, cfg=_gluon_options(gcfg),
                               causal=causal)
             if res is not None:
@@ -795,11 +796,16 @@ def skip_step(q, k, v, counts, indices, step, density, threshold, warmup_steps, 
         cnt_in, idx_in = _union(counts, indices, frow, fcol)
     cfg = _config(D, triton.next_power_of_2(tm), tn)
     out = None
-    if frow is None and cfg.get("gluon") and _GLUON_OK[0] and not _interpret():
+    if cfg.get("gluon") and _GLUON_OK[0] and not _interpret():
         from . import gluon as skip_gluon
-        if skip_gluon.supported(q, k, v, (tm, tn), None) and counts[0].is_contiguous() and indices[0].is_contiguous():
+        # (must_do: the kernel reads the union's slots and writes the buffers', so their slot strides must agree)
+        slots_ok = counts[0].is_contiguous() and indices[0].is_contiguous() and (
+            frow is None or (counts.stride(0), indices.stride(0)) == (cnt_in.stride(0), idx_in.stride(0)))
+        if skip_gluon.supported(q, k, v, (tm, tn)) and slots_ok:
             out = _gluon_call(skip_gluon.skip_step, q, k, v, counts, indices, step, warmup_steps, threshold,
-                              float(scale), cfg=_gluon_options(cfg))
+                              float(scale), cfg=_gluon_options(cfg),
+                              read=None if frow is None else (cnt_in, idx_in),
+                              forced=None if frow is None else (frow, fcol))
     if out is None:
         out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
         _launch(q, k, v, out, None, cnt_in=cnt_in, idx_in=idx_in, cnt_out=counts, idx_out=indices, frow=frow,
