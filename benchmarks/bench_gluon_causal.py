@@ -14,7 +14,8 @@ own dense D64 (Gluon) and cuDNN: the issue-24 line is skip <= 1.05x own dense at
 Prints ours / best SDPA per cell and writes the cost-table entries of each setting (kernels/cost_tables format)
 to benchmarks/results/<gpu>-gluon-causal.json (and $OUT).
 
-    python benchmarks/bench_gluon_causal.py [--dtypes bfloat16,float16] [--dims 64,128]
+    python benchmarks/bench_gluon_causal.py [--dtypes bfloat16,float16] [--dims 64,128]   (--dims 256: head dim 256,
+    causal and non-causal, on the Gluon kernel's 64-key-tile build; "before" = the shipped CONFIGS there too)
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def cells_for(dtypes, dims):
     out = []
     for cell in tuning.default_cells(dtypes=dtypes, head_dims=dims):
         B, Sq, Sk, Hq, Hk, D, causal, dtype = cell
-        if Sq > 1 and (causal or D == 64):
+        if Sq > 1 and (causal or D in (64, 256)):
             out.append(cell)
     return out
 

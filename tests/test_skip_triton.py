@@ -478,6 +478,36 @@ def test_gluon_head_major_inputs_gpu(monkeypatch, B, S, D):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,Sq,Sk,H,causal,head_major", [(2, 4000, 4000, (4, 2), False, False),
+                                                          (2, 4000, 4000, (4, 1), True, True),
+                                                          (1, 1000, 1256, (2, 2), True, False),
+                                                          (1, 4096, 4096, (2, 2), True, False),
+                                                          (1, 300, 5000, (2, 1), False, True)])
+def test_gluon_head_dim_256_dense_gpu(dtype, B, Sq, Sk, H, causal, head_major):
+    """Head dim 256 on the Gluon kernel (64-key tiles, so a causal q-tile's diagonal spans its last two key tiles):
+    against the reference, batch 2, GQA, partial tiles, an offset diagonal, head-major inputs; training raises."""
+    from sparsepatch.kernels.skip import gluon as skip_gluon
+    Hq, Hk = H
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randn(B, Sq, Hq, 256, device="cuda", generator=g).to(dtype)
+    k = torch.randn(B, Sk, Hk, 256, device="cuda", generator=g).to(dtype)
+    v = torch.randn(B, Sk, Hk, 256, device="cuda", generator=g).to(dtype)
+    if head_major:
+        q, k = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
+    if not skip_gluon.supported(q, k, v, (128, 128), dense=True):
+        pytest.skip("Gluon kernel not available here")
+    out, lse = skip.attention(q, k, v, causal=causal, return_lse=True)
+    assert skip._GLUON_OK[0]
+    rout, rlse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    assert_close(out, rout, dtype)
+    torch.testing.assert_close(lse, rlse, atol=2e-3, rtol=1e-4)
+    with pytest.raises(ValueError, match="inference only"):
+        skip.attention(q.detach().requires_grad_(), k, v, causal=causal)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Sq,Sk,D,causal", [(4096, 4096, 128, False), (4000, 4100, 64, True),
                                             (1, 5000, 128, True), (32760, 32760, 128, False),
                                             (4000, 4100, 64, False), (4096, 4096, 128, True),

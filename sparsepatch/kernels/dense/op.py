@@ -74,10 +74,23 @@ def gpu_kernel_reason(call: Call) -> str | None:
 
 
 def flash_kernel_reason(call: Call) -> str | None:
-    """Why the Triton / Gluon flash kernel (the skip-list kernel, also dense) cannot run `call`, or None."""
+    """Why the Triton / Gluon flash kernel (the skip-list kernel, also dense) cannot run `call`, or None. Head dim
+    256 runs on the Gluon kernel only: sm_90, inference, sequence- / head-major inputs, causal with Sq > 1 and
+    Sk - Sq a multiple of 128 (the route cache keys on that alignment for Sq > 1 only)."""
     why = gpu_kernel_reason(call)
     if why:
         return why
+    if call.head_dim == 256 and call.op == "attention":
+        from ..skip import gluon
+        if not gluon.HAS_GLUON or call.arch is None or call.arch[0] != 9 or call.interpret:
+            return "head dim 256 runs on the Gluon kernel (sm_90) only"
+        if call.needs_grad:
+            return "head dim 256: inference only (no backward kernel)"
+        if any(lay == "other" for lay in call.layouts):
+            return "head dim 256 needs sequence- or head-major q/k/v"
+        if call.causal and (call.seq_q == 1 or (call.seq_k - call.seq_q) % 128):
+            return "head dim 256 causal needs Sq > 1 and Sk - Sq a multiple of 128"
+        return None
     if call.head_dim not in (64, 128):
         return f"head dim {call.head_dim} (runs 64 / 128)"
     return None

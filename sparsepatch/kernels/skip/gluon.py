@@ -45,13 +45,20 @@ from ..dispatch import memory_layout
 from ..dense.reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
-BN = 128  # keys per k-tile
+BN = 128  # keys per k-tile (head dim 256, dense only: 64, as K / V stages of 128 x 256 do not fit shared memory)
 GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True, causal_order=1)
+# head dim 256: q 64 KB + 2 stages of 64-key K and V tiles (128 KB); out stored from registers (the staging through
+# the last K tile needs 64 rows per warpgroup)
+GLUON_D256_CONFIG = dict(GLUON_SKIP_CONFIG, stages=2, kstage=False, consumer_regs=240, producer_regs=24)
+
+
+def block_n(D: int) -> int:
+    """Keys per k-tile of the kernel at head dim D."""
+    return 64 if D > 128 else BN
 
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
     _BM = gl.constexpr(BM)
-    _BN = gl.constexpr(BN)
 
     @gluon.jit
     def _bit_or(a, b):
@@ -71,7 +78,7 @@ if HAS_GLUON:
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, warm, PRB,
                   MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
                   SKIP: gl.constexpr, STATEFUL: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr,
-                  LAYOUT: gl.constexpr, PROBE: gl.constexpr):
+                  LAYOUT: gl.constexpr, BN: gl.constexpr, PROBE: gl.constexpr):
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -91,7 +98,7 @@ if HAS_GLUON:
                 if STATEFUL:
                     cnt = gl.where(warm, Tk, cnt)   # a warm-up call visits every tile
             elif CAUSAL:
-                cnt = _causal_count(pm, Tk, causal_off)
+                cnt = _causal_count(pm, Tk, causal_off, BN)
             else:
                 cnt = Tk
             # q of this q-tile: its buffer is free once both consumers passed the last Q K^T of the previous one
@@ -116,18 +123,18 @@ if HAS_GLUON:
                     j = t
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
-                mbarrier.expect(ready.index(slot), 2 * _BN * D * 2)
+                mbarrier.expect(ready.index(slot), 2 * BN * D * 2)
                 if LAYOUT & 2:
-                    tma.async_copy_global_to_shared(k_desc, [bhk * Sk + j * _BN, 0], ready.index(slot),
+                    tma.async_copy_global_to_shared(k_desc, [bhk * Sk + j * BN, 0], ready.index(slot),
                                                     k_smem.index(slot))
                 else:
-                    tma.async_copy_global_to_shared(k_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
+                    tma.async_copy_global_to_shared(k_desc, [b * Sk + j * BN, hk * D], ready.index(slot),
                                                     k_smem.index(slot))
                 if LAYOUT & 4:
-                    tma.async_copy_global_to_shared(v_desc, [bhk * Sk + j * _BN, 0], ready.index(slot),
+                    tma.async_copy_global_to_shared(v_desc, [bhk * Sk + j * BN, 0], ready.index(slot),
                                                     v_smem.index(slot))
                 else:
-                    tma.async_copy_global_to_shared(v_desc, [b * Sk + j * _BN, hk * D], ready.index(slot),
+                    tma.async_copy_global_to_shared(v_desc, [b * Sk + j * BN, hk * D], ready.index(slot),
                                                     v_smem.index(slot))
                 g += 1
             if PROBE:
@@ -151,17 +158,17 @@ if HAS_GLUON:
             return lin // Tq, lin % Tq
 
     @gluon.jit
-    def _causal_count(pm, Tk, causal_off):
+    def _causal_count(pm, Tk, causal_off, BN: gl.constexpr):
         """Key tiles a causal q-tile visits: up to the one holding key pm * BM + BM - 1 + causal_off (at least 1)."""
-        return gl.maximum(gl.minimum(Tk, (pm * _BM + _BM + causal_off + _BN - 1) // _BN), 1)
+        return gl.maximum(gl.minimum(Tk, (pm * _BM + _BM + causal_off + BN - 1) // BN), 1)
 
     @gluon.jit
     def _softmax(s, m_i, l_i, qk_scale, start_n, Sk, MASK: gl.constexpr, s_layout: gl.constexpr, rows, causal_off,
-                 CAUSAL: gl.constexpr):
-        """One online-softmax step on S (fp32 [64, _BN]): -> (P fp32, new m, new l, alpha, scaled row max).
+                 CAUSAL: gl.constexpr, BN: gl.constexpr):
+        """One online-softmax step on S (fp32 [64, BN]): -> (P fp32, new m, new l, alpha, scaled row max).
         MASK: keys >= Sk (and, CAUSAL, keys > row + causal_off) are masked out."""
         if MASK:
-            cols = start_n + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
+            cols = start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
             if CAUSAL:
                 keep = gl.expand_dims(cols < Sk, 0) & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + causal_off)
                 s = gl.where(keep, s, float("-inf"))
@@ -179,15 +186,18 @@ if HAS_GLUON:
                   n_items, qk_scale, threshold, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
                   NWORDS: gl.constexpr, WG: gl.constexpr, LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                   SKIP: gl.constexpr, KSTAGE: gl.constexpr, PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr,
-                  CAUSAL: gl.constexpr, ORDER: gl.constexpr, FORCED: gl.constexpr, PROBE: gl.constexpr):
+                  CAUSAL: gl.constexpr, ORDER: gl.constexpr, FORCED: gl.constexpr, BN: gl.constexpr,
+                  PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists
         (STATEFUL: not on a warm-up call, which visits every tile); FORCED: the must_do tiles (q-tile row flags FROW,
         k-tile column flags FCOL, int8) are kept whatever their keep test said."""
         NW: gl.constexpr = gl.num_warps()
         WSPAN: gl.constexpr = 32 if SKIP else (1 << 30)   # tiles per run of the tile loop
         RM: gl.constexpr = 16 * NW
+        # key tiles a q-tile's mask can reach: its last BM / BN (CAUSAL: the diagonal spans them), else the last one
+        NMASK: gl.constexpr = _BM // BN if CAUSAL else 1
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                           instr_shape=[16, _BN, 16])
+                                                           instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                            instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -196,7 +206,7 @@ if HAS_GLUON:
         widx_w = gl.arange(0, NWORDS, layout=w_layout)
         offs_c = gl.arange(0, 32, layout=w_layout)
         qh = q_smem.slice(RM * WG, RM)
-        s_zero = gl.zeros([RM, _BN], gl.float32, s_layout)
+        s_zero = gl.zeros([RM, BN], gl.float32, s_layout)
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -216,18 +226,15 @@ if HAS_GLUON:
                         part = part | warm
                 if STATEFUL:
                     cnt = gl.where(warm, Tk, cnt)
-            elif CAUSAL:   # the last visited tile holds the diagonal (and any keys >= Sk)
-                cnt = _causal_count(pm, Tk, causal_off)
+            elif CAUSAL:   # the last NMASK visited tiles hold the diagonal (and any keys >= Sk)
+                cnt = _causal_count(pm, Tk, causal_off, BN)
                 part = CAUSAL
             else:
                 cnt = Tk
                 part = LAST_PARTIAL
             n_it = gl.maximum(cnt, 1)
-            # the masked tile's first key: the list's last entry is k-tile Tk - 1 (SKIP), else tile n_it - 1
-            if SKIP:
-                last_start = (Tk - 1) * _BN
-            else:
-                last_start = (n_it - 1) * _BN
+            # a masked tile's first key: the list's last entry is k-tile Tk - 1 (SKIP), else tile t is k-tile t
+            last_start = (Tk - 1) * BN
             rows = pm * _BM + RM * WG + gl.arange(0, RM, layout=row_l)
             row_ok = rows < Sq
             m_i = gl.full([RM], float("-inf"), gl.float32, row_l)
@@ -245,12 +252,12 @@ if HAS_GLUON:
             if PROBE:
                 _stamp(PRB, pb, 2, g)
             s = warpgroup_mma(qh, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
-            if part & (n_it == 1):
-                p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, last_start, Sk, True, s_layout, rows,
-                                                      causal_off, CAUSAL)
+            if part & (n_it <= NMASK):
+                p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, last_start if SKIP else 0, Sk, True,
+                                                      s_layout, rows, causal_off, CAUSAL, BN)
             else:
                 p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout, rows,
-                                                      causal_off, CAUSAL)
+                                                      causal_off, CAUSAL, BN)
             if SKIP:
                 word = ((rmax - m_i > threshold) & row_ok).to(gl.int32)
             p16 = gl.convert_layout(p.to(k_smem.dtype), p_layout)
@@ -268,12 +275,12 @@ if HAS_GLUON:
                                           is_async=True)
                     o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
                     s = warpgroup_mma_wait(1, deps=[s_tok])
-                    if part & (t == n_it - 1):
-                        p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, last_start, Sk, True,
-                                                              s_layout, rows, causal_off, CAUSAL)
+                    if part & (t >= n_it - NMASK):
+                        p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, last_start if SKIP else t * BN,
+                                                              Sk, True, s_layout, rows, causal_off, CAUSAL, BN)
                     else:
                         p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout, rows,
-                                                              causal_off, CAUSAL)
+                                                              causal_off, CAUSAL, BN)
                     acc = warpgroup_mma_wait(0, deps=[o_tok])
                     mbarrier.arrive(empty.index(prev))
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -394,7 +401,7 @@ if HAS_GLUON:
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
                            PV_ASYNC: gl.constexpr = True, STATEFUL: gl.constexpr = False, CAUSAL: gl.constexpr = False,
                            ORDER: gl.constexpr = 1, FORCED: gl.constexpr = False, LAYOUT: gl.constexpr = 0,
-                           PROBE: gl.constexpr = False):
+                           BLOCK_N: gl.constexpr = 128, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads.
         STATEFUL (the patcher's skip_step): CNT / IDX (read) and CNT_OUT / IDX_OUT (written) are two list slots each
@@ -415,8 +422,8 @@ if HAS_GLUON:
             warm = False
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [_BM, D], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, _BN, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, _BN, D], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
@@ -434,15 +441,15 @@ if HAS_GLUON:
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob,
                          stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES,
                          NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER, FORCED,
-                         PROBE)),
+                         BLOCK_N, PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob,
                          stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES,
                          NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER, FORCED,
-                         PROBE)),
+                         BLOCK_N, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
                          CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D, STAGES, SKIP,
-                         STATEFUL, CAUSAL, ORDER, LAYOUT, PROBE)),
+                         STATEFUL, CAUSAL, ORDER, LAYOUT, BLOCK_N, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -460,13 +467,14 @@ def _layout_bits(q, k, v) -> int:
     return sum(bit for bit, t in ((1, q), (2, k), (4, v)) if _head_major(t))
 
 
-def supported(q, k, v, tile) -> bool:
+def supported(q, k, v, tile, dense: bool = False) -> bool:
     """True when the Gluon kernel runs these inputs: Gluon, an sm_90 GPU, tile (128, 128), fp16 / bf16, head dim
-    64 / 128, 16-byte aligned (B, S, H, D) tensors, each sequence-major (its (B * S) rows have one stride: views
-    of a fused QKV qualify) or head-major (the transposed view of a contiguous (B, H, S, D) tensor)."""
+    64 / 128 (and 256 for dense calls), 16-byte aligned (B, S, H, D) tensors, each sequence-major (its (B * S) rows
+    have one stride: views of a fused QKV qualify) or head-major (the transposed view of a contiguous (B, H, S, D)
+    tensor)."""
     if not (HAS_GLUON and q.is_cuda and tuple(tile) == (BM, BN)):
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in ((64, 128, 256) if dense else (64, 128)):
         return False
     if _capability_major(q.device.index if q.device.index is not None else torch.cuda.current_device()) != 9:
         return False
@@ -524,10 +532,14 @@ _DESCS = dict(q_desc=0, k_desc=1, v_desc=2)
 
 def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, step=None, warmup=0, causal=False,
             read=None, forced=None):
-    cfg = dict(GLUON_SKIP_CONFIG, **cfg) if cfg else GLUON_SKIP_CONFIG
     B, Sq, Hq, D = q.shape
+    base = GLUON_D256_CONFIG if D > 128 else GLUON_SKIP_CONFIG
+    cfg = dict(base, **cfg) if cfg else base
+    bn = block_n(D)
+    if skip and bn != BN:
+        raise ValueError(f"the Gluon skip kernel takes head dim 64 / 128, got {D}")
     Sk, Hk = k.shape[1], k.shape[2]
-    Tq, Tk = triton.cdiv(Sq, BM), triton.cdiv(Sk, BN)
+    Tq, Tk = triton.cdiv(Sq, BM), triton.cdiv(Sk, bn)
     dev = q.device
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=dev)
     lse = torch.empty((B, Hq, Sq) if return_lse else (1,), dtype=torch.float32, device=dev)
@@ -580,7 +592,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
             _DIRECT[0] = False
             _PLANS.clear()
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    lay = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
+    lay = gl.NVMMASharedLayout.get_default_for([bn, D], dt)
     # 2-D views (B * S, H * D), or (B * H * S, D) for a head-major tensor: rows past a (batch, head)'s S belong to
     # the next one; only the partial last k-tile reaches them and its columns >= Sk are masked (q rows >= Sq are
     # never stored)
@@ -592,18 +604,18 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
         return TensorDescriptor(t, [t.shape[0] * S, H * D], [t.stride(1), 1], [rows, D], shared)
 
     qd = desc(q, Sq, Hq, BM, gl.NVMMASharedLayout.get_default_for([BM, D], dt))
-    kd = desc(k, Sk, Hk, BN, lay)
-    vd = desc(v, Sk, Hk, BN, lay)
+    kd = desc(k, Sk, Hk, bn, lay)
+    vd = desc(v, Sk, Hk, bn, lay)
     params = dict(q_desc=qd, k_desc=kd, v_desc=vd, **tensors, MAXK=maxk, n_warmup=warmup, slot_cnt=slot_cnt,
                   slot_idx=slot_idx, stride_ob=out.stride(0),
                   stride_os=out.stride(1), stride_oh=out.stride(2), Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq,
                   Tk=Tk, n_items=n_items,
                   qk_scale=scale * LOG2E, threshold=float(threshold), causal_off=Sk - Sq, D=D, STAGES=int(cfg["stages"]),
-                  NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % BN),
+                  NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % bn),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
                   PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, CAUSAL=bool(causal),
-                  ORDER=int(cfg["causal_order"]), FORCED=forced is not None, LAYOUT=layout,
+                  ORDER=int(cfg["causal_order"]), FORCED=forced is not None, LAYOUT=layout, BLOCK_N=bn,
                   PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():

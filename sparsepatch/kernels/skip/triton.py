@@ -66,6 +66,7 @@ CONFIGS = {
     (128, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
     (64, 128): dict(BLOCK_N=128, num_warps=8, num_stages=3, tma=True, gluon=True, causal_gluon=True),
     (64, 64): dict(BLOCK_N=64, num_warps=4, num_stages=3, tma=False),
+    (256, 128): dict(gluon=True, causal_gluon=True),   # the Gluon kernel only (no Triton config at head dim 256)
 }
 # The skip loop (indirect k-tile index per iteration) has its own best settings. host_desc: K/V TMA descriptors built
 # on the host (USE_TMA=2, falls back to device descriptors when strides are not 16-byte multiples). q_desc / o_desc
@@ -430,11 +431,11 @@ def supports(q, attn_mask=None, causal: bool = False, tile=None) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def _check_inputs(q, k, v):
+def _check_inputs(q, k, v, dims_ok=(64, 128)):
     dims = check_qkv(q, k, v)
     D = q.shape[-1]
-    if D not in (64, 128):
-        raise ValueError(f"q/k/v head dim must be 64 or 128 for the Triton kernel, got {D} "
+    if D not in dims_ok:
+        raise ValueError(f"q/k/v head dim must be one of {dims_ok} here, got {D} "
                          "(use sparsepatch.kernels.attention / skip_attention to fall back to the reference)")
     ok = (torch.float16, torch.float32) if _interpret() else (torch.float16, torch.bfloat16)
     if q.dtype not in ok:
@@ -696,11 +697,15 @@ def _dense_fwd_impl(q, k, v, causal, scale, return_lse):
     gcfg = CONFIGS.get((D, 128), {})
     if gcfg.get("gluon") and (not causal or gcfg.get("causal_gluon")) and _GLUON_OK[0] and not _interpret():
         from . import gluon as skip_gluon
-        if skip_gluon.supported(q, k, v, (128, 128)) and (not causal or skip_gluon.supports_causal(q, k)):
+        if skip_gluon.supported(q, k, v, (128, 128), dense=True) and (
+                not causal or skip_gluon.supports_causal(q, k)):
             res = _gluon_call(skip_gluon.dense_fwd, q, k, v, scale, return_lse, cfg=_gluon_options(gcfg),
                               causal=causal)
             if res is not None:
                 return res
+    if D not in (64, 128):
+        raise ValueError(f"head dim {D} runs on the Gluon kernel only (sm_90, sequence- or head-major inputs, causal "
+                         f"with Sk - Sq a multiple of 128), which cannot take this call")
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if return_lse else None
     bm = _dense_block_m(Sq)
@@ -734,13 +739,16 @@ def _needs_grad(*tensors) -> bool:
 def attention(q, k, v, *, causal: bool = False, scale=None, return_lse: bool = False):
     """Dense flash forward. q (B, Sq, Hq, D), k/v (B, Sk, Hk, D) -> out (B, Sq, Hq, D) [, lse (B, Hq, Sq) fp32].
 
-    causal: bottom-right aligned (query i sees keys <= Sk - Sq + i), as in `reference.attention`.
+    causal: bottom-right aligned (query i sees keys <= Sk - Sq + i), as in `reference.attention`. Head dim 256:
+    inference only, on the Gluon kernel (`gluon.supported(..., dense=True)` inputs).
     """
-    _check_inputs(q, k, v)
+    _check_inputs(q, k, v, (64, 128, 256))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     # Eager inference calls skip the custom-op dispatch (tens of us of host time); compiled graphs and calls that
     # need a gradient go through the op, whose autograd (skip_backward.py) needs the LSE.
     needs_grad = _needs_grad(q, k, v)
+    if needs_grad and q.shape[-1] == 256:
+        raise ValueError("head dim 256 is inference only here (no backward kernel): q/k/v must not require grad")
     fwd = _dense_fwd if (torch.compiler.is_compiling() or needs_grad) else _dense_fwd_impl
     out, lse = fwd(q, k, v, bool(causal), scale, bool(return_lse) or needs_grad)
     return (out, lse) if return_lse else out
