@@ -81,17 +81,25 @@ def _quant_tile(x, QINV: tl.constexpr, INT8: tl.constexpr):
 
 @triton.jit
 def _fp8_quant_block(X, Y, SC, b, h, bh, blk, stride_b, stride_s, stride_h, S, n_blk,
-                     D: tl.constexpr, BLK: tl.constexpr, QINV: tl.constexpr, INT8: tl.constexpr):
+                     D: tl.constexpr, BLK: tl.constexpr, QINV: tl.constexpr, INT8: tl.constexpr,
+                     EVICT: tl.constexpr):
     """Rows [blk * BLK, +BLK) of head h of X (B, S, H, D) -> Y (B, H, S, D) e4m3 (or int8, rounded to nearest) and
-    the block's scale amax * QINV at SC[bh * n_blk + blk] (`_quant_tile`)."""
+    the block's scale amax * QINV at SC[bh * n_blk + blk] (`_quant_tile`). EVICT: X and Y streamed evict_first."""
     rows = blk * BLK + tl.arange(0, BLK)
     offs_d = tl.arange(0, D)
     ok = (rows < S)[:, None]
-    x = tl.load(X + b * stride_b + h * stride_h + rows[:, None] * stride_s + offs_d[None, :], mask=ok,
-                other=0.0).to(tl.float32)
+    ptrs = X + b * stride_b + h * stride_h + rows[:, None] * stride_s + offs_d[None, :]
+    if EVICT:
+        x = tl.load(ptrs, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
     y, sc = _quant_tile(x, QINV, INT8)
     y = y.to(Y.dtype.element_ty)
-    tl.store(Y + (bh.to(tl.int64) * S + rows[:, None]) * D + offs_d[None, :], y, mask=ok)
+    y_ptrs = Y + (bh.to(tl.int64) * S + rows[:, None]) * D + offs_d[None, :]
+    if EVICT:
+        tl.store(y_ptrs, y, mask=ok, eviction_policy="evict_first")
+    else:
+        tl.store(y_ptrs, y, mask=ok)
     tl.store(SC + bh.to(tl.int64) * n_blk + blk, sc)
 
 
@@ -99,14 +107,16 @@ def _fp8_quant_block(X, Y, SC, b, h, bh, blk, stride_b, stride_s, stride_h, S, n
 def _fp8_quant_kqv_kernel(K, V, Q, K8, KS, VAMAX, Q8, QS, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_qb, stride_qs, stride_qh,
                           Sk, Sq, Hk, Hq, nkb, nqb, n_k_tasks,
-                          D: tl.constexpr, BLK: tl.constexpr, QINV: tl.constexpr, INT8: tl.constexpr):
+                          D: tl.constexpr, BLK: tl.constexpr, QINV: tl.constexpr, INT8: tl.constexpr,
+                          L2_HINT: tl.constexpr = False):
     """One launch for everything `quantize_fp8` can do before V's scales are known. Program t < n_k_tasks: key
     block (t % nkb) of (batch, kv head) t // nkb -> k8 + its scale, and the per-channel amax of the same V rows,
     merged into VAMAX (B, Hk, D) (zeroed by the caller) by an atomic max on the fp32 bits as int32 (|v| >= 0, so
     the integer order of the bits is the float order). Later programs: the q blocks (when there are any).
     Program t takes block t // (B Hk) of head t % (B Hk) (heads fastest: the programs resident at one time spread
     their V amax atomics over every head's D words; measured as fast as blocks-fastest, fp8 skip round 2). The
-    outputs do not depend on the order (integer atomic max)."""
+    outputs do not depend on the order (integer atomic max). L2_HINT: V's rows are loaded evict_last and K's
+    evict_first, so the last V rows read here are still in L2 when the V^T pass (order "rev") starts with them."""
     t = tl.program_id(0)
     if t < n_k_tasks:
         nbh = n_k_tasks // nkb
@@ -117,9 +127,13 @@ def _fp8_quant_kqv_kernel(K, V, Q, K8, KS, VAMAX, Q8, QS, stride_kb, stride_ks, 
         rows = blk * BLK + tl.arange(0, BLK)
         offs_d = tl.arange(0, D)
         # V's loads are issued before K's block is processed: both 32 KB reads in flight at once
-        xv = tl.load(V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + offs_d[None, :],
-                     mask=(rows < Sk)[:, None], other=0.0)
-        _fp8_quant_block(K, K8, KS, b, h, bh, blk, stride_kb, stride_ks, stride_kh, Sk, nkb, D, BLK, QINV, INT8)
+        v_ptrs = V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + offs_d[None, :]
+        if L2_HINT:
+            xv = tl.load(v_ptrs, mask=(rows < Sk)[:, None], other=0.0, eviction_policy="evict_last")
+        else:
+            xv = tl.load(v_ptrs, mask=(rows < Sk)[:, None], other=0.0)
+        _fp8_quant_block(K, K8, KS, b, h, bh, blk, stride_kb, stride_ks, stride_kh, Sk, nkb, D, BLK, QINV, INT8,
+                         L2_HINT)
         amax = tl.max(tl.abs(xv.to(tl.float32)), 0)
         tl.atomic_max(VAMAX + bh.to(tl.int64) * D + offs_d, amax.to(tl.int32, bitcast=True), sem="relaxed")
     else:
@@ -127,34 +141,51 @@ def _fp8_quant_kqv_kernel(K, V, Q, K8, KS, VAMAX, Q8, QS, stride_kb, stride_ks, 
         blk = t % nqb
         bh = t // nqb
         _fp8_quant_block(Q, Q8, QS, (bh // Hq).to(tl.int64), bh % Hq, bh, blk, stride_qb, stride_qs, stride_qh, Sq,
-                         nqb, D, BLK, QINV, INT8)
+                         nqb, D, BLK, QINV, INT8, False)
 
 
 @triton.jit
-def _fp8_quant_vt_kernel(X, Y, SC, VAMAX, stride_b, stride_s, stride_h, S, S_pad, H, D: tl.constexpr,
-                         BS: tl.constexpr):
-    """BS keys of one (batch, kv head) of V (B, S, H, D) -> e4m3 V^T rows Y[(bh * D + d) * S_pad + s] with the
-    per-channel scales SC (B, H, D), computed here from the channel amax bits VAMAX as max(amax, 1e-30) * fp32(1 /
-    448) (the bits of torch's CUDA `amax / 448.0`, which multiplies by the fp32 reciprocal: an IEEE division
-    differs in the last bit often enough to flip ~0.1% of the e4m3 roundings, fp8 session 6 run 1); program 0 of
-    each head stores them to SC. The tile is indexed (d, s) from the start: the load is vectorised along d, the
-    store along s (16 keys per thread), and the compiler's layout change between them goes through shared memory."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
+def _fp8_quant_vt_kernel(X, Y, SC, VAMAX, stride_b, stride_s, stride_h, S, S_pad, H, nblk,
+                         D: tl.constexpr, BS: tl.constexpr, REV: tl.constexpr = False, EVICT: tl.constexpr = False):
+    """V (B, S, H, D) -> e4m3 V^T rows Y[(bh * D + d) * S_pad + s] (B, H, D, S_pad), columns >= S zero, with
+    the per-channel scales SC (B, H, D), computed here from the channel amax bits VAMAX as max(amax, 1e-30) *
+    fp32(1 / 448) (the bits of torch's CUDA `amax / 448.0`, which multiplies by the fp32 reciprocal: an IEEE
+    division differs in the last bit often enough to flip ~0.1% of the e4m3 roundings, fp8 session 6 run 1); the
+    program of block 0 of each head stores them to SC. 1-D grid of (B H) x nblk programs of BS keys. Order: REV
+    False = blocks fastest within a head; True = heads fastest, blocks descending (the V rows
+    `_fp8_quant_kqv_kernel` read last come first, see its L2_HINT). EVICT: V loaded evict_first (last read).
+    The tile is indexed (d, s) from the start: the load is vectorised along d, the store along s (16 keys per
+    thread), and the compiler's layout change between them goes through shared memory (offline sm_90: 40
+    registers, 32 KB shared at D128: up to 6 programs of 8 warps per SM)."""
+    t = tl.program_id(0)
+    if REV:
+        nbh = tl.num_programs(0) // nblk
+        bh = t % nbh
+        blk = nblk - 1 - t // nbh
+    else:
+        bh = t // nblk
+        blk = t % nblk
     b = (bh // H).to(tl.int64)
     h = bh % H
     offs_d = tl.arange(0, D)
-    rows = pid * BS + tl.arange(0, BS)
-    ok = rows < S
-    x = tl.load(X + b * stride_b + h * stride_h + rows[None, :] * stride_s + offs_d[:, None], mask=ok[None, :],
-                other=0.0).to(tl.float32)
     amax = tl.load(VAMAX + bh.to(tl.int64) * D + offs_d).to(tl.float32, bitcast=True)
     sc = tl.maximum(amax, 1e-30) * FP8_INV_MAX_C
-    if pid == 0:
+    if blk == 0:
         tl.store(SC + bh.to(tl.int64) * D + offs_d, sc)
     inv = _recip_rn(sc)
-    y = _mul_rn(x, tl.zeros_like(x) + inv[:, None]).to(Y.dtype.element_ty)
-    tl.store(Y + (bh.to(tl.int64) * D + offs_d[:, None]) * S_pad + rows[None, :], y, mask=ok[None, :])
+    rows = blk * BS + tl.arange(0, BS)
+    ptrs = X + b * stride_b + h * stride_h + rows[None, :] * stride_s + offs_d[:, None]
+    if EVICT:
+        x = tl.load(ptrs, mask=(rows < S)[None, :], other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(ptrs, mask=(rows < S)[None, :], other=0.0)
+    y = _mul_rn(x.to(tl.float32), tl.zeros([D, BS], tl.float32) + inv[:, None]).to(Y.dtype.element_ty)
+    # The store mask is s < S_pad, a multiple of 16: the compiler proves each thread's 16-key run all in or all out
+    # and stores 16-byte vectors (columns S..S_pad-1 get the zeros of the masked load). With the mask s < S and
+    # S % 16 != 0 (e.g. 32760) every run became 16 one-byte stores over 4 rows of V^T (offline sm_90 SASS: 64
+    # STG.E.U8 per thread instead of 4 STG.E.128): 0.29 ms for the quantize pass at S32760 on H200, vs 0.154 ms
+    # on H100 for the same bytes at S8192 (fp8 sessions 6 / skip round 2).
+    tl.store(Y + (bh.to(tl.int64) * D + offs_d[:, None]) * S_pad + rows[None, :], y, mask=(rows < S_pad)[None, :])
 
 
 @triton.jit
@@ -263,23 +294,40 @@ _QMAX = {"int8": 127.0, "e4m3": FP8_MAX}
 _QINV = {f: fp32_inv(m) for f, m in _QMAX.items()}  # the kernels' QINV constexprs and the model's multipliers
 
 
-_VT_BS = 128  # keys per V^T program: 128-byte rows of V^T per store
+_VT_BS = 128  # keys per V^T block: 128-byte rows of V^T per store
+
+# Launch settings of `quantize_fp8` (every setting gives the same bits; benchmarks/bench_fp8_quantize.py A/Bs them):
+#   vt_order: "head" (blocks fastest within a head) or "rev" (heads fastest, blocks descending: starts with the V
+#     rows the first launch read last); l2_hint: the first launch loads V evict_last and K / stores k8
+#     evict_first, the V^T pass loads V evict_first (meant with "rev": V^T's first reads hit L2).
+FP8_QUANT_CONFIG = dict(vt_order="head", l2_hint=False)
+_VT_ORDERS = ("head", "rev")
 
 
-def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True):
+def _quant_cfg(cfg):
+    unknown = sorted(set(cfg or {}) - set(FP8_QUANT_CONFIG))
+    if unknown:
+        raise ValueError(f"quant_cfg: unknown keys {unknown} (known: {sorted(FP8_QUANT_CONFIG)})")
+    cfg = dict(FP8_QUANT_CONFIG, **(cfg or {}))
+    if cfg["vt_order"] not in _VT_ORDERS:
+        raise ValueError(f"quant_cfg['vt_order'] must be one of {_VT_ORDERS}, got {cfg['vt_order']!r}")
+    return cfg
+
+
+def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True, quant_cfg=None):
     """Quantize for `attention_fp8`: -> (q8 (B, Hq, Sq, D), q_scale (B, Hq, ceil(Sq/128)), k8, k_scale (same for
     k), vt8 (B, Hk, D, Sk rounded up to 16), v_scale (B, Hk, D)); fp32 scales (dequant = x8 * scale). q8/k8 are
     int8 (qk_format "int8", scale amax/127) or e4m3 ("e4m3", amax/448); vt8 is always e4m3. quantize_q=False:
-    q8 and q_scale are None (the kernel quantizes q itself).
+    q8 and q_scale are None (the kernel quantizes q itself). quant_cfg: launch settings (FP8_QUANT_CONFIG).
 
     Two launches: k blocks + V's per-channel amax (atomic max) + q blocks, then the V^T pass, which needs the amax
-    over the whole sequence (fp8 session 6: 2.3-2.9 TB/s of the fewest bytes, 1.6x the four launches before).
-    Every output equals `quantize_fp8_reference`'s rounding bit for bit (vt8 columns >= Sk are padding, never
-    written)."""
+    over the whole sequence. Every output equals `quantize_fp8_reference`'s rounding bit for bit; vt8 columns >=
+    Sk (padding up to a multiple of 16) are zero."""
     B, Sq, Sk, Hq, Hk, D = check_qkv(q, k, v)
     q, k, v = (unit_stride(t) for t in (q, k, v))
     if qk_format not in QK_FORMATS:
         raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    cfg = _quant_cfg(quant_cfg)
     dev, f8 = q.device, torch.float8_e4m3fn
     qk_dt = torch.int8 if qk_format == "int8" else f8
     int8 = qk_format == "int8"
@@ -299,10 +347,18 @@ def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True):
         k, v, qa, k8, ks, vamax, q8 if quantize_q else k8, qs if quantize_q else ks,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         qa.stride(0), qa.stride(1), qa.stride(2), Sk, Sq, Hk, Hq, nkb, nqb, n_k,
-        D=D, BLK=FP8_BLOCK, QINV=_QINV[qk_format], INT8=int8, num_warps=8)
-    _fp8_quant_vt_kernel[(triton.cdiv(Sk, _VT_BS), B * Hk)](v, vt, vs, vamax, v.stride(0), v.stride(1), v.stride(2),
-                                                            Sk, s_pad, Hk, D=D, BS=_VT_BS, num_warps=8)
+        D=D, BLK=FP8_BLOCK, QINV=_QINV[qk_format], INT8=int8, L2_HINT=bool(cfg["l2_hint"]), num_warps=8)
+    _launch_vt(v, vt, vs, vamax, cfg)
     return q8, qs, k8, ks, vt, vs
+
+
+def _launch_vt(v, vt, vs, vamax, cfg):
+    """The V^T pass of `quantize_fp8` (v unit-stride on D; vamax: the first launch's channel amax bits)."""
+    B, Sk, Hk, D = v.shape
+    nblk = triton.cdiv(Sk, _VT_BS)
+    _fp8_quant_vt_kernel[(nblk * B * Hk,)](
+        v, vt, vs, vamax, v.stride(0), v.stride(1), v.stride(2), Sk, vt.shape[-1], Hk, nblk,
+        D=D, BS=_VT_BS, REV=cfg["vt_order"] == "rev", EVICT=bool(cfg["l2_hint"]), num_warps=8)
 
 
 def _fp8_cfg(cfg):
