@@ -90,6 +90,27 @@ def test_quant_vt_kernel_interpreter(rev):
     assert torch.equal(vt[..., Sk:], torch.zeros(B, Hk, D, s_pad - Sk, dtype=torch.float16))
 
 
+@cpu_only
+@pytest.mark.parametrize("quantize_q", [True, False])
+def test_quantize_fp8_interpreter(quantize_q):
+    """`quantize_fp8`'s host path (both launches, positional arguments as its launch plans pass them) under the
+    interpreter, fp16 in: int8 q8 / k8 and every scale equal the model; vt8 has the padded shape and zero padding
+    columns (its e4m3 values are the GPU test's: the interpreter's e4m3 cast is not the GPU's)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 200, 4, 64, generator=g).half()
+    k, v = (torch.randn(2, 300, 2, 64, generator=g).half() for _ in range(2))
+    q8, qs, k8, ks, vt8, vs = dense.quantize_fp8(q, k, v, "int8", quantize_q=quantize_q, quant_cfg=dict(vt_order="rev"))
+    qd, kd, _ = dense.quantize_fp8_reference(q, k, v, "int8")
+    assert torch.equal((k8.float() * ks.repeat_interleave(128, -1)[..., :300, None]).transpose(1, 2), kd)
+    if quantize_q:
+        assert torch.equal((q8.float() * qs.repeat_interleave(128, -1)[..., :200, None]).transpose(1, 2), qd)
+    else:
+        assert q8 is None and qs is None
+    assert torch.equal(vs, v.float().abs().amax(1).clamp_min(1e-30) * dense._QINV["e4m3"])
+    assert vt8.shape == (2, 2, 64, 304) and vt8.dtype == torch.float8_e4m3fn
+    assert int(vt8[..., 300:].view(torch.uint8).count_nonzero()) == 0
+
+
 def test_quant_cfg_validation():
     assert dense._quant_cfg(None) == dense.FP8_QUANT_CONFIG
     assert dense._quant_cfg(dict(vt_order="rev"))["vt_order"] == "rev"
