@@ -11,6 +11,12 @@ fewest bytes (read k, v, v again; write k8, vt8) / time. Asserts that every vari
 ones (vt8 up to Sk), the new default's dequantized outputs equal `quantize_fp8_reference`'s, and the new vt8
 padding columns are zero.
 
+Prediction (written before any GPU run; H200, B1 H12 S32760 D128, 402 MB): old 0.29 ms = kqv ~0.075 + vt_old
+~0.21 (vt_old's byte stores: 16x the L2 write transactions); new: kqv unchanged, vt_new ~0.04 ms (151 MB at ~3.8
+TB/s; 40 registers, up to 6 programs per SM) -> 0.11-0.12 ms (~3.5 TB/s, 2.4-2.6x old); new_rev / new_rev_l2
+within 0 to -10% of new (at most ~40 MB of V re-read from L2). B2 H24 S17776 D64 (S % 16 = 0, old stores already
+16-byte): 1.0-1.15x old. Host time per eager call ~20-30 us less (launch plans for both launches).
+
     python benchmarks/bench_fp8_quantize.py [--rounds 3]
     (JSON: benchmarks/results/<gpu>-fp8-quantize.json and $OUT/bench_fp8_quantize.json)
 """
