@@ -49,7 +49,7 @@ BN = 128  # keys per k-tile (head dim 256, dense only: 64, as K / V stages of 12
 GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True, causal_order=1)
 # head dim 256: q 64 KB + 2 stages of 64-key K and V tiles (128 KB); out stored from registers (the staging through
 # the last K tile needs 64 rows per warpgroup)
-GLUON_D256_CONFIG = dict(GLUON_SKIP_CONFIG, stages=2, kstage=False, consumer_regs=240, producer_regs=24)
+GLUON_D256_CONFIG = dict(GLUON_SKIP_CONFIG, stages=2, kstage=False)
 
 
 def block_n(D: int) -> int:
@@ -75,10 +75,15 @@ if HAS_GLUON:
         gl.store(PRB + base + i, t)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, CNT, IDX, warm, PRB,
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, q_ready, q_empty,
+                  CNT, IDX, warm, PRB,
                   MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
                   SKIP: gl.constexpr, STATEFUL: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr,
-                  LAYOUT: gl.constexpr, BN: gl.constexpr, PROBE: gl.constexpr):
+                  LAYOUT: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, PROBE: gl.constexpr):
+        """The loads. K and V of a k-tile share one ring slot and barrier pair (ready / empty); SPLIT: K and V have
+        their own barrier pairs (ready / empty for K, v_ready / v_empty for V), so the consumers free a K tile as
+        soon as its Q K^T is done and the next K loads while the previous P V still runs (2-stage rings: head dim
+        256, where a third stage does not fit shared memory)."""
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         g = 0
@@ -123,19 +128,26 @@ if HAS_GLUON:
                     j = t
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
-                mbarrier.expect(ready.index(slot), 2 * BN * D * 2)
+                if SPLIT:
+                    mbarrier.expect(ready.index(slot), BN * D * 2)
+                else:
+                    mbarrier.expect(ready.index(slot), 2 * BN * D * 2)
                 if LAYOUT & 2:
                     tma.async_copy_global_to_shared(k_desc, [bhk * Sk + j * BN, 0], ready.index(slot),
                                                     k_smem.index(slot))
                 else:
                     tma.async_copy_global_to_shared(k_desc, [b * Sk + j * BN, hk * D], ready.index(slot),
                                                     k_smem.index(slot))
-                if LAYOUT & 4:
-                    tma.async_copy_global_to_shared(v_desc, [bhk * Sk + j * BN, 0], ready.index(slot),
-                                                    v_smem.index(slot))
+                if SPLIT:
+                    vbar = v_ready.index(slot)
+                    mbarrier.wait(v_empty.index(slot), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
+                    mbarrier.expect(vbar, BN * D * 2)
                 else:
-                    tma.async_copy_global_to_shared(v_desc, [b * Sk + j * BN, hk * D], ready.index(slot),
-                                                    v_smem.index(slot))
+                    vbar = ready.index(slot)
+                if LAYOUT & 4:
+                    tma.async_copy_global_to_shared(v_desc, [bhk * Sk + j * BN, 0], vbar, v_smem.index(slot))
+                else:
+                    tma.async_copy_global_to_shared(v_desc, [b * Sk + j * BN, hk * D], vbar, v_smem.index(slot))
                 g += 1
             if PROBE:
                 _stamp(PRB, pb, 2, g)
@@ -181,13 +193,14 @@ if HAS_GLUON:
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha, rmax
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, wx, wx_full, wx_empty, CNT, IDX,
+    def _consumer(q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, q_ready, q_empty, wx, wx_full, wx_empty,
+                  CNT, IDX,
                   CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk,
                   n_items, qk_scale, threshold, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
                   NWORDS: gl.constexpr, WG: gl.constexpr, LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                   SKIP: gl.constexpr, KSTAGE: gl.constexpr, PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr,
                   CAUSAL: gl.constexpr, ORDER: gl.constexpr, FORCED: gl.constexpr, BN: gl.constexpr,
-                  PROBE: gl.constexpr):
+                  SPLIT: gl.constexpr, PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists
         (STATEFUL: not on a warm-up call, which visits every tile); FORCED: the must_do tiles (q-tile row flags FROW,
         k-tile column flags FCOL, int8) are kept whatever their keep test said."""
@@ -252,6 +265,8 @@ if HAS_GLUON:
             if PROBE:
                 _stamp(PRB, pb, 2, g)
             s = warpgroup_mma(qh, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            if SPLIT:
+                mbarrier.arrive(empty.index(slot))   # (K only)
             if part & (n_it <= NMASK):
                 p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, last_start if SKIP else 0, Sk, True,
                                                       s_layout, rows, causal_off, CAUSAL, BN)
@@ -263,6 +278,7 @@ if HAS_GLUON:
             p16 = gl.convert_layout(p.to(k_smem.dtype), p_layout)
             m_i = m_new
             prev = slot
+            prev_phase = (g // STAGES) & 1
             g += 1
             # tiles in runs of 32, one keep word each (dense: one run); a completed word is reduced over the rows (a
             # cross-warp reduction through shared memory) between runs, so the tile loop has no branch / barrier
@@ -273,8 +289,12 @@ if HAS_GLUON:
                     mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
                     s_tok = warpgroup_mma(qh, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                                           is_async=True)
+                    if SPLIT:
+                        mbarrier.wait(v_ready.index(prev), prev_phase)
                     o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
                     s = warpgroup_mma_wait(1, deps=[s_tok])
+                    if SPLIT:
+                        mbarrier.arrive(empty.index(slot))
                     if part & (t >= n_it - NMASK):
                         p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, last_start if SKIP else t * BN,
                                                               Sk, True, s_layout, rows, causal_off, CAUSAL, BN)
@@ -282,13 +302,17 @@ if HAS_GLUON:
                         p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout, rows,
                                                               causal_off, CAUSAL, BN)
                     acc = warpgroup_mma_wait(0, deps=[o_tok])
-                    mbarrier.arrive(empty.index(prev))
+                    if SPLIT:
+                        mbarrier.arrive(v_empty.index(prev))
+                    else:
+                        mbarrier.arrive(empty.index(prev))
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
                     if SKIP:
                         word = word | (((rmax - m_i > threshold) & row_ok).to(gl.int32) << (t & 31))
                     p16 = gl.convert_layout(p.to(k_smem.dtype), p_layout)
                     m_i = m_new
                     prev = slot
+                    prev_phase = (g // STAGES) & 1
                     g += 1
                 if SKIP:
                     words = words | gl.where(widx_w == w, gl.reduce(word, 0, _bit_or), 0)
@@ -296,12 +320,17 @@ if HAS_GLUON:
             if PROBE:
                 _stamp(PRB, pb, 3, g)
             mbarrier.arrive(q_empty)   # every Q K^T of this q-tile has completed
+            if SPLIT:   # (KSTAGE off: the K ring slots are freed early)
+                mbarrier.wait(v_ready.index(prev), prev_phase)
+                v_free = v_empty.index(prev)
+            else:
+                v_free = empty.index(prev)
             if PV_ASYNC:   # the last P V runs under the next-list exchange / write
                 o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             else:
                 acc = warpgroup_mma(p16, v_smem.index(prev), acc)
                 if not KSTAGE:
-                    mbarrier.arrive(empty.index(prev))
+                    mbarrier.arrive(v_free)
             if PROBE:
                 _stamp(PRB, pb, 4, k)
 
@@ -352,7 +381,7 @@ if HAS_GLUON:
             if PV_ASYNC:
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
                 if not KSTAGE:
-                    mbarrier.arrive(empty.index(prev))
+                    mbarrier.arrive(v_free)
             # out = acc / l (zeros for a placeholder), LSE
             real = cnt > 0
             l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -424,32 +453,41 @@ if HAS_GLUON:
         q_smem = gl.allocate_shared_memory(dtype, [_BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+        # SPLIT (BLOCK_N < 128, KSTAGE off): K and V rings with their own barriers (see _producer)
+        SPLIT: gl.constexpr = BLOCK_N < _BM
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         wx = gl.allocate_shared_memory(gl.int32, [NWORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)   # one arrive per consumer warpgroup
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
         mbarrier.init(bars.index(0), count=1)        # q_ready (TMA bytes)
         mbarrier.init(bars.index(1), count=2)        # q_empty
         mbarrier.init(bars.index(2), count=1)        # wx_full (warpgroup 1's words)
         mbarrier.init(bars.index(3), count=1)        # wx_empty
         fence_async_shared()
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0), bars.index(1), wx,
+                         bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob,
                          stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES,
                          NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER, FORCED,
-                         BLOCK_N, PROBE)),
-            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), wx, bars.index(2),
+                         BLOCK_N, SPLIT, PROBE)),
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0), bars.index(1), wx,
+                         bars.index(2),
                          bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob,
                          stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES,
                          NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER, FORCED,
-                         BLOCK_N, PROBE)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1),
+                         BLOCK_N, SPLIT, PROBE)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0),
+                         bars.index(1),
                          CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D, STAGES, SKIP,
-                         STATEFUL, CAUSAL, ORDER, LAYOUT, BLOCK_N, PROBE)),
+                         STATEFUL, CAUSAL, ORDER, LAYOUT, BLOCK_N, SPLIT, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -538,6 +576,8 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
     bn = block_n(D)
     if skip and bn != BN:
         raise ValueError(f"the Gluon skip kernel takes head dim 64 / 128, got {D}")
+    if bn != BN and cfg["kstage"]:   # (the out staging needs a 128-row K tile)
+        raise ValueError(f"cfg: kstage must be False at head dim {D}")
     Sk, Hk = k.shape[1], k.shape[2]
     Tq, Tk = triton.cdiv(Sq, BM), triton.cdiv(Sk, bn)
     dev = q.device
