@@ -127,6 +127,10 @@ def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE,
         tl.store(LSE + (b64 * T + tok.to(tl.int64)) * Hq + head, lse, mask=row_ok)
 
     if SELECT:
+        # A second sweep, not pass 1's probabilities rescaled at the end: the importance sums p over the group's
+        # heads before it is stored, and each head's p needs its own final LSE. Rescaling pass-1 partials
+        # (exp2(s - m_running) * exp2(m_running - lse)) would have to keep them per head until the LSE is known:
+        # G x the (T, n_b) scratch (17 GB at 64K, G=16) or n_b x rows in shared memory (256 KB per 64-row tile).
         NB: tl.constexpr = BLOCK_N // R
         tt = t0 + tl.arange(0, BT)
         jj = tl.arange(0, NB)
@@ -197,7 +201,8 @@ def _topk_kernel(IMPA, IMPB, IDX, T, Hk, NBP, n_b, q_off, s_ib, s_it, s_ih, tok0
     PARALLEL=True: NBLK <= CAP: one pairwise rank of all keys. Else a filter: the maxima of NCH strided chunks
     (chunk c = blocks j = c mod NCH); L = the NSEL-th largest of them. NSEL distinct keys are >= L (those chunk
     maxima), so the NSEL largest keys are all >= L: the candidates {visible, key >= L} hold the answer. When at
-    most CAP blocks are candidates (random importances: ~21 of 1024 on average at NSEL=16, NCH=32), they are
+    most CAP blocks are candidates (i.i.d. random scores at NSEL=16, NCH=32, 1024 blocks: 21.5 on average, > 32 in
+    ~0.5% of rows; strided chunks spread a run of high-scoring neighbouring blocks over many chunks), they are
     compacted in ascending block order into this row's IMPA / IMPB scratch (already read) and ranked pairwise
     (CAP x CAP); otherwise (adversarial layouts) the serial rounds. Both give the same set."""
     t = tl.program_id(0)
@@ -454,8 +459,12 @@ SLC_TILE_ROWS = None
 SLC_SHARED = True
 # Top-k of the selection scores (`_topk_kernel`): True = a chunk-maxima filter, then one pairwise rank of the
 # candidates (a few reductions); False = num_selected serial arg-max rounds over all blocks. Same selected set.
-# Parallel only for num_selected <= 32 (its CAP x CAP rank tile grows with num_selected squared).
+# Parallel only for num_selected <= 32 (its CAP x CAP rank tile grows with num_selected squared) and from
+# TOPK_PARALLEL_MIN_BLOCKS selection blocks: offline sm_90 builds (4 warps) have ~920 instructions per thread on
+# its usual path at 1024 blocks against 1848 for the 16 serial rounds, but 1200 against 760 at 256 blocks (its
+# fixed part: the chunk ranks, the scan, the CAP x CAP rank), where the serial rounds' latency is what it saves.
 PARALLEL_TOPK = True
+TOPK_PARALLEL_MIN_BLOCKS = 512
 
 
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
@@ -513,7 +522,8 @@ def _topk(imp_a, imp_b, n_b: int, q_off: int, tok0: int, ts: int, bs: int, nsel:
     _topk_kernel[(n_rows, B * Hk)](
         imp_a, imp_b, sel, n_rows, Hk, NBP, n_b, q_off, sel.stride(0), sel.stride(1), sel.stride(2), tok0,
         BS=bs, NSEL=nsel, NBLK=max(16, triton.next_power_of_2(n_b)), NSELP=nselp, TS=ts,
-        PARALLEL=PARALLEL_TOPK and nselp <= 32, NCH=2 * nselp, CAP=4 * nselp, num_warps=NUM_WARPS["topk"])
+        PARALLEL=PARALLEL_TOPK and nselp <= 32 and n_b >= TOPK_PARALLEL_MIN_BLOCKS, NCH=2 * nselp, CAP=2 * nselp,
+        num_warps=NUM_WARPS["topk"])
     return sel
 
 
