@@ -23,8 +23,8 @@ nsa_backward.PROFILE) at HQ64/H4 16K and 64K, sweeps BWD_SETS at --tune-t and us
 --slc-ab R,R,...: only an A/B of the selected-branch kernel (nsa.SLC_TILE_ROWS per value; 0 = per token) at every
 head layout, with index equality and output differences against the first value (section slc_ab).
 --phases (issue 27): HQ64/H4 per-phase forward times and ratios vs cuDNN at 4K..64K for token and tile
-selection, with --variants (PHASE_VARIANTS: nsa.SLC_TILE_ROWS = the rule / union / per token) in one process,
-and fwd+bwd at 16K; JSON <out>/<gpu>-nsa-phases.json.
+selection, with --variants (PHASE_VARIANTS: nsa.SLC_TILE_ROWS = the rule / union / per token; top-k serial /
+parallel at every T / parallel on 2 warps) in one process, and fwd+bwd at 16K; JSON <out>/<gpu>-nsa-phases.json.
 --selection both (default) also times NSAConfig(selection="tile") on the same inputs: prefill rows tile_ms (and
 tile_* ratios), decode rows tile_graph_us (a step continuing a tile: the cached blocks, no ranking) and
 tile_avg_graph_us (block_size - 1 such steps + one ranking step); --selection tile makes every section tile.
@@ -401,6 +401,10 @@ PHASE_VARIANTS = {
     "base": dict(sel=("token", "tile"), attrs=dict(SLC_TILE_ROWS=None)),
     "u128": dict(sel=("token",), attrs=dict(SLC_TILE_ROWS=128)),     # the token-tile union kernel at every T
     "per_token": dict(sel=("token",), attrs=dict(SLC_TILE_ROWS=0)),  # the per-token selected kernel at every T
+    "serial_topk": dict(sel=("token",), attrs=dict(PARALLEL_TOPK=False)),          # 16 serial arg-max rounds
+    "par_topk_all": dict(sel=("token",), attrs=dict(TOPK_PARALLEL_MIN_BLOCKS=0)),  # parallel top-k at every T
+    # parallel top-k at every T on 2 warps (NUM_WARPS "kernel=n": that entry of nsa.NUM_WARPS changed)
+    "topk_w2": dict(sel=("token",), attrs=dict(TOPK_PARALLEL_MIN_BLOCKS=0, NUM_WARPS="topk=2")),
 }
 PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel"]
 
@@ -471,7 +475,16 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
     union sizes of 8 / 16 consecutive tokens (token mode). Then fwd+bwd at fwd_bwd_t for base and the variants."""
     HQ, H = 64, 4
     rows = []
-    saved = {kk: getattr(nsa, kk) for kk in ("SLC_TILE_ROWS",)}
+    saved = {kk: getattr(nsa, kk) for kk in ("SLC_TILE_ROWS", "PARALLEL_TOPK", "TOPK_PARALLEL_MIN_BLOCKS",
+                                            "NUM_WARPS")}
+
+    def attrs(spec):
+        """A variant's overrides; NUM_WARPS "kernel=n" -> a copy of the saved dict with that entry changed."""
+        out = dict(spec["attrs"])
+        if isinstance(out.get("NUM_WARPS"), str):
+            kname, n = out["NUM_WARPS"].split("=")
+            out["NUM_WARPS"] = {**saved["NUM_WARPS"], kname: int(n)}
+        return out
     try:
         for T in ts:
             g = torch.Generator(device="cuda").manual_seed(T)
@@ -490,7 +503,7 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
                             continue
                         key = f"{sel}:{name}"
                         nsa.__dict__.update(saved)
-                        nsa.__dict__.update(spec["attrs"])
+                        nsa.__dict__.update(attrs(spec))
                         try:
                             out, idx = nsa.nsa_attention(q, k, v, cfg, return_indices=True)
                             if base is None:
@@ -532,7 +545,7 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
                     if sel not in spec["sel"]:
                         continue
                     nsa.__dict__.update(saved)
-                    nsa.__dict__.update(spec["attrs"])
+                    nsa.__dict__.update(attrs(spec))
                     r = dict(T=T, key=f"{sel}:{name}", cudnn_ms=cud)
                     try:
                         r["ms"] = _bench_n(fwd_bwd(lambda a, b, c: nsa.nsa_attention(a, b, c, cfg), (q, k, v), dout))

@@ -399,6 +399,113 @@ def test_triton_grad_runs():
     assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
 
 
+def _topk_inputs(kind, n_b, n_rows, seed):
+    """Selection scores (imp_a, imp_b) fp32 (1, 2, n_rows, n_b + 1) of one pattern (see the top-k test)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, 2, n_rows, n_b + 1)
+    j = torch.arange(n_b + 1)
+    if kind == "random":
+        return torch.rand(shape, generator=g), torch.rand(shape, generator=g)
+    if kind == "ties":        # few distinct values: many exactly equal scores, the order decided by block index
+        return torch.randint(0, 4, shape, generator=g).float(), torch.zeros(shape)
+    if kind == "const":       # every score equal
+        return torch.ones(shape), torch.ones(shape)
+    # "clustered": the large scores all sit in two of the parallel filter's 32 strided chunks (j mod 32 in {0, 1}),
+    # so at 1024 blocks ~64 blocks beat the 16th largest chunk maximum: more than its CAP = 32 candidates
+    a = torch.rand(shape, generator=g) + 10.0 * ((j % 32) < 2).float()
+    return a, torch.zeros(shape)
+
+
+def _topk_candidates(score, cur, nsel=16, nch=32):
+    """The parallel top-k's candidate count for one row of scores (n_b,) (blocks <= cur visible), as the kernel's
+    filter computes it: keys (score bits, ~index), chunk maxima of j mod nch, their nsel-th largest."""
+    nblk = max(16, 1 << (score.numel() - 1).bit_length())
+    sc = torch.full((nblk,), float("-inf"))
+    sc[:cur + 1] = score[:cur + 1]
+    sc[0], sc[cur] = ref.FORCE_FIRST, float("inf")
+    key = (sc.view(torch.int32).long() << 32) | (nblk - 1 - torch.arange(nblk))
+    lim = key.reshape(nblk // nch, nch).amax(0).sort(descending=True).values[nsel - 1]
+    return int(((key >= lim) & (torch.arange(nblk) <= cur)).sum())
+
+
+@needs_triton
+@pytest.mark.parametrize("n_b", [20, 100, 1024])
+@pytest.mark.parametrize("kind", ["random", "ties", "const", "clustered"])
+def test_triton_topk_parallel_and_serial_match_reference(kind, n_b, monkeypatch):
+    """`_topk_kernel` alone on given scores, PARALLEL_TOPK on and off, against `select_blocks` (ties to the lower
+    block index, the local and first blocks forced, -1 padding): rows that see 1..20 blocks (fewer than the 16
+    selected) and rows spread up to the last block (and past it: capped). n_b 20: one pairwise rank of all blocks;
+    100 and 1024: the chunk-maxima filter and the rank of its candidates, and (clustered, 1024) its serial
+    fallback when the candidates exceed CAP = 32."""
+    nsa = _tri()
+    dev = "cuda" if CUDA and not INTERPRET else "cpu"
+    monkeypatch.setattr(nsa, "TOPK_PARALLEL_MIN_BLOCKS", 0)
+    nsel = 16
+    cfg = ref.NSAParams(block_size=1, num_selected=nsel)
+    stride = -(-(n_b + 3) // 12)
+    for q_off, ts, n_rows in ((0, 1, 20), (5, stride, 13)):     # row i sees blocks 0 .. q_off + i * ts (capped)
+        a, b = _topk_inputs(kind, n_b, n_rows, seed=n_b + n_rows)
+        qpos = q_off + ts * torch.arange(n_rows)
+        score = a[..., :n_b] + torch.where(torch.arange(n_b) >= 1, b[..., :n_b], torch.zeros(()))
+        want = ref.select_blocks(score, qpos, cfg, causal=True)
+        for par in (True, False):
+            monkeypatch.setattr(nsa, "PARALLEL_TOPK", par)
+            got = nsa._topk(a.clone().to(dev), b.clone().to(dev), n_b, q_off, 0, ts, 1, nsel)
+            assert torch.equal(got.long().cpu(), want), (kind, n_b, q_off, par)
+    if kind == "clustered" and n_b == 1024:   # the case this input exists for: the fallback path is taken
+        cur = min(q_off + ts * (n_rows - 1), n_b - 1)
+        assert _topk_candidates(score[0, 0, -1], cur) > 32
+    if kind == "random" and n_b == 1024:      # and the filter path
+        cur = min(q_off + ts * (n_rows - 1), n_b - 1)
+        assert _topk_candidates(score[0, 0, -1], cur) <= 32
+
+
+@needs_triton
+@pytest.mark.parametrize("parallel", [True, False])
+def test_triton_selection_ties_go_to_lower_blocks(parallel, monkeypatch):
+    """Equal importances end to end: k is one vector at every position, so each query's compressed probabilities
+    are uniform; with compress_block = stride = block_size every selection block gets exactly one compressed
+    block's weight, so all visible blocks tie exactly (in the kernel and in the reference alike) and the blocks
+    after the forced ones are the lowest-indexed ones. q and k hold multiples of 1/4 in [-1/2, 1/2], so every
+    q.k is exact in any summation order (a BLAS, as the interpreter's dot, may round equal columns differently)."""
+    nsa = _tri()
+    monkeypatch.setattr(nsa, "PARALLEL_TOPK", parallel)
+    monkeypatch.setattr(nsa, "TOPK_PARALLEL_MIN_BLOCKS", 0)
+    dev = "cuda" if CUDA and not INTERPRET else "cpu"
+    cfg = NSAConfig(block_size=16, num_selected=4, window=16, compress_block=16, compress_stride=16)
+    q, k, v = rand(1, 160, 2, 1, 16, seed=60, device=dev)
+    q, k = (torch.round(x * 2).clamp(-2, 2) / 4 for x in (q, k))
+    k = k[:, :1].expand_as(k).contiguous()
+    out, idx = nsa.nsa_attention(q, k, v, cfg, return_indices=True)
+    want, widx = ref.nsa_attention(q, k, v, cfg, return_indices=True)
+    _compare(out, idx, want, widx, nsa_tol(q, k, v))
+    t = torch.arange(160)
+    cur = t // 16
+    # a token whose local block is >= 4 sees only complete compressed blocks before its local block ... all tied:
+    # it selects 0, 1, 2 (lowest indices) and its local block
+    late = cur >= 4
+    exp = torch.stack([torch.zeros_like(cur), torch.ones_like(cur), torch.full_like(cur, 2), cur], -1)
+    assert torch.equal(idx[0, late, 0].long().cpu(), exp[late])
+
+
+@gpu
+@pytest.mark.parametrize("selection", ["token", "tile"])
+def test_gpu_parallel_topk_equals_serial_at_long_t(selection, monkeypatch):
+    """bf16 at T = 32K (512 selection blocks: the parallel top-k's default range, too long for the dense
+    reference): PARALLEL_TOPK on and off select the same blocks and give the same output bits."""
+    from sparsepatch.kernels.nsa import forward as nsa
+    cfg = NSAConfig(selection=selection)
+    q, k, v = rand(1, 32768, 16, 1, 128, dtype=torch.bfloat16, seed=7, device="cuda")
+    res = []
+    for par in (True, False):
+        monkeypatch.setattr(nsa, "PARALLEL_TOPK", par)
+        res.append(nsa.nsa_attention(q, k, v, cfg, return_indices=True))
+    assert nsa.TOPK_PARALLEL_MIN_BLOCKS <= 512
+    assert torch.equal(res[0][1], res[1][1])
+    assert torch.equal(res[0][0], res[1][0])
+    assert int((res[0][1] >= 0).sum(-1).min()) >= 1 and int(res[0][1][0, -1, 0].min()) >= 0   # last row: 16 blocks
+
+
 @gpu
 @pytest.mark.parametrize("slc_rows", [0, 128])
 @pytest.mark.parametrize("G, Hk", [(16, 2), (4, 4), (1, 8)])

@@ -10,8 +10,9 @@ Four kernels per call (plus mean/weighted pooling of k/v in PyTorch, `nsa_refere
    when compress_block <= block_size): the first part is written to IMP_A[j], the spill into block j+1 to
    IMP_B[j+1] (fp32 (B, Hk, T, n_b + 1) scratch).
 2. `_topk_kernel` one program per (token, KV head): score = IMP_A + IMP_B over the visible blocks, local block
-   +inf, block 0 3e38, then num_selected arg-max rounds with ties to the lower index (as the reference); indices
-   written ascending, -1 padded.
+   +inf, block 0 3e38, then the num_selected largest with ties to the lower index (as the reference): a chunk-
+   maxima filter and one pairwise rank of the few candidates (PARALLEL_TOPK), or num_selected serial arg-max
+   rounds; indices written ascending, -1 padded.
 3. `_slc_kernel`  selected-block attention, one program per (token, KV head), rows = the group's heads (padded
    to >= 16 for tl.dot); causal mask in the local block; writes g_cmp * o_cmp + g_slc * o_slc (fp32). For MHA,
    small groups at short T and any group at n_b <= 64 blocks (`slc_tile_rows`), `_slc_tile_kernel` instead:
@@ -126,6 +127,10 @@ def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE,
         tl.store(LSE + (b64 * T + tok.to(tl.int64)) * Hq + head, lse, mask=row_ok)
 
     if SELECT:
+        # A second sweep, not pass 1's probabilities rescaled at the end: the importance sums p over the group's
+        # heads before it is stored, and each head's p needs its own final LSE. Rescaling pass-1 partials
+        # (exp2(s - m_running) * exp2(m_running - lse)) would have to keep them per head until the LSE is known:
+        # G x the (T, n_b) scratch (17 GB at 64K, G=16) or n_b x rows in shared memory (256 KB per 64-row tile).
         NB: tl.constexpr = BLOCK_N // R
         tt = t0 + tl.arange(0, BT)
         jj = tl.arange(0, NB)
@@ -152,9 +157,54 @@ def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE,
 
 
 @triton.jit
+def _topk_emit(base, pos, jv, chosen, cnt, NSEL: tl.constexpr, NSELP: tl.constexpr):
+    """Store block indices jv where `chosen` at slots pos (ascending), then -1 in slots cnt..NSEL-1."""
+    tl.store(base + pos, jv, mask=chosen)
+    sl = tl.arange(0, NSELP)
+    tl.store(base + sl, tl.full([NSELP], -1, tl.int32), mask=(sl >= cnt) & (sl < NSEL))
+
+
+@triton.jit
+def _topk_serial(key, ok, j, base, NSEL: tl.constexpr, NBLK: tl.constexpr, NSELP: tl.constexpr):
+    """NSEL arg-max rounds over the packed keys (one max per round); `ok`: the block is visible."""
+    chosen = tl.zeros([NBLK], tl.int32)
+    for _ in tl.static_range(NSEL):
+        kmax = tl.max(key, 0)
+        pick = NBLK - 1 - (kmax & 0xFFFFFFFF).to(tl.int32)
+        chosen = tl.where((j == pick) & ok, 1, chosen)
+        key = tl.where(j == pick, -9223372036854775807, key)
+    _topk_emit(base, tl.cumsum(chosen, 0) - 1, j, chosen != 0, tl.sum(chosen, 0), NSEL, NSELP)
+
+
+@triton.jit
+def _topk_rank(key, ok, jv, base, NSEL: tl.constexpr, NSELP: tl.constexpr):
+    """Keys are distinct, so block i is among the NSEL largest iff fewer than NSEL keys exceed its own: one
+    pairwise comparison of all N entries (N x N), no serial rounds. `ok`: a real, visible entry."""
+    key = tl.where(ok, key, -9223372036854775807)
+    rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
+    chosen = ok & (rank < NSEL)
+    c32 = chosen.to(tl.int32)
+    _topk_emit(base, tl.cumsum(c32, 0) - 1, jv, chosen, tl.sum(c32, 0), NSEL, NSELP)
+
+
+@triton.jit
 def _topk_kernel(IMPA, IMPB, IDX, T, Hk, NBP, n_b, q_off, s_ib, s_it, s_ih, tok0,
-                 BS: tl.constexpr, NSEL: tl.constexpr, NBLK: tl.constexpr, NSELP: tl.constexpr, TS: tl.constexpr):
-    """Row t of T (query token tok0 + t * TS, as `_cmp_kernel`'s rows): its selected blocks -> IDX row t."""
+                 BS: tl.constexpr, NSEL: tl.constexpr, NBLK: tl.constexpr, NSELP: tl.constexpr, TS: tl.constexpr,
+                 PARALLEL: tl.constexpr, NCH: tl.constexpr, CAP: tl.constexpr):
+    """Row t of T (query token tok0 + t * TS, as `_cmp_kernel`'s rows): its selected blocks -> IDX row t.
+
+    Every block gets a distinct int64 key: high word = fp32 bits of its score (monotone for scores >= 0, -inf
+    sorts below them), low word = NBLK - 1 - j (equal scores: the lower block index has the larger key), so "the
+    NSEL largest keys" is exactly the reference's order (stable descending sort, ties to the lower index) and the
+    selection is a set, written ascending.
+    PARALLEL=False: NSEL serial arg-max rounds over the NBLK keys.
+    PARALLEL=True: NBLK <= CAP: one pairwise rank of all keys. Else a filter: the maxima of NCH strided chunks
+    (chunk c = blocks j = c mod NCH); L = the NSEL-th largest of them. NSEL distinct keys are >= L (those chunk
+    maxima), so the NSEL largest keys are all >= L: the candidates {visible, key >= L} hold the answer. When at
+    most CAP blocks are candidates (i.i.d. random scores at NSEL=16, NCH=32, 1024 blocks: 21.5 on average, > 32 in
+    ~0.5% of rows; strided chunks spread a run of high-scoring neighbouring blocks over many chunks), they are
+    compacted in ascending block order into this row's IMPA / IMPB scratch (already read) and ranked pairwise
+    (CAP x CAP); otherwise (adversarial layouts) the serial rounds. Both give the same set."""
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -171,22 +221,35 @@ def _topk_kernel(IMPA, IMPB, IDX, T, Hk, NBP, n_b, q_off, s_ib, s_it, s_ih, tok0
     score = tl.where(j == 0, FORCE_FIRST_C, score)
     score = tl.where(j == cur, float("inf"), score)
     score = tl.where(vis, score, float("-inf"))
-    # One max per round over a packed int64 key: high word = fp32 bits of the score (monotone for scores >= 0,
-    # -inf sorts below them), low word = NBLK - 1 - j (ties go to the lower block index).
+    ok = score > float("-inf")
     bits = score.to(tl.int32, bitcast=True).to(tl.int64)
     key = (bits << 32) | (NBLK - 1 - j).to(tl.int64)
-    chosen = tl.zeros([NBLK], tl.int32)
-    for _ in tl.static_range(NSEL):
-        kmax = tl.max(key, 0)
-        pick = NBLK - 1 - (kmax & 0xFFFFFFFF).to(tl.int32)
-        chosen = tl.where((j == pick) & (score > float("-inf")), 1, chosen)
-        key = tl.where(j == pick, -9223372036854775807, key)
-    pos = tl.cumsum(chosen, 0) - 1
     base = IDX + b64 * s_ib + t.to(tl.int64) * s_it + hk * s_ih
-    tl.store(base + pos, j, mask=chosen != 0)
-    cnt = tl.sum(chosen, 0)
-    sl = tl.arange(0, NSELP)
-    tl.store(base + sl, tl.full([NSELP], -1, tl.int32), mask=(sl >= cnt) & (sl < NSEL))
+    if not PARALLEL:
+        _topk_serial(key, ok, j, base, NSEL, NBLK, NSELP)
+    elif NBLK <= CAP:
+        _topk_rank(key, ok, j, base, NSEL, NSELP)
+    else:
+        cmax = tl.max(tl.reshape(key, (NBLK // NCH, NCH)), 0)                     # (NCH,) chunk maxima
+        crank = tl.sum((cmax[None, :] > cmax[:, None]).to(tl.int32), 1)
+        lim = tl.min(tl.where(crank < NSEL, cmax, 9223372036854775807), 0)       # NSEL-th largest chunk maximum
+        cand = ok & (key >= lim)
+        c32 = cand.to(tl.int32)
+        cnt = tl.sum(c32, 0)
+        if cnt <= CAP:
+            pos = tl.cumsum(c32, 0) - 1
+            tl.debug_barrier()   # every thread has read its IMPA / IMPB entries before the row is overwritten
+            tl.store(IMPA + row + pos, score, mask=cand)
+            tl.store(IMPB + row + pos, j.to(tl.float32), mask=cand)
+            tl.debug_barrier()   # the compacted list is read back by other threads
+            ci = tl.arange(0, CAP)
+            c_ok = ci < cnt
+            cs = tl.load(IMPA + row + ci, mask=c_ok, other=0.0)
+            cj = tl.load(IMPB + row + ci, mask=c_ok, other=0.0).to(tl.int32)
+            ckey = (cs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (NBLK - 1 - cj).to(tl.int64)
+            _topk_rank(ckey, c_ok, cj, base, NSEL, NSELP)
+        else:
+            _topk_serial(key, ok, j, base, NSEL, NBLK, NSELP)
 
 
 @triton.jit
@@ -394,6 +457,14 @@ NUM_STAGES = dict(cmp=2, swa=2, slc=3, slc_tile=3)
 SLC_TILE_ROWS = None
 # selection="tile": programs whose tokens lie in one selection tile skip the union and the per-row block masks
 SLC_SHARED = True
+# Top-k of the selection scores (`_topk_kernel`): True = a chunk-maxima filter, then one pairwise rank of the
+# candidates (a few reductions); False = num_selected serial arg-max rounds over all blocks. Same selected set.
+# Parallel only for num_selected <= 32 (its CAP x CAP rank tile grows with num_selected squared) and from
+# TOPK_PARALLEL_MIN_BLOCKS selection blocks: offline sm_90 builds (4 warps) have ~920 instructions per thread on
+# its usual path at 1024 blocks against 1848 for the 16 serial rounds, but 1200 against 760 at 256 blocks (its
+# fixed part: the chunk ranks, the scan, the CAP x CAP rank), where the serial rounds' latency is what it saves.
+PARALLEL_TOPK = True
+TOPK_PARALLEL_MIN_BLOCKS = 512
 
 
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
@@ -440,6 +511,22 @@ def _tiles(G):
     return GP, BT
 
 
+def _topk(imp_a, imp_b, n_b: int, q_off: int, tok0: int, ts: int, bs: int, nsel: int) -> torch.Tensor:
+    """`_topk_kernel` on selection scores imp_a + imp_b (fp32 (B, Hk, n_rows, NBP), NBP > n_b; imp_b[..., j] is the
+    spill into block j, its entry 0 unread). Row i is query position tok0 + i * ts + q_off (its visible blocks:
+    j <= that // bs, capped at n_b - 1). Returns int32 (B, n_rows, Hk, nsel): ascending, -1 padded.
+    The rows of imp_a / imp_b are overwritten (the parallel top-k compacts its candidates there)."""
+    B, Hk, n_rows, NBP = imp_a.shape
+    nselp = max(16, triton.next_power_of_2(nsel))
+    sel = torch.empty((B, n_rows, Hk, nsel), dtype=torch.int32, device=imp_a.device)
+    _topk_kernel[(n_rows, B * Hk)](
+        imp_a, imp_b, sel, n_rows, Hk, NBP, n_b, q_off, sel.stride(0), sel.stride(1), sel.stride(2), tok0,
+        BS=bs, NSEL=nsel, NBLK=max(16, triton.next_power_of_2(n_b)), NSELP=nselp, TS=ts,
+        PARALLEL=PARALLEL_TOPK and nselp <= 32 and n_b >= TOPK_PARALLEL_MIN_BLOCKS, NCH=2 * nselp, CAP=2 * nselp,
+        num_warps=NUM_WARPS["topk"])
+    return sel
+
+
 def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, prior=None):
     """Triton forward for one batch of equal-length sequences; queries are the last T of S positions.
     selection="tile": `prior` (B, Hk, num_selected) is the selection of the tile containing the first query when
@@ -482,8 +569,6 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
                    o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2))
     cmp_meta = dict(CB=l, CS=d, BS=bs, R=bs // d, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=CMP_BLOCK_N,
                     num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
-    topk_meta = dict(BS=bs, NSEL=nsel, NBLK=max(16, triton.next_power_of_2(n_b)),
-                     NSELP=max(16, triton.next_power_of_2(nsel)), num_warps=NUM_WARPS["topk"])
 
     def select(n_rows, tok0, ts, store_o):
         """Importance and top-k of n_rows row tokens (query tokens tok0 + i * ts) -> idx (B, n_rows, Hk, nsel);
@@ -493,11 +578,7 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
         _cmp_kernel[(triton.cdiv(n_rows, BT), B * Hk)](
             *cmp_args, imp_a, imp_b, lse_c, *cmp_strides, n_rows, n_c, q_off, Hq, Hk, G, NBP, qk_scale, tok0,
             SELECT=True, SAVE=save and store_o, STORE_O=store_o, TS=ts, **cmp_meta)
-        sel = torch.empty((B, n_rows, Hk, nsel), dtype=torch.int32, device=dev)
-        _topk_kernel[(n_rows, B * Hk)](
-            imp_a, imp_b, sel, n_rows, Hk, NBP, n_b, q_off, sel.stride(0), sel.stride(1), sel.stride(2), tok0,
-            TS=ts, **topk_meta)
-        return sel
+        return _topk(imp_a, imp_b, n_b, q_off, tok0, ts, bs, nsel)
 
     if not tile:
         idx = select(T, 0, 1, True)
