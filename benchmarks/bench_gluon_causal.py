@@ -1,21 +1,21 @@
 """Causal and head-dim-64 dense forward on the persistent warp-specialised Gluon kernel vs SDPA (issue 24).
 
 Times, in one process on the same inputs, the dense `attention` backends at the dispatcher's prefill cells
-(`kernels.tuning.default_cells`: B * S = 16K tokens, B = 1 at 32K; MHA and GQA 4) for causal D 64 / 128 and
-non-causal D 64, with `flash_triton` in two launch settings:
-  before: the shipped CONFIGS (causal and D 64 on the Triton kernel; non-causal D 128 on Gluon),
-  gluon:  causal D 128 / D 64 and non-causal D 64 on the Gluon kernel (`causal_gluon`, `gluon` config keys),
-          causal q-tiles head-major, longest first within each head (causal_order 1, the default),
-  gluon_o0: the same with causal_order 0 (longest q-tiles of all heads first).
+(`kernels.tuning.default_cells`: B * S = 16K tokens, B = 1 at 32K; MHA and GQA 4) for causal D 64 / 128 / 256
+and non-causal D 64 / 256, with `flash_triton` in three launch settings:
+  shipped: the shipped CONFIGS (every cell here on the Gluon kernel; causal work order picked per shape by
+           `gluon.causal_order`: head-major longest-first (1), the same with odd heads reversed (2), or grid-wide
+           longest-first (0), whichever gives the most even static shares),
+  o1 / o0: the causal order forced to 1 / 0.
+(Session 13's run of this script compared the Triton kernel ("before") with Gluon; results/h200-gluon-causal.json.)
 `--skip64` also times the skip-list forward at head dim 64, tile (128, 128), on the Gluon and on the Triton kernel
 (the CogVideoX-shaped B1 H48 S17550 and a 32K cell; fixed random lists of density 1 / 0.5 / 0.13) against our
 own dense D64 (Gluon) and cuDNN: the issue-24 line is skip <= 1.05x own dense at density 1 and
 <= 1.1 * rho * own dense + 0.05 ms below.
 Prints ours / best SDPA per cell and writes the cost-table entries of each setting (kernels/cost_tables format)
-to benchmarks/results/<gpu>-gluon-causal.json (and $OUT).
+to benchmarks/results/<gpu>-gluon-causal<tag>.json (and $OUT).
 
-    python benchmarks/bench_gluon_causal.py [--dtypes bfloat16,float16] [--dims 64,128]   (--dims 256: head dim 256,
-    causal and non-causal, on the Gluon kernel's 64-key-tile build; "before" = the shipped CONFIGS there too)
+    python benchmarks/bench_gluon_causal.py [--dtypes bfloat16,float16] [--dims 64,128,256] [--tag -s14]
 """
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ from sparsepatch.kernels import tuning  # noqa: E402
 from sparsepatch.kernels.skip import triton as skip_triton  # noqa: E402
 
 SDPA = ["sdpa_cudnn", "sdpa_flash", "sdpa"]
+_GLUON_KEYS = ((128, 128), (64, 128), (256, 128))
 SETTINGS = {
-    "before": {},
-    "gluon": {(128, 128): dict(gluon=True, causal_gluon=True), (64, 128): dict(gluon=True, causal_gluon=True)},
-    "gluon_o0": {(128, 128): dict(gluon=True, causal_gluon=True, gluon_causal_order=0),
-                 (64, 128): dict(gluon=True, causal_gluon=True, gluon_causal_order=0)},
+    "shipped": {},
+    "o1": {key: dict(gluon=True, causal_gluon=True, gluon_causal_order=1) for key in _GLUON_KEYS},
+    "o0": {key: dict(gluon=True, causal_gluon=True, gluon_causal_order=0) for key in _GLUON_KEYS},
 }
 
 
@@ -123,9 +123,10 @@ def skip64(log=print):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", default="bfloat16,float16")
-    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--skip64", action="store_true", help="also the head-dim-64 skip rows")
     ap.add_argument("--no-grid", action="store_true", help="skip the dense grid")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args(argv)
     dtypes = tuple(getattr(torch, d) for d in args.dtypes.split(","))
     dims = tuple(int(d) for d in args.dims.split(","))
@@ -139,7 +140,7 @@ def main(argv=None):
     print(f"Gluon kernel still enabled after the run (no launch failure): {skip_triton._GLUON_OK[0]}")
     save_results({"gpu": gpu_name(), "gluon_ok": skip_triton._GLUON_OK[0], "rows": rows, "entries": entries,
                   "skip64": skip_rows},
-                 f"{gpu_name()}-gluon-causal.json", os.path.join(ROOT, "benchmarks", "results"))
+                 f"{gpu_name()}-gluon-causal{args.tag}.json", os.path.join(ROOT, "benchmarks", "results"))
 
 
 if __name__ == "__main__":

@@ -477,6 +477,28 @@ def test_gluon_head_major_inputs_gpu(monkeypatch, B, S, D):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("order", [0, 1, 2])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gluon_causal_work_orders_gpu(monkeypatch, order, D):
+    """Every causal work order of the Gluon kernel (`gluon.causal_order`'s choices) against the reference: batch 2,
+    3 heads (odd heads reversed under order 2), a partial last q-tile."""
+    from sparsepatch.kernels.skip import gluon as skip_gluon
+    for key in skip.CONFIGS:
+        monkeypatch.setitem(skip.CONFIGS, key, dict(skip.CONFIGS[key], gluon=True, causal_gluon=True,
+                                                    gluon_causal_order=order))
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = (torch.randn(2, 1000, 3, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    if not skip_gluon.supported(q, k, v, (128, 128), dense=True):
+        pytest.skip("Gluon kernel not available here")
+    out, lse = skip.attention(q, k, v, causal=True, return_lse=True)
+    assert skip._GLUON_OK[0]
+    rout, rlse = reference.attention(q, k, v, causal=True, return_lse=True)
+    assert_close(out, rout, torch.bfloat16)
+    torch.testing.assert_close(lse, rlse, atol=2e-3, rtol=1e-4)
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,Sq,Sk,H,causal,head_major", [(2, 4000, 4000, (4, 2), False, False),
                                                           (2, 4000, 4000, (4, 1), True, True),

@@ -46,10 +46,36 @@ from ..dense.reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile (head dim 256, dense only: 64, as K / V stages of 128 x 256 do not fit shared memory)
-GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True, causal_order=1)
+# causal_order None: `causal_order` picks per shape
+GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True,
+                         causal_order=None)
 # head dim 256: q 64 KB + 2 stages of 64-key K and V tiles (128 KB); out stored from registers (the staging through
 # the last K tile needs 64 rows per warpgroup)
 GLUON_D256_CONFIG = dict(GLUON_SKIP_CONFIG, stages=2, kstage=False)
+
+
+@functools.lru_cache(maxsize=256)
+def causal_order(n_heads: int, Tq: int, programs: int, tiles_per_q: int, fixed_tiles: float = 1.5) -> int:
+    """The causal work order (`_item`'s ORDER) whose static round-robin shares are most even: each program's share
+    is the sum over its items of the q-tile's key tiles (tiles_per_q per q-tile row block, the diagonal one
+    included) plus a fixed cost per q-tile (~1.5 tiles: NOTES, the ~4.5k-cycle q-tile epilogue). The head-major
+    orders first (ORDER 1 unless ORDER 2's largest share is > 2% smaller), ORDER 0 only where its largest share is
+    > 10% smaller than theirs."""
+    def worst(order):
+        share = [0.0] * programs
+        for lin in range(n_heads * Tq):
+            if order == 0:
+                pm = Tq - 1 - lin // n_heads
+            else:
+                bh, pos = divmod(lin, Tq)
+                pm = pos if (order == 2 and bh % 2) else Tq - 1 - pos
+            share[lin % programs] += (pm + 1) * tiles_per_q + fixed_tiles
+        return max(share)
+    costs = {o: worst(o) for o in (1, 2, 0)}
+    head_major = 1 if costs[1] <= 1.02 * costs[2] else 2
+    # grid-wide longest-first only where it balances much better (it was 5-14% slower on MHA at equal balance:
+    # the programs running at once read many heads' K/V; NOTES session 13)
+    return 0 if costs[0] * 1.10 < costs[head_major] else head_major
 
 
 def block_n(D: int) -> int:
@@ -156,14 +182,19 @@ if HAS_GLUON:
     @gluon.jit
     def _item(lin, Tq, n_items, CAUSAL: gl.constexpr, ORDER: gl.constexpr):
         """Work item lin -> (batch * head, q-tile). Non-causal: head-major, q-tiles in order (the programs running
-        at once share one head's K/V in L2). Causal, ORDER 1: head-major with each head's longest q-tiles (most key
-        tiles) first, so each program's round-robin share mixes long and short q-tiles; ORDER 0: the longest
-        q-tiles of every head first (longest-first over the whole grid; the programs running at once then read
-        many heads' K/V)."""
+        at once share one head's K/V in L2). Causal (program p owns items p, p + P, ...; `causal_order` picks the
+        order whose static shares are most even): ORDER 1: head-major with each head's longest q-tiles (most key
+        tiles) first; ORDER 2: the same with odd heads shortest first (when P is close to a multiple of Tq, ORDER 1
+        hands the same programs the long q-tiles of every head); ORDER 0: the longest q-tiles of every head first
+        (longest-first over the whole grid; the programs running at once then read many heads' K/V)."""
         if CAUSAL:
             if ORDER == 0:
                 BH = n_items // Tq
                 return lin % BH, Tq - 1 - lin // BH
+            elif ORDER == 2:
+                bh = lin // Tq
+                pos = lin % Tq
+                return bh, gl.where(bh % 2 == 0, Tq - 1 - pos, pos)
             else:
                 return lin // Tq, Tq - 1 - lin % Tq
         else:
@@ -599,6 +630,11 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
     n_items = B * Hq * Tq
     grid = (min(n_items, num_sms(dev)),)
     maxk = triton.cdiv(n_items, grid[0])
+    order = 1
+    if causal:
+        order = cfg["causal_order"]
+        if order is None:
+            order = causal_order(B * Hq, Tq, grid[0], BM // bn)
     # benchmarks only: cfg["probe"], int64 (programs, maxk, 3, 8): %clock64 stamps per owned q-tile of warpgroup 0,
     # warpgroup 1 and the producer (bench_skip.py `probe_gluon` reads them)
     probe = cfg.get("probe")
@@ -655,7 +691,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
                   PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, CAUSAL=bool(causal),
-                  ORDER=int(cfg["causal_order"]), FORCED=forced is not None, LAYOUT=layout, BLOCK_N=bn,
+                  ORDER=order, FORCED=forced is not None, LAYOUT=layout, BLOCK_N=bn,
                   PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
