@@ -444,7 +444,8 @@ FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
 TILE_ROWS = 64
 CMP_BLOCK_N = 64
 SWA_BLOCK_N = 64
-NUM_WARPS = dict(cmp=4, swa=4, slc=4, topk=4, slc_tile=8, slc_tile_64=4)   # slc_tile_64: SHARED programs of <= 64 rows
+# slc_tile_64: SHARED programs of <= 64 rows; topk_small: the top-k below 512 selection blocks
+NUM_WARPS = dict(cmp=4, swa=4, slc=4, topk=4, topk_small=2, slc_tile=8, slc_tile_64=4)
 NUM_STAGES = dict(cmp=2, swa=2, slc=3, slc_tile=3)
 # Selected branch: `_slc_kernel` (one program per token: rows = the G heads padded to 16, K/V loaded per token) or
 # `_slc_tile_kernel` (R rows per program: R // next_pow2(G) tokens visit the union of their selected blocks; the
@@ -460,11 +461,11 @@ SLC_SHARED = True
 # Top-k of the selection scores (`_topk_kernel`): True = a chunk-maxima filter, then one pairwise rank of the
 # candidates (a few reductions); False = num_selected serial arg-max rounds over all blocks. Same selected set.
 # Parallel only for num_selected <= 32 (its CAP x CAP rank tile grows with num_selected squared) and from
-# TOPK_PARALLEL_MIN_BLOCKS selection blocks: offline sm_90 builds (4 warps) have ~920 instructions per thread on
-# its usual path at 1024 blocks against 1848 for the 16 serial rounds, but 1200 against 760 at 256 blocks (its
-# fixed part: the chunk ranks, the scan, the CAP x CAP rank), where the serial rounds' latency is what it saves.
+# TOPK_PARALLEL_MIN_BLOCKS selection blocks. Measured (H200, HQ64 H4, bench_nsa --phases, session 14): top-k phase
+# 8K 0.198 -> 0.070 ms, 16K 0.438 -> 0.155 ms (2 warps; 4 warps 0.090 / 0.200), 64K 3.72 -> 1.44 ms (4 warps; 2
+# warps 1.66): parallel at every length, 2 warps below 512 blocks (NUM_WARPS topk_small).
 PARALLEL_TOPK = True
-TOPK_PARALLEL_MIN_BLOCKS = 512
+TOPK_PARALLEL_MIN_BLOCKS = 0
 
 
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
@@ -523,7 +524,7 @@ def _topk(imp_a, imp_b, n_b: int, q_off: int, tok0: int, ts: int, bs: int, nsel:
         imp_a, imp_b, sel, n_rows, Hk, NBP, n_b, q_off, sel.stride(0), sel.stride(1), sel.stride(2), tok0,
         BS=bs, NSEL=nsel, NBLK=max(16, triton.next_power_of_2(n_b)), NSELP=nselp, TS=ts,
         PARALLEL=PARALLEL_TOPK and nselp <= 32 and n_b >= TOPK_PARALLEL_MIN_BLOCKS, NCH=2 * nselp, CAP=2 * nselp,
-        num_warps=NUM_WARPS["topk"])
+        num_warps=NUM_WARPS["topk"] if n_b >= 512 else NUM_WARPS["topk_small"])
     return sel
 
 
