@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -171,12 +172,13 @@ def run_shape(B, S, H, D, rounds, log):
     return row
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="the fp8 k/v quantize pass: old vs new V^T kernel, GB/s, bit checks")
     ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_fp8_quantize needs CUDA")
+        print("bench_fp8_quantize: needs CUDA")
+        return 1
     lines = []
 
     def log(s):
@@ -192,4 +194,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

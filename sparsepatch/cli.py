@@ -27,7 +27,8 @@ BENCHMARKS = SOURCE_ROOT / "benchmarks"
 BENCHES = {
     "backward": ("attention backward: Triton dense + skip lists vs SDPA (cuDNN, flash) and FlexAttention", "cuda"),
     "dense": ("split-D dense flash attention (head dims 128..1024) vs the SDPA backends", "cuda"),
-    "gluon_causal": ("causal / head-dim-64 dense and head-dim-64 skip on the Gluon kernel vs SDPA (cuDNN, flash)",
+    "fp8_quantize": ("the fp8 k/v quantize pass: ms, GB/s and bit checks against the reference", "cuda"),
+    "gluon_causal": ("causal, head-dim-64 / 256 dense and head-dim-64 skip on the Gluon kernel vs SDPA (cuDNN, flash)",
                      "sm_90"),
     "lightning": ("lightning attention decode / prefill vs fla and torch, bandwidth vs a copy", "cuda"),
     "minimax_decode": ("whole-model MiniMax generate tokens/s, patched vs unpatched (CPU too)", None),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -163,6 +164,20 @@ def direct_launcher(kern, grid, tail=()):
         relaunch.direct = True
         return relaunch
     return lambda stream, *args: runner(*args, *tail, stream=stream)
+
+
+def relaunch_or_stop(relaunch, device_index: int, args, enabled: list, plans: dict, who: str) -> bool:
+    """Run a recorded direct launch (`direct_launcher`) on the device's current stream; True if it ran. On failure
+    (a Triton whose launcher differs) warn, turn direct launches off for this caller (enabled[0] = False, its plans
+    cleared) and return False: the caller then launches through Triton's runner."""
+    try:
+        relaunch(current_stream(device_index), *args)
+        return True
+    except Exception as exc:  # noqa: BLE001  (any launcher mismatch: stop trying, the runner path is correct)
+        warnings.warn(f"sparsepatch {who}: direct relaunch failed ({exc}); using Triton's launcher")
+        enabled[0] = False
+        plans.clear()
+        return False
 
 
 def _no_hook(hook) -> bool:

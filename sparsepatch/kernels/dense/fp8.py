@@ -5,13 +5,12 @@ quantization (`quantize_fp8_reference`). Layout as every dense backend: q (B, Sq
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from .._common import current_stream, direct_launcher, interpret, key_range, set_tma_allocator
+from .._common import direct_launcher, interpret, key_range, relaunch_or_stop, set_tma_allocator
 from .reference import LOG2E, check_qkv
 from .splitd import LN2_C, unit_stride
 
@@ -379,14 +378,10 @@ def _planned_launch(fn, grid, tensors, ints, consts, num_warps=8):
         key = (fn.__name__, t0.device.index, grid, tuple(t.dtype for t in tensors), ints, consts, num_warps)
         relaunch = _QUANT_PLANS.get(key)
         if relaunch is not None and t0.device.index == torch.cuda.current_device():
-            try:
-                relaunch(current_stream(t0.device.index), *tensors, *ints, *consts)
+            if relaunch_or_stop(relaunch, t0.device.index, (*tensors, *ints, *consts), _QUANT_DIRECT, _QUANT_PLANS,
+                                "fp8 quantize"):
                 return
-            except Exception as exc:  # noqa: BLE001  (a Triton whose launcher differs: stop trying)
-                warnings.warn(f"sparsepatch fp8 quantize: direct relaunch failed ({exc}); using Triton's launcher")
-                _QUANT_DIRECT[0] = False
-                _QUANT_PLANS.clear()
-                key = None
+            key = None
     kern = fn[(grid,)](*tensors, *ints, *consts, num_warps=num_warps)
     if key is not None and t0.device.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, (grid,))

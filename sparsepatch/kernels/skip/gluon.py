@@ -25,7 +25,6 @@ words to warpgroup 0, which writes the next list).
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
@@ -40,7 +39,7 @@ try:
 except Exception:  # pragma: no cover - depends on the installed Triton
     HAS_GLUON = False
 
-from .._common import DescriptorArgs, current_stream, direct_launcher, num_sms
+from .._common import DescriptorArgs, direct_launcher, num_sms, relaunch_or_stop
 from ..dispatch import memory_layout
 from ..dense.reference import LOG2E
 
@@ -660,13 +659,8 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
         qkv = (q, k, v)
         for pos, i, geometry in dslots:
             args[pos] = DescriptorArgs(qkv[i], *geometry)
-        try:
-            relaunch(current_stream(dev.index), *args)
+        if relaunch_or_stop(relaunch, dev.index, args, _DIRECT, _PLANS, "skip_gluon"):
             return out, next_counts, next_indices, lse_ret
-        except Exception as exc:  # noqa: BLE001  (a Triton whose launcher differs: stop trying)
-            warnings.warn(f"sparsepatch skip_gluon: direct relaunch failed ({exc}); using Gluon's launcher")
-            _DIRECT[0] = False
-            _PLANS.clear()
     dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     lay = gl.NVMMASharedLayout.get_default_for([bn, D], dt)
     # 2-D views (B * S, H * D), or (B * H * S, D) for a head-major tensor: rows past a (batch, head)'s S belong to

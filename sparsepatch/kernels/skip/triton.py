@@ -43,11 +43,10 @@ import triton
 import triton.language as tl
 
 from .._common import DescriptorArgs, bit_or, current_stream, direct_launcher, empty_out_lse, head_major_desc, \
-    num_sms, popc32
+    num_sms, popc32, relaunch_or_stop
 from .._common import interpret as _interpret
 from .._common import list_slots, set_tma_allocator
 from . import backward as skip_backward
-from ..dense import reference as dense_reference
 from . import reference
 from ..dense.reference import LOG2E, check_qkv
 from .reference import check_threshold
@@ -493,14 +492,9 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
                 args[pos] = out if t is None else t
             for pos, i, geometry in dslots:
                 args[pos] = DescriptorArgs(tensors[i], *geometry)
-            try:
-                relaunch(current_stream(key[0]), *args)
+            if relaunch_or_stop(relaunch, key[0], args, _DIRECT, _PLANS, "skip"):
                 return
-            except Exception as exc:  # noqa: BLE001  (a Triton whose launcher differs: stop trying)
-                warnings.warn(f"sparsepatch skip: direct relaunch failed ({exc}); using Triton's launcher")
-                _DIRECT[0] = False
-                _PLANS.clear()
-                key = None
+            key = None
 
     B, Sq, Hq, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
