@@ -6,7 +6,9 @@ and non-causal D 64 / 256, with `flash_triton` in three launch settings:
   shipped: the shipped CONFIGS (every cell here on the Gluon kernel; causal work order picked per shape by
            `gluon.causal_order`: head-major longest-first (1), the same with odd heads reversed (2), or grid-wide
            longest-first (0), whichever gives the most even static shares),
-  o1 / o0: the causal order forced to 1 / 0.
+  o1 / o0: the causal order forced to 1 / 0,
+  s4:      head dim 64 with 4 K/V stages (3 shipped);
+`--settings` picks which (default shipped,o1,o0); cells and settings are interleaved.
 (Session 13's run of this script compared the Triton kernel ("before") with Gluon; results/h200-gluon-causal.json.)
 `--skip64` also times the skip-list forward at head dim 64, tile (128, 128), on the Gluon and on the Triton kernel
 (the CogVideoX-shaped B1 H48 S17550 and a 32K cell; fixed random lists of density 1 / 0.5 / 0.13) against our
@@ -20,7 +22,6 @@ to benchmarks/results/<gpu>-gluon-causal<tag>.json (and $OUT).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -40,6 +41,7 @@ SETTINGS = {
     "shipped": {},
     "o1": {key: dict(gluon=True, causal_gluon=True, gluon_causal_order=1) for key in _GLUON_KEYS},
     "o0": {key: dict(gluon=True, causal_gluon=True, gluon_causal_order=0) for key in _GLUON_KEYS},
+    "s4": {(64, 128): dict(gluon=True, causal_gluon=True, gluon_stages=4)},   # head dim 64: 4 K/V stages
 }
 
 
@@ -52,28 +54,28 @@ def cells_for(dtypes, dims):
     return out
 
 
-def run(dtypes, dims, log=print):
-    cells = cells_for(dtypes, dims)
-    peers = tuning.measure(cells, backends=SDPA, log=log)
+def run(dtypes, dims, settings, log=print):
+    """Per cell (interleaved, so that clock drift over the run does not favour one setting: the session-14 run that
+    timed each setting over all cells in turn read non-causal cells, which no setting changes, up to 25% apart):
+    the SDPA peers, then flash_triton under each setting."""
     shipped = {key: dict(cfg) for key, cfg in skip_triton.CONFIGS.items()}
-    ours = {}
-    for name, overrides in SETTINGS.items():
-        for key, cfg in shipped.items():
-            skip_triton.CONFIGS[key] = dict(cfg, **overrides.get(key, {}))
-        try:
-            ours[name] = tuning.measure(cells, backends=["flash_triton"], log=log)
-        finally:
-            skip_triton.CONFIGS.update({key: dict(cfg) for key, cfg in shipped.items()})
-    rows, entries = [], {name: [] for name in SETTINGS}
-    for i, peer in enumerate(peers):
+    rows, entries = [], {name: [] for name in settings}
+    for cell in cells_for(dtypes, dims):
+        peer = tuning.measure([cell], backends=SDPA, log=log)[0]
         best = min(peer["ms"].values()) if peer["ms"] else float("nan")
         row = {k: peer[k] for k in ("causal", "D", "group", "dtype", "B", "Sq", "Hq")}
         row["best_sdpa_ms"] = best
-        for name in SETTINGS:
-            t = ours[name][i]["ms"].get("flash_triton")
+        for name in settings:
+            for key, cfg in shipped.items():
+                skip_triton.CONFIGS[key] = dict(cfg, **SETTINGS[name].get(key, {}))
+            try:
+                ours = tuning.measure([cell], backends=["flash_triton"], log=log)[0]
+            finally:
+                skip_triton.CONFIGS.update({key: dict(cfg) for key, cfg in shipped.items()})
+            t = ours["ms"].get("flash_triton")
             row[f"{name}_ms"] = t
             row[f"{name}_ratio"] = best / t if t else None
-            entries[name].append(dict(peer, ms=dict(peer["ms"], **ours[name][i]["ms"])))
+            entries[name].append(dict(peer, ms=dict(peer["ms"], **ours["ms"])))
         rows.append(row)
     return rows, entries
 
@@ -127,16 +129,21 @@ def main(argv=None):
     ap.add_argument("--skip64", action="store_true", help="also the head-dim-64 skip rows")
     ap.add_argument("--no-grid", action="store_true", help="skip the dense grid")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
+    ap.add_argument("--settings", default="shipped,o1,o0", help=f"comma-separated, of {sorted(SETTINGS)}")
     args = ap.parse_args(argv)
+    settings = args.settings.split(",")
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        ap.error(f"--settings: unknown {unknown} (known: {sorted(SETTINGS)})")
     dtypes = tuple(getattr(torch, d) for d in args.dtypes.split(","))
     dims = tuple(int(d) for d in args.dims.split(","))
     skip_rows = skip64() if args.skip64 else []
-    rows, entries = run(dtypes, dims) if not args.no_grid else ([], {})
+    rows, entries = run(dtypes, dims, settings) if not args.no_grid else ([], {})
     print(f"\n{'causal':>6} {'D':>4} {'G':>2} {'dtype':>9} {'B':>3} {'S':>6} {'sdpa ms':>8} "
-          + " ".join(f"{n + ' x':>9}" for n in SETTINGS))
+          + " ".join(f"{n + ' x':>9}" for n in settings))
     for r in rows:
         print(f"{str(r['causal']):>6} {r['D']:>4} {r['group']:>2} {r['dtype']:>9} {r['B']:>3} {r['Sq']:>6} "
-              f"{r['best_sdpa_ms']:8.3f} " + " ".join(f"{(r[n + '_ratio'] or 0):9.3f}" for n in SETTINGS))
+              f"{r['best_sdpa_ms']:8.3f} " + " ".join(f"{(r[n + '_ratio'] or 0):9.3f}" for n in settings))
     print(f"Gluon kernel still enabled after the run (no launch failure): {skip_triton._GLUON_OK[0]}")
     save_results({"gpu": gpu_name(), "gluon_ok": skip_triton._GLUON_OK[0], "rows": rows, "entries": entries,
                   "skip64": skip_rows},
@@ -144,4 +151,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
