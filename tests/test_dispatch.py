@@ -167,6 +167,50 @@ def test_flash_cells_do_not_stand_for_calls_the_measured_kernel_does_not_take():
         dispatch._DISPATCHERS["attention"] = dense_op.DISPATCH
 
 
+def test_head_dim_256_runs_on_the_gluon_kernel_only_where_it_can():
+    """flash_triton takes head dim 256 on sm_90 for inference calls with sequence- / head-major inputs and, causal,
+    Sq > 1 with Sk - Sq a multiple of 128; every other D256 call gets a reason naming what it lacks."""
+    from sparsepatch.kernels.skip import gluon
+
+    def reason(Sq=4096, Sk=4096, causal=False, layouts=("seq", "head", "seq"), arch=(9, 0), grad=False):
+        return dense_op.flash_kernel_reason(dispatch.Call(
+            "attention", "cuda", arch, torch.bfloat16, 1, Sq, Sk, 16, 4, 256, 256, causal, needs_grad=grad,
+            layouts=layouts))
+    if not gluon.HAS_GLUON:
+        assert "Gluon" in reason()
+        return
+    assert reason() is None
+    assert reason(4000, 4128, causal=True) is None
+    assert "sm_90" in reason(arch=(8, 0))
+    assert "inference" in reason(grad=True)
+    assert "head-major" in reason(layouts=("seq", "other", "seq"))
+    assert "multiple of 128" in reason(4000, 4100, causal=True)
+    assert "multiple of 128" in reason(1, 4097, causal=True)          # decode: the route cache keys no alignment
+    assert "64 / 128" in dense_op.flash_kernel_reason(dispatch.Call(
+        "attention", "cuda", (9, 0), torch.bfloat16, 1, 64, 64, 2, 2, 192, 192))
+
+
+def test_causal_work_order_balances_the_static_shares():
+    """gluon.causal_order: ORDER 1 (head-major) where its shares are even, ORDER 2 where P ~ a multiple of Tq makes
+    ORDER 1 hand the long q-tiles of every head to the same programs (16 heads x 128 q-tiles on 132 programs: the
+    session-14 D256 16K case, 0.67x -> 0.94x cuDNN), ORDER 0 only where it is > 10% more even."""
+    from sparsepatch.kernels.skip.gluon import causal_order
+
+    def worst(n_heads, Tq, P, order, tiles=1, fixed=1.5):
+        share = [0.0] * P
+        for lin in range(n_heads * Tq):
+            bh, pos = divmod(lin, Tq)
+            pm = {0: Tq - 1 - lin // n_heads, 1: Tq - 1 - pos, 2: pos if bh % 2 else Tq - 1 - pos}[order]
+            share[lin % P] += (pm + 1) * tiles + fixed
+        return max(share) / (sum(share) / P)
+    assert worst(16, 128, 132, 1, 2) > 1.5 and worst(16, 128, 132, 2, 2) < 1.07
+    assert causal_order(16, 128, 132, 2) == 2
+    assert causal_order(32, 256, 132, 1) == 1                      # Llama-shaped 32K: already even
+    assert causal_order(32, 128, 132, 1) == 1                      # ORDER 0 only 2% more even: keep head-major
+    assert worst(16, 64, 132, 0) * 1.10 < min(worst(16, 64, 132, 1), worst(16, 64, 132, 2))
+    assert causal_order(16, 64, 132, 1) == 0
+
+
 def test_forced_backend_and_explain():
     q, k, v = _inputs(1, 16, 16, 2, 2, 32, torch.float32, "cpu")
     out = sp.kernels.attention(q, k, v, backend="reference")
