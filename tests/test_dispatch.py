@@ -136,6 +136,9 @@ def test_memory_layout_names_sequence_and_head_major_views():
     assert dispatch.memory_layout(torch.zeros(2, 64, 3, 4, 16)[:, :, 1]) == "seq"         # a fused-QKV view
     assert dispatch.memory_layout(torch.zeros(2, 64, 16, 4).transpose(2, 3)) == "other"   # D not unit-stride
     assert dispatch.memory_layout(torch.zeros(4, 2, 64, 16).permute(1, 2, 0, 3)) == "other"
+    assert dispatch.memory_layout(torch.zeros(2, 64, 16)) == "other"                      # not 4-D: checks name it
+    with pytest.raises(ValueError, match="q must be 4-D"):
+        sp.kernels.attention(torch.zeros(2, 64, 16), torch.zeros(2, 64, 4, 16), torch.zeros(2, 64, 4, 16))
 
 
 def test_flash_cells_do_not_stand_for_calls_the_measured_kernel_does_not_take():

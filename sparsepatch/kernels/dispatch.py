@@ -75,7 +75,9 @@ class Call:
 def memory_layout(t) -> str:
     """How a (B, S, H, D) tensor lies in memory: "seq" (sequence-major: unit-stride D, heads adjacent, one row stride
     over B * S, as a (B, S, H * D) projection or a fused-QKV view), "head" (the transposed view of a contiguous
-    (B, H, S, D) tensor, as SDPA callers hand over) or "other"."""
+    (B, H, S, D) tensor, as SDPA callers hand over) or "other" (also anything not 4-D: the op's checks name it)."""
+    if t.dim() != 4:
+        return "other"
     B, S, H, D = t.shape
     st = t.stride()
     if st[3] != 1 and D > 1:
