@@ -26,8 +26,9 @@ causal with Sk - Sq a multiple of 128) at head dim 64 / 128 run `gluon.py` inste
 tile than this one's and than cuDNN at non-causal D128, with a cheaper q-tile epilogue and its rho-1 loop within
 1-3% of its dense mode (benchmarks/NOTES.md, skip forward v9 / v10 / v12; head dim 64 and causal: session 13); so
 does `skip_step` (the stateful patcher path). With must_do, both read the list with the forced tiles added
-(`_union`, device ops) and keep them in the next list. Other tiles / head dims, other causal alignments and the
-interpreter stay here; a Gluon compile or launch failure warns once and falls back to this kernel.
+(`_union`, device ops) and keep them in the next list. Dense calls at head dim 256 (inference) run only there
+(64-key tiles; no Triton config). Other tiles / head dims, other causal alignments and the interpreter stay here; a
+Gluon compile or launch failure warns once and falls back to this kernel (at head dim 256: a ValueError).
 
 Ops are registered with torch.library.custom_op (+ fake impls): `sparsepatch::skip_fwd`, `sparsepatch::dense_fwd`.
 `skip_step` is the CUDA body of `sparsepatch::skip_step` (stateful.py): it reads the call counter on the device,
