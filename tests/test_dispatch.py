@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kernel_checks import gpu
+from kernel_checks import attention_bounds, check_bound, cpu_only, gpu, max_err
 
 import sparsepatch as sp
 from sparsepatch.kernels import dispatch
@@ -191,6 +191,23 @@ def test_head_dim_256_runs_on_the_gluon_kernel_only_where_it_can():
     assert "multiple of 128" in reason(1, 4097, causal=True)          # decode: the route cache keys no alignment
     assert "64 / 128" in dense_op.flash_kernel_reason(dispatch.Call(
         "attention", "cuda", (9, 0), torch.bfloat16, 1, 64, 64, 2, 2, 192, 192))
+
+
+@cpu_only
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_backend_runs_head_dim_256_on_split_d_where_gluon_cannot(causal):
+    """A head-dim-256 call routed to flash_triton that the Gluon kernel cannot take here (under the interpreter it
+    never runs; on a GPU: no Gluon build, a failed launch, an unaligned pointer) runs on the split-D kernel: the same
+    function (fp64 oracle, the attention error model of kernel_checks), not an error."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 40, 2, 256, generator=g)
+    k, v = (torch.randn(1, 56, 1, 256, generator=g) for _ in range(2))
+    from sparsepatch.kernels.skip import triton as skip_triton
+    with pytest.raises(skip_triton.GluonUnavailable, match="head dim 256"):
+        skip_triton.attention(q, k, v, causal=causal)
+    out, lse = dense_op._flash_run(q, k, v, causal=causal, scale=None, attn_mask=None, return_lse=True)
+    want = reference.attention(q.double(), k.double(), v.double(), causal=causal)
+    check_bound(max_err(out, want), attention_bounds(q, k, v, torch.float32)[0], "out")
 
 
 def test_causal_work_order_balances_the_static_shares():

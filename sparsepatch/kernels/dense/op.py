@@ -82,7 +82,9 @@ def flash_kernel_reason(call: Call) -> str | None:
         return why
     if call.head_dim == 256 and call.op == "attention":
         from ..skip import gluon
-        if not gluon.HAS_GLUON or call.arch is None or call.arch[0] != 9 or call.interpret:
+        from ..skip import triton as skip_triton
+        if not (gluon.HAS_GLUON and skip_triton._GLUON_OK[0]) or call.arch is None or call.arch[0] != 9 \
+                or call.interpret:
             return "head dim 256 runs on the Gluon kernel (sm_90) only"
         if call.needs_grad:
             return "head dim 256: inference only (no backward kernel)"
@@ -116,7 +118,10 @@ def unit_head_dim_stride(*ts):
 def _flash_run(q, k, v, *, causal, scale, attn_mask, return_lse):
     from ..skip import triton as skip_triton
     q, k, v = unit_head_dim_stride(q, k, v)
-    return skip_triton.attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    try:
+        return skip_triton.attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    except skip_triton.GluonUnavailable:   # head dim 256 where the Gluon kernel cannot run: the same function
+        return _splitd_run(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask, return_lse=return_lse)
 
 
 def _splitd_supports(call: Call) -> str | None:

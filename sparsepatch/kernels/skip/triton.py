@@ -619,6 +619,11 @@ def _union(counts, indices, frow, fcol):
 _GLUON_OK = [True]   # False after a failed Gluon launch (another Triton's Gluon API): the Triton kernels from then on
 
 
+class GluonUnavailable(ValueError):
+    """A head-dim-256 dense call that only the Gluon kernel runs, which cannot take it here (no Gluon build, a
+    failed launch, an unaligned pointer): the dense op's flash backend then runs it on the split-D kernel."""
+
+
 def _gluon_call(fn, *args, **kwargs):
     """fn(*args) on the Gluon kernel (gluon.py), or None after warning once if it cannot run here."""
     try:
@@ -699,8 +704,8 @@ def _dense_fwd_impl(q, k, v, causal, scale, return_lse):
             if res is not None:
                 return res
     if D not in (64, 128):
-        raise ValueError(f"head dim {D} runs on the Gluon kernel only (sm_90, sequence- or head-major inputs, causal "
-                         f"with Sk - Sq a multiple of 128), which cannot take this call")
+        raise GluonUnavailable(f"head dim {D} runs on the Gluon kernel only (sm_90, sequence- or head-major inputs, "
+                               f"causal with Sk - Sq a multiple of 128), which cannot take this call here")
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if return_lse else None
     bm = _dense_block_m(Sq)
