@@ -90,7 +90,7 @@ def flash_kernel_reason(call: Call) -> str | None:
             return "head dim 256: inference only (no backward kernel)"
         if any(lay == "other" for lay in call.layouts):
             return "head dim 256 needs sequence- or head-major q/k/v"
-        if call.causal and (call.seq_q == 1 or (call.seq_k - call.seq_q) % 128):
+        if call.causal and (call.seq_q == 1 or not gluon.causal_aligned(call.seq_q, call.seq_k)):
             return "head dim 256 causal needs Sq > 1 and Sk - Sq a multiple of 128"
         return None
     if call.head_dim not in (64, 128):
@@ -107,7 +107,8 @@ def flash_measured_for(call: Call) -> bool:
         return True
     if any(lay == "other" for lay in call.layouts):
         return False
-    return not call.causal or call.seq_q == 1 or (call.seq_k - call.seq_q) % 128 == 0
+    from ..skip import gluon
+    return not call.causal or call.seq_q == 1 or gluon.causal_aligned(call.seq_q, call.seq_k)
 
 
 def unit_head_dim_stride(*ts):

@@ -554,11 +554,15 @@ def supported(q, k, v, tile, dense: bool = False) -> bool:
     return True
 
 
+def causal_aligned(seq_q: int, seq_k: int) -> bool:
+    """The causal calls the Gluon kernel runs: bottom-right aligned with Sk >= Sq and Sk - Sq a multiple of 128 (its
+    q-tile and largest key tile), so the diagonal lies in each q-tile's last BM / BN key tiles."""
+    return seq_k >= seq_q and (seq_k - seq_q) % BN == 0
+
+
 def supports_causal(q, k) -> bool:
-    """Causal dense calls the Gluon kernel runs (on top of `supported`): bottom-right aligned with Sk >= Sq and
-    Sk - Sq a multiple of the key tile, so the diagonal is in each q-tile's last key tile only."""
-    Sq, Sk = q.shape[1], k.shape[1]
-    return Sk >= Sq and (Sk - Sq) % BN == 0
+    """Causal dense calls the Gluon kernel runs (on top of `supported`): `causal_aligned` sequence lengths."""
+    return causal_aligned(q.shape[1], k.shape[1])
 
 
 def dense_fwd(q, k, v, scale, return_lse, cfg=None, causal: bool = False):
