@@ -323,29 +323,32 @@ def bwd_tune(nsa, cfg, res, write, tune_t=16384, best_out=None):
     return best
 
 
+def _event_timed(fn, name, sink):
+    """fn wrapped so that each call is bracketed by CUDA events, appended to sink()[name] (sink: the dict current at
+    call time)."""
+    def run(*a, **kw):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        r = fn(*a, **kw)
+        e.record()
+        sink().setdefault(name, []).append((s, e))
+        return r
+    return run
+
+
 def breakdown(nsa, q, k, v, cfg):
     """ms per kernel for one forward (CUDA events around each launch)."""
-    names = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel"]
-    times, origs = {}, {}
-    for n in names:
-        kern = getattr(nsa, n)
-        origs[n] = kern.run
-
-        def run(*a, _o=origs[n], _n=n, **kw):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            r = _o(*a, **kw)
-            e.record()
-            times.setdefault(_n, []).append((s, e))
-            return r
-        kern.run = run
+    times = {}
+    origs = {n: getattr(nsa, n).run for n in PHASE_KERNELS}
+    for n in PHASE_KERNELS:
+        getattr(nsa, n).run = _event_timed(origs[n], n, lambda: times)
     try:
         with torch.no_grad():
             for _ in range(3):
                 nsa.nsa_attention(q, k, v, cfg)
         torch.cuda.synchronize()
     finally:
-        for n in names:
+        for n in PHASE_KERNELS:
             getattr(nsa, n).run = origs[n]
     return {n: round(min(s.elapsed_time(e) for s, e in v_), 3) for n, v_ in times.items()}
 
@@ -418,19 +421,9 @@ def phase_breakdown(nsa, q, k, v, cfg, calls=3):
     cur = {}
     origs = {n: getattr(nsa, n).run for n in PHASE_KERNELS}
     orig_ckv = nsa.compress_kv
-
-    def timed(fn, name):
-        def run(*a, **kw):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            r = fn(*a, **kw)
-            e.record()
-            cur.setdefault(name, []).append((s, e))
-            return r
-        return run
     for n in PHASE_KERNELS:
-        getattr(nsa, n).run = timed(origs[n], n)
-    nsa.compress_kv = timed(orig_ckv, "compress_kv")
+        getattr(nsa, n).run = _event_timed(origs[n], n, lambda: cur)
+    nsa.compress_kv = _event_timed(orig_ckv, "compress_kv", lambda: cur)
     try:
         with torch.no_grad():
             nsa.nsa_attention(q, k, v, cfg)
