@@ -151,16 +151,21 @@ def wan_rows(log):
     except ImportError as exc:
         log(f"  Wan step skipped: {exc}")
         return []
+    return _step_rows("wan1.3b-shaped 4 layers", model, _denoising_step(model, (1, 16, 21, 60, 104), 512), log)
+
+
+def _denoising_step(model, latent_shape, text_tokens):
+    """step() -> one no-grad forward of the DiT `model` on seeded random bf16 latents of `latent_shape`, text
+    embeddings (1, text_tokens, 4096) and timestep 500."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(1, 16, 21, 60, 104, device="cuda", dtype=torch.bfloat16, generator=g)
-    text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(*latent_shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    text = torch.randn(1, text_tokens, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
     t = torch.tensor([500], device="cuda")
 
     def step():
         with torch.no_grad():
             return model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
-
-    return _step_rows("wan1.3b-shaped 4 layers", model, step, log)
+    return step
 
 
 def _step_rows(label, model, step, log):
@@ -194,16 +199,8 @@ def cogvideox_rows(log, layers=4):
                                             num_layers=layers, sample_width=90, sample_height=60, sample_frames=49,
                                             patch_size=2, use_rotary_positional_embeddings=True)
     model = model.to(torch.bfloat16).eval()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(1, 13, 16, 60, 90, device="cuda", dtype=torch.bfloat16, generator=g)
-    text = torch.randn(1, 226, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
-    t = torch.tensor([500], device="cuda")
-
-    def step():
-        with torch.no_grad():
-            return model(hidden_states=x, encoder_hidden_states=text, timestep=t, return_dict=False)[0]
-
-    rows = _step_rows(f"cogvideox-5b-shaped {layers} layers", model, step, log)
+    rows = _step_rows(f"cogvideox-5b-shaped {layers} layers", model, _denoising_step(model, (1, 13, 16, 60, 90), 226),
+                      log)
     del model
     gc.collect()
     torch.cuda.empty_cache()
