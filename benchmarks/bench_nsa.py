@@ -408,6 +408,19 @@ PHASE_VARIANTS = {
     "par_topk_all": dict(sel=("token",), attrs=dict(TOPK_PARALLEL_MIN_BLOCKS=0)),  # parallel top-k at every T
     # parallel top-k at every T on 2 warps (NUM_WARPS "kernel=n": that entry of nsa.NUM_WARPS changed)
     "topk_w2": dict(sel=("token",), attrs=dict(TOPK_PARALLEL_MIN_BLOCKS=0, NUM_WARPS="topk=2")),
+    # compressed / window kernels: rows per program, keys per k-tile, warps, stages
+    "cmp128": dict(sel=("token", "tile"), attrs=dict(CMP_TILE_ROWS=128, NUM_WARPS="cmp=8")),
+    "cmp128n128": dict(sel=("token", "tile"), attrs=dict(CMP_TILE_ROWS=128, CMP_BLOCK_N=128, NUM_WARPS="cmp=8")),
+    "cmp_n128": dict(sel=("token", "tile"), attrs=dict(CMP_BLOCK_N=128)),
+    "cmp_s3": dict(sel=("token", "tile"), attrs=dict(NUM_STAGES="cmp=3")),
+    "cmp128_s3": dict(sel=("token", "tile"), attrs=dict(CMP_TILE_ROWS=128, NUM_WARPS="cmp=8", NUM_STAGES="cmp=3")),
+    "swa128": dict(sel=("token", "tile"), attrs=dict(SWA_TILE_ROWS=128, NUM_WARPS="swa=8")),
+    "swa128n128": dict(sel=("token", "tile"), attrs=dict(SWA_TILE_ROWS=128, SWA_BLOCK_N=128, NUM_WARPS="swa=8")),
+    "swa_n128": dict(sel=("token", "tile"), attrs=dict(SWA_BLOCK_N=128)),
+    "swa128_s3": dict(sel=("token", "tile"), attrs=dict(SWA_TILE_ROWS=128, NUM_WARPS="swa=8", NUM_STAGES="swa=3")),
+    "slc_w2": dict(sel=("token",), attrs=dict(SLC_TILE_ROWS=0, NUM_WARPS="slc=2")),
+    "slc_s4": dict(sel=("token",), attrs=dict(SLC_TILE_ROWS=0, NUM_STAGES="slc=4")),
+    "tile128": dict(sel=("tile",), attrs=dict(SLC_TILE_ROWS=128)),
 }
 PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel"]
 
@@ -469,14 +482,16 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
     HQ, H = 64, 4
     rows = []
     saved = {kk: getattr(nsa, kk) for kk in ("SLC_TILE_ROWS", "PARALLEL_TOPK", "TOPK_PARALLEL_MIN_BLOCKS",
-                                            "NUM_WARPS")}
+                                            "NUM_WARPS", "NUM_STAGES", "CMP_TILE_ROWS", "SWA_TILE_ROWS",
+                                            "CMP_BLOCK_N", "SWA_BLOCK_N")}
 
     def attrs(spec):
-        """A variant's overrides; NUM_WARPS "kernel=n" -> a copy of the saved dict with that entry changed."""
+        """A variant's overrides; NUM_WARPS / NUM_STAGES "kernel=n[,kernel=n]" -> a copy of the saved dict with
+        those entries changed."""
         out = dict(spec["attrs"])
-        if isinstance(out.get("NUM_WARPS"), str):
-            kname, n = out["NUM_WARPS"].split("=")
-            out["NUM_WARPS"] = {**saved["NUM_WARPS"], kname: int(n)}
+        for name in ("NUM_WARPS", "NUM_STAGES"):
+            if isinstance(out.get(name), str):
+                out[name] = {**saved[name], **{kk: int(n) for kk, n in (e.split("=") for e in out[name].split(","))}}
         return out
     try:
         for T in ts:

@@ -440,8 +440,10 @@ def _swa_kernel(Q, K, V, PART, GATES, OUT, BO_W, LSE,
 FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
 
 # ---------------------------------------------------------------------------------------------------------- host
-# Launch settings (H100, bf16, D=128); rows per tile for the tile kernels, warps per kernel.
-TILE_ROWS = 64
+# Launch settings (H100, bf16, D=128): rows per program (token tiles x the group's heads) and keys per k-tile of
+# the compressed and window kernels, warps and pipeline stages per kernel.
+CMP_TILE_ROWS = 64
+SWA_TILE_ROWS = 64
 CMP_BLOCK_N = 64
 SWA_BLOCK_N = 64
 # slc_tile_64: SHARED programs of <= 64 rows; topk_small: the top-k below 512 selection blocks
@@ -506,10 +508,10 @@ def supports(q, config=None, causal: bool = True, **kw) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def _tiles(G):
+def _tiles(G, rows):
+    """(GP, BT): the group padded to a power of two and the tokens per program of `rows` rows."""
     GP = triton.next_power_of_2(G)
-    BT = max(1, TILE_ROWS // GP)
-    return GP, BT
+    return GP, max(1, rows // GP)
 
 
 def _topk(imp_a, imp_b, n_b: int, q_off: int, tok0: int, ts: int, bs: int, nsel: int) -> torch.Tensor:
@@ -549,7 +551,8 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
     q_off = S - T
     dev = q.device
     qk_scale = scale * LOG2E
-    GP, BT = _tiles(G)
+    GP, BT = _tiles(G, CMP_TILE_ROWS)
+    _, BT_SWA = _tiles(G, SWA_TILE_ROWS)
     k_cmp = k_cmp.contiguous()
     v_cmp = v_cmp.contiguous()
     if n_c == 0:
@@ -564,7 +567,7 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
         bo = torch.empty((0,), dtype=q.dtype, device=dev)
     lse_c, lse_s, lse_w = (lse[0], lse[1], lse[2]) if save else (lse, lse, lse)
     bo_c, bo_s, bo_w = (bo[0], bo[1], bo[2]) if save else (bo, bo, bo)
-    grid_tile = (triton.cdiv(T, BT), B * Hk)
+    grid_cmp = (triton.cdiv(T, BT), B * Hk)
     cmp_args = (q, k_cmp, v_cmp, o_cmp)
     cmp_strides = (q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
                    o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2))
@@ -586,7 +589,7 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
     else:
         # o_cmp of every token; the importance and top-k only at the selection tiles' first tokens, whose selection
         # every token of the tile then uses
-        _cmp_kernel[grid_tile](
+        _cmp_kernel[grid_cmp](
             *cmp_args, o_cmp, o_cmp, lse_c, *cmp_strides, T, n_c, q_off, Hq, Hk, G, NBP, qk_scale, 0,
             SELECT=False, SAVE=save, STORE_O=True, TS=1, **cmp_meta)
         first = -(-q_off // bs)                       # first selection tile starting at or after the first query
@@ -634,14 +637,14 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
             GP=max(16, GP), SLC_STAGES=NUM_STAGES["slc"], num_warps=NUM_WARPS["slc"], num_stages=NUM_STAGES["slc"],
             **common)
     out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
-    _swa_kernel[grid_tile](
+    _swa_kernel[(triton.cdiv(T, BT_SWA), B * Hk)](
         q, k, v, part, gt, out, bo_w, lse_w,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), part.stride(0), part.stride(1), part.stride(2),
         gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0,
         out.stride(0), out.stride(1), out.stride(2),
         T, S, q_off, Hk, G, qk_scale, config.window,
-        HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=SWA_BLOCK_N, HAS_GATES=gates is not None, SAVE=save,
+        HEAD_DIM=D, GP=GP, BT=BT_SWA, BLOCK_N=SWA_BLOCK_N, HAS_GATES=gates is not None, SAVE=save,
         num_warps=NUM_WARPS["swa"], num_stages=NUM_STAGES["swa"])
     return out, idx, lse, bo
 
