@@ -447,8 +447,12 @@ SWA_TILE_ROWS = 64
 CMP_BLOCK_N = 64
 SWA_BLOCK_N = 64
 # slc_tile_64: SHARED programs of <= 64 rows; topk_small: the top-k below 512 selection blocks
-NUM_WARPS = dict(cmp=4, swa=4, slc=4, topk=4, topk_small=2, slc_tile=8, slc_tile_64=4)
-NUM_STAGES = dict(cmp=2, swa=2, slc=3, slc_tile=3)
+# H200 sweep (session 15, `bench_nsa --phases`, HQ64 H4 D128, results/h200-nsa-phases-s15.json): cmp 3 stages
+# -3 to -9% at 16K-64K (same selections), per-token slc 2 warps -1 to -2%; 128-row programs or 128-key tiles for cmp
+# and swa were 5-50% slower at every length. Head dim 256 keeps cmp at 2 stages (3 K/V stages of 64 x 256 plus q
+# exceed shared memory).
+NUM_WARPS = dict(cmp=4, swa=4, slc=2, topk=4, topk_small=2, slc_tile=8, slc_tile_64=4)
+NUM_STAGES = dict(cmp=3, swa=2, slc=3, slc_tile=3)
 # Selected branch: `_slc_kernel` (one program per token: rows = the G heads padded to 16, K/V loaded per token) or
 # `_slc_tile_kernel` (R rows per program: R // next_pow2(G) tokens visit the union of their selected blocks; the
 # same function). SLC_TILE_ROWS: None = choose by `slc_tile_rows` (measured rule), 0 = always per token, R = always
@@ -572,7 +576,7 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
     cmp_strides = (q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
                    o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2))
     cmp_meta = dict(CB=l, CS=d, BS=bs, R=bs // d, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=CMP_BLOCK_N,
-                    num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
+                    num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"] if D <= 128 else 2)
 
     def select(n_rows, tok0, ts, store_o):
         """Importance and top-k of n_rows row tokens (query tokens tok0 + i * ts) -> idx (B, n_rows, Hk, nsel);
