@@ -12,7 +12,8 @@ models patched vs unpatched, in one process.
    32 x 128 heads, GQA 4), Qwen3-shaped, D256-shaped LLMs (prefill 1K / 8K / 32K; greedy decode tokens/s at B 1
    and 16 after a warm-up of the same batch), and a Wan2.1-1.3B-shaped transformer step (4 layers, 32760 tokens)
    with DenseConfig and with the default recipe (skip lists; random weights keep every tile); a CogVideoX-5B-shaped
-   step (4 layers, 48 x 64 heads, 17550 + 226 tokens) the same way. `--models` picks rows.
+   step (4 layers, 48 x 64 heads, 17550 + 226 tokens) the same way; both steps also with the default recipe at
+   forced list densities 0.5 / 0.25. `--models` picks rows.
 Results: benchmarks/results/<gpu>-never-slower.json; a table printed last.
 """
 from __future__ import annotations
@@ -168,18 +169,58 @@ def _denoising_step(model, latent_shape, text_tokens):
     return step
 
 
+FORCED_DENSITIES = (0.5, 0.25)
+
+
+def _forced_density_rows(label, handle, step, base, log):
+    """The default recipe's step below density 1. Random weights keep every tile, so the lists never thin out by
+    themselves: before each timed step every self-attention layer's read slot gets a fixed random list of density
+    rho (`common.random_list`, diagonal tiles always listed; must_do tiles the adapter passes are still computed) and
+    its call counter is set past the warm-up, so each layer reads that list and writes its next one as in
+    steady-state sampling. The list copies are timed alone and subtracted."""
+    from common import random_list
+    warm = handle.config.warmup_steps
+    step()                                   # past every layer's warm-up calls
+    for _ in range(warm):
+        step()
+    bufs = [e[0] for e in handle._buffers.values() if e[0].seq_q == e[0].seq_k]
+    rows = []
+    for rho in FORCED_DENSITIES:
+        forced = [random_list(b.counts.shape[1], b.counts.shape[2], b.seq_q, rho, tile=b.tile, device="cuda")
+                  for b in bufs]
+
+        def load():
+            for b, lst in zip(bufs, forced):
+                b.step.fill_(warm)
+                b.counts[0].copy_(lst.counts)
+                b.indices[0].copy_(lst.indices)
+
+        def forced_step():
+            load()
+            return step()
+        ms = _bench(forced_step) - _bench(load)
+        rows.append(dict(model=label, what=f"step default recipe, forced density {rho}", unpatched_ms=base,
+                         patched_ms=ms, ratio=base / ms, layers_forced=len(bufs)))
+        log(f"  {label} step default recipe, forced density {rho}: {base:.2f} vs {ms:.2f} ms ({base / ms:.3f}x, "
+            f"{len(bufs)} layers)")
+    return rows
+
+
 def _step_rows(label, model, step, log):
-    """One denoising step timed unpatched, with DenseConfig and with the default recipe (skip lists)."""
+    """One denoising step timed unpatched, with DenseConfig and with the default recipe (skip lists), then the
+    default recipe at forced densities (`_forced_density_rows`)."""
     rows = []
     base = _bench(step)
     for name, cfg in (("DenseConfig", sp.DenseConfig()), ("default recipe", None)):
         h = sp.patch(model, cfg)
         ours = _bench(step)
         stats = h.stats()
+        forced = _forced_density_rows(label, h, step, base, log) if cfg is None else []
         sp.unpatch(model)
         rows.append(dict(model=label, what=f"step {name}", unpatched_ms=base, patched_ms=ours, ratio=base / ours,
                          backends=stats.get("backends", {})))
         log(f"  {label} step {name}: {base:.2f} vs {ours:.2f} ms ({base / ours:.3f}x)")
+        rows += forced
     return rows
 
 
