@@ -42,6 +42,8 @@ SETTINGS = {
     "o1": {key: dict(gluon=True, causal_gluon=True, gluon_causal_order=1) for key in _GLUON_KEYS},
     "o0": {key: dict(gluon=True, causal_gluon=True, gluon_causal_order=0) for key in _GLUON_KEYS},
     "s4": {(64, 128): dict(gluon=True, causal_gluon=True, gluon_stages=4)},   # head dim 64: 4 K/V stages
+    # q-tiles from an atomic counter (head-major, longest first) instead of static shares
+    "dyn": {key: dict(gluon=True, causal_gluon=True, gluon_dynamic=True) for key in _GLUON_KEYS},
 }
 
 

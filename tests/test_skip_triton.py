@@ -499,6 +499,42 @@ def test_gluon_causal_work_orders_gpu(monkeypatch, order, D):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("B,Sq,Sk,H", [(2, 1000, 1000, (3, 3)), (1, 8000, 8256, (8, 2))])
+def test_gluon_causal_dynamic_gpu(monkeypatch, D, B, Sq, Sk, H):
+    """cfg dynamic (q-tiles handed out by an atomic counter) against the reference: fewer q-tiles than programs (48,
+    every program draws once and stops) and many more (504, GQA, a diagonal offset by 256 keys, partial last
+    q-tile); three calls in a row and a CUDA-graph replay (the counter starts at 0 on every call)."""
+    from sparsepatch.kernels.skip import gluon as skip_gluon
+    for key in skip.CONFIGS:
+        monkeypatch.setitem(skip.CONFIGS, key, dict(skip.CONFIGS[key], gluon=True, causal_gluon=True,
+                                                    gluon_dynamic=True))
+    Hq, Hk = H
+    g = torch.Generator(device="cuda").manual_seed(10)
+    q = torch.randn(B, Sq, Hq, D, device="cuda", generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(B, Sk, Hk, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    if not skip_gluon.supported(q, k, v, (128, 128), dense=True):
+        pytest.skip("Gluon kernel not available here")
+    rout, rlse = reference.attention(q, k, v, causal=True, return_lse=True)
+    for _ in range(3):
+        out, lse = skip.attention(q, k, v, causal=True, return_lse=True)
+        assert skip._GLUON_OK[0]
+        assert_close(out, rout, torch.bfloat16)
+        torch.testing.assert_close(lse, rlse, atol=2e-3, rtol=1e-4)
+    static = skip_gluon.dense_fwd(q, k, v, D ** -0.5, False, cfg=dict(dynamic=False), causal=True)[0]
+    assert torch.equal(out, static)   # same q-tile arithmetic, only the program that runs it differs
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = skip.attention(q, k, v, causal=True)
+    for _ in range(2):
+        gout.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(gout, out)
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,Sq,Sk,H,causal,head_major", [(2, 4000, 4000, (4, 2), False, False),
                                                           (2, 4000, 4000, (4, 1), True, True),

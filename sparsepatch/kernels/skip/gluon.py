@@ -45,9 +45,10 @@ from ..dense.reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile (head dim 256, dense only: 64, as K / V stages of 128 x 256 do not fit shared memory)
-# causal_order None: `causal_order` picks per shape
+# causal_order None: `causal_order` picks per shape; dynamic (causal only): q-tiles handed out by an atomic counter
+# instead of static round-robin shares (`_producer`)
 GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True,
-                         causal_order=None)
+                         causal_order=None, dynamic=False)
 # head dim 256: q 64 KB + 2 stages of 64-key K and V tiles (128 KB); out stored from registers (the staging through
 # the last K tile needs 64 rows per warpgroup)
 GLUON_D256_CONFIG = dict(GLUON_SKIP_CONFIG, stages=2, kstage=False)
@@ -101,19 +102,26 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, q_ready, q_empty,
-                  CNT, IDX, warm, PRB,
+                  item_smem, CTR, CNT, IDX, warm, PRB,
                   MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
                   SKIP: gl.constexpr, STATEFUL: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr,
-                  LAYOUT: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, PROBE: gl.constexpr):
+                  LAYOUT: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, DYNAMIC: gl.constexpr,
+                  PROBE: gl.constexpr):
         """The loads. K and V of a k-tile share one ring slot and barrier pair (ready / empty); SPLIT: K and V have
         their own barrier pairs (ready / empty for K, v_ready / v_empty for V), so the consumers free a K tile as
         soon as its Q K^T is done and the next K loads while the previous P V still runs (2-stage rings: head dim
-        256, where a third stage does not fit shared memory)."""
+        256, where a third stage does not fit shared memory).
+        DYNAMIC: after its first item (the program id), each program takes the next item from the counter *CTR
+        (items in `_item` order, ORDER 1: head-major, longest q-tiles first), so programs that drew long q-tiles
+        draw fewer; the item goes to the consumers through item_smem with the q-tile's q_ready phase, and -1 after
+        the last one."""
         pid = gl.program_id(0)
         P = gl.num_programs(0)
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         g = 0
         k = 0
-        for lin in range(pid, n_items, P):
+        lin = pid
+        while lin < n_items:
             pb = ((pid * MAXK + k) * 3 + 2).to(gl.int64) * 8   # PROBE: this q-tile's producer stamps
             if PROBE:
                 _stamp(PRB, pb, 0, lin)
@@ -135,6 +143,9 @@ if HAS_GLUON:
             mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
             if PROBE:
                 _stamp(PRB, pb, 1, cnt)
+            if DYNAMIC:   # published by q_ready's arrive below (release), read after the consumers' wait on it
+                item_smem.store(gl.full([1], lin, gl.int32, one))
+                gl.thread_barrier()
             mbarrier.expect(q_ready, _BM * D * 2)
             # TMA coordinates in each tensor's 2-D descriptor (LAYOUT bits 1 / 2 / 4: q / k / v head-major)
             if LAYOUT & 1:
@@ -177,6 +188,15 @@ if HAS_GLUON:
             if PROBE:
                 _stamp(PRB, pb, 2, g)
             k += 1
+            if DYNAMIC:
+                lin = P + gl.atomic_add(CTR, 1)
+            else:
+                lin += P
+        if DYNAMIC:   # no items left: the consumers read -1 with the next q_ready phase
+            mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
+            item_smem.store(gl.full([1], -1, gl.int32, one))
+            gl.thread_barrier()
+            mbarrier.arrive(q_ready)
 
     @gluon.jit
     def _item(lin, Tq, n_items, CAUSAL: gl.constexpr, ORDER: gl.constexpr):
@@ -224,14 +244,15 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, q_ready, q_empty, wx, wx_full, wx_empty,
-                  CNT, IDX,
+                  item_smem, CNT, IDX,
                   CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk,
                   n_items, qk_scale, threshold, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
                   NWORDS: gl.constexpr, WG: gl.constexpr, LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                   SKIP: gl.constexpr, KSTAGE: gl.constexpr, PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr,
                   CAUSAL: gl.constexpr, ORDER: gl.constexpr, FORCED: gl.constexpr, BN: gl.constexpr,
-                  SPLIT: gl.constexpr, PROBE: gl.constexpr):
-        """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile. WG 0 also writes the next lists
+                  SPLIT: gl.constexpr, DYNAMIC: gl.constexpr, PROBE: gl.constexpr):
+        """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile (DYNAMIC: of every q-tile the
+        producer publishes in item_smem, until it publishes -1). WG 0 also writes the next lists
         (STATEFUL: not on a warm-up call, which visits every tile); FORCED: the must_do tiles (q-tile row flags FROW,
         k-tile column flags FCOL, int8) are kept whatever their keep test said."""
         NW: gl.constexpr = gl.num_warps()
@@ -254,7 +275,12 @@ if HAS_GLUON:
         P = gl.num_programs(0)
         g = 0
         k = 0
-        for lin in range(pid, n_items, P):
+        if DYNAMIC:
+            mbarrier.wait(q_ready, 0)
+            lin = gl.max(item_smem.load(w_layout), 0)
+        else:
+            lin = pid
+        while (lin >= 0) & (lin < n_items):
             pb = ((pid * MAXK + k) * 3 + WG).to(gl.int64) * 8   # PROBE: this q-tile's stamps of this warpgroup
             if PROBE:
                 _stamp(PRB, pb, 0, lin)
@@ -449,9 +475,14 @@ if HAS_GLUON:
             if PROBE:
                 _stamp(PRB, pb, 6, k)
             k += 1
+            if DYNAMIC:   # (the body's own wait on this phase then returns at once)
+                mbarrier.wait(q_ready, k & 1)
+                lin = gl.max(item_smem.load(w_layout), 0)
+            else:
+                lin += P
 
     @gluon.jit
-    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, STEP, O, LSE, PRB, MAXK,
+    def _skip_gluon_kernel(q_desc, k_desc, v_desc, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, STEP, O, LSE, PRB, CTR, MAXK,
                            n_warmup,
                            slot_cnt, slot_idx, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, n_rep, Tq, Tk, n_items,
                            qk_scale, threshold, causal_off,
@@ -460,7 +491,7 @@ if HAS_GLUON:
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
                            PV_ASYNC: gl.constexpr = True, STATEFUL: gl.constexpr = False, CAUSAL: gl.constexpr = False,
                            ORDER: gl.constexpr = 1, FORCED: gl.constexpr = False, LAYOUT: gl.constexpr = 0,
-                           BLOCK_N: gl.constexpr = 128, PROBE: gl.constexpr = False):
+                           BLOCK_N: gl.constexpr = 128, DYNAMIC: gl.constexpr = False, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads.
         STATEFUL (the patcher's skip_step): CNT / IDX (read) and CNT_OUT / IDX_OUT (written) are two list slots each
@@ -491,6 +522,7 @@ if HAS_GLUON:
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         wx = gl.allocate_shared_memory(gl.int32, [NWORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)   # one arrive per consumer warpgroup
@@ -504,20 +536,22 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0), bars.index(1), wx,
                          bars.index(2),
-                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob,
+                         bars.index(3), item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK,
+                         stride_ob,
                          stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES,
                          NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER, FORCED,
-                         BLOCK_N, SPLIT, PROBE)),
+                         BLOCK_N, SPLIT, DYNAMIC, PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0), bars.index(1), wx,
                          bars.index(2),
-                         bars.index(3), CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob,
+                         bars.index(3), item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK,
+                         stride_ob,
                          stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES,
                          NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER, FORCED,
-                         BLOCK_N, SPLIT, PROBE)),
+                         BLOCK_N, SPLIT, DYNAMIC, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0),
-                         bars.index(1),
+                         bars.index(1), item_smem, CTR,
                          CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D, STAGES, SKIP,
-                         STATEFUL, CAUSAL, ORDER, LAYOUT, BLOCK_N, SPLIT, PROBE)),
+                         STATEFUL, CAUSAL, ORDER, LAYOUT, BLOCK_N, SPLIT, DYNAMIC, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -598,7 +632,7 @@ def skip_step(q, k, v, counts, indices, step, warmup, threshold, scale, cfg=None
 # and descriptor bases only. Key: every shape / stride / dtype / scalar argument and the config.
 _PLANS: dict = {}
 _DIRECT = [True]
-_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "FROW", "FCOL", "STEP", "O", "LSE", "PRB")
+_TENSORS = ("CNT", "IDX", "CNT_OUT", "IDX_OUT", "FROW", "FCOL", "STEP", "O", "LSE", "PRB", "CTR")
 _DESCS = dict(q_desc=0, k_desc=1, v_desc=2)
 
 
@@ -634,18 +668,25 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
     grid = (min(n_items, num_sms(dev)),)
     maxk = triton.cdiv(n_items, grid[0])
     order = 1
-    if causal:
+    dynamic = bool(causal and cfg.get("dynamic"))
+    if causal and not dynamic:
         order = cfg["causal_order"]
         if order is None:
             order = causal_order(B * Hq, Tq, grid[0], BM // bn)
     # benchmarks only: cfg["probe"], int64 (programs, maxk, 3, 8): %clock64 stamps per owned q-tile of warpgroup 0,
     # warpgroup 1 and the producer (bench_skip.py `probe_gluon` reads them)
     probe = cfg.get("probe")
+    if probe is not None and dynamic:
+        raise ValueError("cfg['probe'] needs static shares (cfg['dynamic'] False): a dynamic program's q-tile count "
+                         "is not known in advance")
     if probe is not None and (probe.dtype != torch.int64 or probe.numel() < grid[0] * maxk * 24):
         raise ValueError(f"cfg['probe'] must be an int64 tensor of >= {grid[0] * maxk * 24} elements")
     frow, fcol = forced if forced is not None else (lse, lse)   # (never read without must_do)
+    # the work counter starts at 0 on every call (a fresh one per call: CUDA graphs and concurrent streams)
+    ctr = torch.zeros((1,), dtype=torch.int32, device=dev) if dynamic else lse
     tensors = dict(CNT=counts, IDX=indices, CNT_OUT=next_counts, IDX_OUT=next_indices, FROW=frow, FCOL=fcol,
-                   STEP=step if stateful else next_counts, O=out, LSE=lse, PRB=lse if probe is None else probe)
+                   STEP=step if stateful else next_counts, O=out, LSE=lse, PRB=lse if probe is None else probe,
+                   CTR=ctr)
     slot_cnt, slot_idx = (counts.stride(0), indices.stride(0)) if stateful else (0, 0)
     # (skip_step returns out only: no empty LSE to allocate for it)
     lse_ret = lse if return_lse or stateful else q.new_empty((0,), dtype=torch.float32)
@@ -689,7 +730,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
                   PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, CAUSAL=bool(causal),
-                  ORDER=order, FORCED=forced is not None, LAYOUT=layout, BLOCK_N=bn,
+                  ORDER=order, FORCED=forced is not None, LAYOUT=layout, BLOCK_N=bn, DYNAMIC=dynamic,
                   PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
