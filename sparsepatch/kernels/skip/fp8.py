@@ -321,7 +321,8 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
             word = tl.sum(tl.where(widx == (c0 >> 5), words, 0), 0)
             inb = offs_c < (c1 - c0)
             if FULL_ROWS:   # a full row's list is 0 .. Tk - 1 (a warm-up row counts as full)
-                jv = tl.where(full != 0, c0 + offs_c, tl.load(idx_in + c0 + offs_c, mask=inb & (full == 0), other=0))
+                jv = tl.load(idx_in + c0 + offs_c, mask=offs_c < (c1 - c0) * (1 - full), other=0)
+                jv = tl.where(full != 0, c0 + offs_c, jv)
             else:
                 jv = tl.load(idx_in + c0 + offs_c, mask=inb, other=0)
                 if STATEFUL:
