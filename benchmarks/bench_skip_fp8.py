@@ -159,7 +159,8 @@ def main():
             for name, cfg in switches.items():
                 o1, n1 = skip_fp8.skip_attention_fp8(q, k, v, lists[rho], -5.0, quantized=quant, cfg=cfg)
                 same[f"{name}@{rho}"] = bool(torch.equal(o0, o1) and n0.equal(n1))
-            del o0, o1
+                del o1
+            del o0
     res["switch_equal_default"] = same
     bad = [k_ for k_, ok_ in same.items() if not ok_]
     log(f"switches equal to the default (output + next list, bitwise): {'all' if not bad else 'NOT ' + str(bad)}")
