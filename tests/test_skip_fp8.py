@@ -240,10 +240,45 @@ def test_kernel_interpreter_keep_words(monkeypatch):
     assert bool(((res[0][1].to_mask() ^ n_ref.to_mask()) <= near).all())
 
 
+# every same-output switch of FP8_SKIP_CONFIG on (session 15): they change the schedule, never a value or a list
+SWITCHES = {"full_rows": True, "early_list": True, "lsum_early": True, "desc2d": True}
+
+
 @cpu_only
-def test_kernel_interpreter_stateful(monkeypatch):
+@pytest.mark.parametrize("must_do", [None, [(130, 140)]])
+def test_kernel_interpreter_switches(monkeypatch, must_do):
+    """The session-15 switches (full_rows, early_list, lsum_early, desc2d) give the default kernel's output, LSE and
+    next list bit for bit (interpreter, fp16 stand-ins): rows listing every k-tile (the full_rows walk, here with a
+    partial last k-tile), rows listing a few, a partial last q-tile, and the two-part merge of 128-row q-tiles;
+    with must_do, the union list makes the forced rows full."""
+    B, H, Sq, Sk, D, thr, tile = 1, 2, 300, 330, 64, -2.0, (128, 64)
+    q, k, v = (x[:, :Sq] if i == 0 else x[:, :Sk] for i, x in
+               enumerate(video_like_qkv(heads=H, frames=6, height=8, width=8, dim=D, seed=9)))
+    q, k, v = (x.half().float() for x in (q, k, v))
+    mask = random_list(B, H, Sq, Sk, tile, 0.5, seed=3).to_mask()
+    mask[:, 0, 1] = True                 # full rows (Tk = 6, the last k-tile partial)
+    mask[:, 1, 2] = True
+    lst = SkipList.from_mask(mask, tile, Sq, Sk)
+    quant = _standin_quantized(k, v)
+    monkeypatch.setattr(skip_fp8, "fp8_skip_supported", lambda q, tile=None: True)
+    base = skip_fp8.skip_attention_fp8(q, k, v, lst, thr, return_lse=True, tile=tile, must_do=must_do,
+                                       quantized=quant)
+    alt = skip_fp8.skip_attention_fp8(q, k, v, lst, thr, return_lse=True, tile=tile, must_do=must_do,
+                                      quantized=quant, cfg=SWITCHES)
+    assert torch.equal(base[0], alt[0]) and torch.equal(base[2], alt[2])
+    assert base[1].equal(alt[1])
+    dens = base[1].density().item()
+    assert 0.0 < dens < 1.0                            # the keep test dropped some tiles and kept others
+    kept = base[1].to_mask()[:, 1, 2]                   # a full row's next list: some tiles, not all
+    assert bool(kept.any()) and not bool(kept.all())
+
+
+@cpu_only
+@pytest.mark.parametrize("cfg", [None, SWITCHES], ids=["default", "switches"])
+def test_kernel_interpreter_stateful(monkeypatch, cfg):
     """STATEFUL launch (interpreter, stand-ins): warm-up call reads every tile and leaves the slots alone; the next
-    calls read slot (n - warmup) % 2 and write the other; density recorded."""
+    calls read slot (n - warmup) % 2 and write the other; density recorded. cfg "switches": the stateful kernel with
+    the session-15 switches (a warm-up row takes the full_rows walk) writes what the default one-call entry does."""
     B, H, S, D, thr, tile = 1, 2, 260, 64, -2.0, (128, 128)
     q, k, v = (x[:, :S].half().float() for x in video_like_qkv(heads=H, frames=5, height=8, width=8, dim=D, seed=7))
     k8, ks, vt, vs = _standin_quantized(k, v)
@@ -254,7 +289,7 @@ def test_kernel_interpreter_stateful(monkeypatch):
     for n in range(3):
         before = bufs.counts.clone(), bufs.indices.clone()
         skip_fp8.skip_step_fp8(q, k, v, bufs.counts, bufs.indices, bufs.step, bufs.density, thr, 1, 128, 128,
-                               1 / math.sqrt(D), [])
+                               1 / math.sqrt(D), [], cfg=cfg)
         if n == 0:
             assert torch.equal(bufs.counts, before[0]) and torch.equal(bufs.indices, before[1])
             continue
@@ -275,9 +310,10 @@ def _cuda():
 
 
 @gpu
-@pytest.mark.parametrize("D,tile,block_m", [(128, (128, 128), 64), (64, (128, 128), 64), (128, (64, 64), 64),
-                                            (128, (128, 128), 128)])
-def test_gpu_kernel_vs_emulation(D, tile, block_m):
+@pytest.mark.parametrize("D,tile,block_m,switch", [(128, (128, 128), 64, None), (64, (128, 128), 64, None),
+                                                   (128, (64, 64), 64, None), (128, (128, 128), 128, None),
+                                                   (128, (128, 128), 64, "all"), (64, (64, 64), 64, "all")])
+def test_gpu_kernel_vs_emulation(D, tile, block_m, switch):
     """Kernel vs emulation on the same inputs. The kernel's int8 q (quantized in-kernel) is the emulation's bit for
     bit (`dense.fp8._quant_tile`: same scale multiply, IEEE reciprocal, uncontracted rounding; bf16 inputs have
     many exact rounding ties, so anything less flips whole rows: round 2 failed here with 3.6% of rows), and the
@@ -294,6 +330,11 @@ def test_gpu_kernel_vs_emulation(D, tile, block_m):
     q, k, v = q[:, :S].contiguous(), k[:, :S].contiguous(), v[:, :S].contiguous()
     lst = random_list(1, 4, S, S, tile, 0.5, seed=3, device="cuda")
     cfg = {"block_m": block_m}
+    if switch == "all":          # the session-15 switches, with full rows in the list (the full_rows walk)
+        cfg.update(SWITCHES)
+        mask = lst.to_mask()
+        mask[:, :, ::3] = True
+        lst = SkipList.from_mask(mask, tile, S, S)
     from sparsepatch.kernels.dense.fp8 import quantize_fp8
     quant = quantize_fp8(q, k, v, "int8", quantize_q=False)[2:]
     k8, ks, vt8, vs = quant
@@ -357,6 +398,78 @@ def test_gpu_must_do_and_stateful():
         skip_step(q, k, v, bufs, -5.0, 1, must_do=must, precision="fp8")
     _, want = skip_attention(q, k, v, first, -5.0, must_do=must, precision="fp8")
     assert bufs.current(1).equal(want)
+
+
+@gpu
+@pytest.mark.parametrize("switch", ["full_rows", "early_list", "lsum_early", "desc2d"])
+def test_gpu_switch_equals_default(switch):
+    """Each session-15 switch alone gives the default kernel's output, LSE and next list bit for bit (they change
+    the schedule only): a list with full rows and partial rows, a partial last q- and k-tile, must_do, and the
+    stateful path over a warm-up call and two carried calls."""
+    if not _cuda():
+        pytest.skip("needs sm_90")
+    q, k, v = video_like_qkv(heads=4, frames=8, height=16, width=24, dim=128, seed=6, dtype=torch.bfloat16,
+                             device="cuda")
+    S = q.shape[1] - 60
+    q, k, v = q[:, :S].contiguous(), k[:, :S].contiguous(), v[:, :S].contiguous()
+    mask = random_list(1, 4, S, S, (128, 128), 0.4, seed=8).to_mask()
+    mask[:, :, ::4] = True
+    lst = SkipList.from_mask(mask.cuda(), (128, 128), S, S)
+    cfg = {switch: True}
+    for must in (None, [(0, 100)]):
+        base = skip_fp8.skip_attention_fp8(q, k, v, lst, -5.0, return_lse=True, must_do=must)
+        alt = skip_fp8.skip_attention_fp8(q, k, v, lst, -5.0, return_lse=True, must_do=must, cfg=cfg)
+        assert torch.equal(base[0], alt[0]) and torch.equal(base[2], alt[2]) and base[1].equal(alt[1])
+        assert 0.0 < base[1].density().item() < 1.0
+    bufs = [SkipListBuffers.create(1, 4, S, S, (128, 128), "cuda") for _ in range(2)]
+    flat = [0, 100]
+    with torch.no_grad():
+        for call in range(3):
+            outs = [skip_fp8.skip_step_fp8(q, k, v, b.counts, b.indices, b.step, b.density, -5.0, 1, 128, 128,
+                                           1 / math.sqrt(128), flat, cfg=c) for b, c in zip(bufs, (None, cfg))]
+            assert torch.equal(outs[0], outs[1]), call
+            assert torch.equal(bufs[0].counts, bufs[1].counts) and bufs[0].current(1).equal(bufs[1].current(1))
+
+
+@gpu
+def test_gpu_launch_plans():
+    """The fp8 skip call and its quantize launches relaunch recorded plans (`_common.LaunchPlans`) with each call's
+    tensors (fresh inputs and lists each call, so every pointer and descriptor is re-filled): bitwise equal to
+    Triton's own launch path on the same inputs, no new plan per call, no fallback."""
+    if not _cuda():
+        pytest.skip("needs sm_90")
+    import triton
+    from sparsepatch.kernels._common import C_LAUNCH_VERSIONS
+    from sparsepatch.kernels.dense import fp8 as dense_fp8
+    skip_fp8._PLANS.plans.clear()
+    dense_fp8._QUANT_PLANS.plans.clear()
+    S, tile = 2000, (128, 128)
+
+    def inputs(seed):
+        q, k, v = (x[:, :S].contiguous() for x in video_like_qkv(heads=4, frames=8, height=16, width=16, dim=128,
+                                                                 seed=seed, dtype=torch.bfloat16, device="cuda"))
+        return q, k, v, random_list(1, 4, S, S, tile, 0.5, seed=seed, device="cuda")
+
+    with torch.no_grad():
+        skip_fp8.skip_attention_fp8(*inputs(20), -5.0, return_lse=True)   # Triton's launcher; plans recorded
+        n = (len(skip_fp8._PLANS.plans), len(dense_fp8._QUANT_PLANS.plans))
+        assert n == (1, 2) and skip_fp8._PLANS.enabled[0] and dense_fp8._QUANT_PLANS.enabled[0]
+        if triton.__version__ in C_LAUNCH_VERSIONS:
+            for plans in (skip_fp8._PLANS, dense_fp8._QUANT_PLANS):
+                assert all(getattr(p, "direct", False) for p in plans.plans.values())
+        for seed in (21, 22):
+            q, k, v, lst = inputs(seed)
+            via_plan = skip_fp8.skip_attention_fp8(q, k, v, lst, -5.0, return_lse=True)
+            assert (len(skip_fp8._PLANS.plans), len(dense_fp8._QUANT_PLANS.plans)) == n
+            assert skip_fp8._PLANS.enabled[0] and dense_fp8._QUANT_PLANS.enabled[0]
+            skip_fp8._PLANS.enabled[0] = dense_fp8._QUANT_PLANS.enabled[0] = False    # Triton's launcher
+            try:
+                via_jit = skip_fp8.skip_attention_fp8(q, k, v, lst, -5.0, return_lse=True)
+            finally:
+                skip_fp8._PLANS.enabled[0] = dense_fp8._QUANT_PLANS.enabled[0] = True
+            assert torch.equal(via_plan[0], via_jit[0]) and torch.equal(via_plan[2], via_jit[2])
+            assert via_plan[1].equal(via_jit[1])
+            assert 0.0 < via_plan[1].density().item() < lst.density().item()
 
 
 @gpu

@@ -204,3 +204,66 @@ class DescriptorArgs:
     def __init__(self, base, shape, strides, block_shape, padding):
         self.base, self.shape, self.strides, self.block_shape, self.padding = base, shape, strides, block_shape, \
             padding
+
+    def descriptor(self):
+        """The Triton TensorDescriptor of this geometry (what Triton's own launch path takes)."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape),
+                                self.padding)
+
+
+def _plan_key(a):
+    """What of one kernel argument a launch plan depends on: a tensor's dtype and 16-byte alignment (Triton
+    specialises pointers on it), a host descriptor's geometry, dtype and base alignment, any other value itself."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, DescriptorArgs):
+        return (a.base.dtype, a.base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides), tuple(a.block_shape),
+                a.padding)
+    return a
+
+
+def _plan_device(args):
+    """Device index of the first CUDA tensor among args (plans are per device), else None (nothing to plan)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.index if a.is_cuda else None
+    return None
+
+
+class LaunchPlans:
+    """Direct-launch plans of one kernel caller. `launch(fn, grid, args, ...)` runs fn[grid](*args) where args
+    holds every kernel parameter in declaration order, constexprs included: tensors (re-filled per call), host TMA
+    descriptors as `DescriptorArgs` (re-pointed per call; their geometry is part of the plan), and plain values.
+    The first launch of a plan key (every plain value, every tensor's dtype and alignment, every descriptor's
+    geometry, grid, warps, stages, device) goes through Triton's runner and records `direct_launcher` (the compiled
+    kernel's launcher: tens of microseconds less host time per call than JITFunction.run's binding and cache
+    lookup); later launches with the same key reuse it. A failing direct relaunch warns and turns this caller's
+    plans off (`relaunch_or_stop`); Triton's runner then launches every call. Kernels that need Triton's global
+    scratch (descriptors built on the device) are launched by the runner and not planned."""
+
+    def __init__(self, who: str, limit: int = 64):
+        self.who = who
+        self.limit = limit
+        self.plans: dict = {}
+        self.enabled = [not interpret()]
+
+    def launch(self, fn, grid, args, num_warps: int, num_stages: int | None = None) -> None:
+        grid = tuple(grid)
+        dev = _plan_device(args) if self.enabled[0] else None
+        key = None
+        if dev is not None:
+            key = (fn, dev, grid, num_warps, num_stages, tuple(_plan_key(a) for a in args))
+            relaunch = self.plans.get(key)
+            if relaunch is not None and dev == torch.cuda.current_device():
+                if relaunch_or_stop(relaunch, dev, args, self.enabled, self.plans, self.who):
+                    return
+                key = None
+        opts = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
+        kern = fn[grid](*[a.descriptor() if isinstance(a, DescriptorArgs) else a for a in args], **opts)
+        if key is not None and dev == torch.cuda.current_device():
+            relaunch = direct_launcher(kern, grid)
+            if relaunch is not None and getattr(getattr(kern, "run", None), "global_scratch_size", 0) == 0:
+                if len(self.plans) >= self.limit:
+                    self.plans.clear()
+                self.plans[key] = relaunch

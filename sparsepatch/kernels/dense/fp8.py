@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import direct_launcher, interpret, key_range, relaunch_or_stop, set_tma_allocator
+from .._common import LaunchPlans, interpret, key_range, set_tma_allocator
 from .reference import LOG2E, check_qkv
 from .splitd import LN2_C, unit_stride
 
@@ -343,12 +343,12 @@ def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True, quan
     n_k = nkb * B * Hk
     n_q = nqb * B * Hq if quantize_q else 0
     qa = q if quantize_q else k  # unused pointers when q is not quantized here
-    _planned_launch(
-        _fp8_quant_kqv_kernel, n_k + n_q,
-        (k, v, qa, k8, ks, vamax, q8 if quantize_q else k8, qs if quantize_q else ks),
-        (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-         qa.stride(0), qa.stride(1), qa.stride(2), Sk, Sq, Hk, Hq, nkb, nqb, n_k),
-        (D, FP8_BLOCK, _QINV[qk_format], int8, bool(cfg["l2_hint"])))
+    _QUANT_PLANS.launch(
+        _fp8_quant_kqv_kernel, (n_k + n_q,),
+        (k, v, qa, k8, ks, vamax, q8 if quantize_q else k8, qs if quantize_q else ks,
+         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+         qa.stride(0), qa.stride(1), qa.stride(2), Sk, Sq, Hk, Hq, nkb, nqb, n_k,
+         D, FP8_BLOCK, _QINV[qk_format], int8, bool(cfg["l2_hint"])), num_warps=8)
     _launch_vt(v, vt, vs, vamax, cfg)
     return q8, qs, k8, ks, vt, vs
 
@@ -357,38 +357,14 @@ def _launch_vt(v, vt, vs, vamax, cfg):
     """The V^T pass of `quantize_fp8` (v unit-stride on D; vamax: the first launch's channel amax bits)."""
     B, Sk, Hk, D = v.shape
     nblk = triton.cdiv(Sk, _VT_BS)
-    _planned_launch(_fp8_quant_vt_kernel, nblk * B * Hk, (v, vt, vs, vamax),
-                    (v.stride(0), v.stride(1), v.stride(2), Sk, vt.shape[-1], Hk, nblk),
-                    (D, _VT_BS, cfg["vt_order"] == "rev", bool(cfg["l2_hint"])))
+    _QUANT_PLANS.launch(_fp8_quant_vt_kernel, (nblk * B * Hk,),
+                        (v, vt, vs, vamax, v.stride(0), v.stride(1), v.stride(2), Sk, vt.shape[-1], Hk, nblk,
+                         D, _VT_BS, cfg["vt_order"] == "rev", bool(cfg["l2_hint"])), num_warps=8)
 
 
-_QUANT_PLANS: dict = {}
-_QUANT_DIRECT = [True]   # False after a failed direct relaunch (a Triton whose launcher differs)
-
-
-def _planned_launch(fn, grid, tensors, ints, consts, num_warps=8):
-    """fn[(grid,)](*tensors, *ints, *consts) with every parameter positional in declaration order (tensors first,
-    then the int scalars, then the constexprs). The first launch of a geometry goes through Triton's runner and
-    records a direct launcher (`_common.direct_launcher`: the compiled kernel's C launcher, ~tens of us less host
-    time per call); later launches with the same ints / constexprs / dtypes and 16-byte-aligned pointers (what
-    Triton specialised on) reuse it."""
-    t0 = tensors[0]
-    key = None
-    if _QUANT_DIRECT[0] and t0.is_cuda and all(t.data_ptr() % 16 == 0 for t in tensors):
-        key = (fn.__name__, t0.device.index, grid, tuple(t.dtype for t in tensors), ints, consts, num_warps)
-        relaunch = _QUANT_PLANS.get(key)
-        if relaunch is not None and t0.device.index == torch.cuda.current_device():
-            if relaunch_or_stop(relaunch, t0.device.index, (*tensors, *ints, *consts), _QUANT_DIRECT, _QUANT_PLANS,
-                                "fp8 quantize"):
-                return
-            key = None
-    kern = fn[(grid,)](*tensors, *ints, *consts, num_warps=num_warps)
-    if key is not None and t0.device.index == torch.cuda.current_device():
-        relaunch = direct_launcher(kern, (grid,))
-        if relaunch is not None:
-            if len(_QUANT_PLANS) > 64:
-                _QUANT_PLANS.clear()
-            _QUANT_PLANS[key] = relaunch
+# Direct-launch plans of the two quantize launches (`_common.LaunchPlans`: the compiled kernel's launcher, ~tens of
+# us less host time per call than Triton's Python launch path).
+_QUANT_PLANS = LaunchPlans("fp8 quantize")
 
 
 def _fp8_cfg(cfg):

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import bit_or, interpret, list_slots, set_tma_allocator
+from .._common import DescriptorArgs, LaunchPlans, bit_or, interpret, list_slots, set_tma_allocator
 from ..dense.fp8 import _QINV, FP8_BLOCK, FP8_LOG2_P_SCALE, QK_FORMATS, _qk_scores, _quant_tile, quantize_fp8, \
     quantize_fp8_reference
 from ..dense.reference import LOG2E, check_qkv
@@ -44,14 +44,24 @@ CHUNK = 32  # visited tiles per keep-bit word
 CHUNK_C = tl.constexpr(CHUNK)
 
 # Launch settings: 64-row programs of one warpgroup (two per SM: one's softmax overlaps the other's wgmma, as in
-# attention_fp8), 3 stages; host_desc: K8 / V^T8 TMA descriptors built on the host over the (B, Hk, Sk, D) and
-# (B, Hk, D, Sk) views (no per-program descriptor build: it is part of the fixed cost per q-tile program that
-# dominates at low density, skip NOTES v5).
+# attention_fp8), 3 stages; host_desc: K8 / V^T8 TMA descriptors built on the host (no per-program descriptor
+# build: it is part of the fixed cost per q-tile program that dominates at low density, skip NOTES v5), over the
+# 4-D (B, Hk, Sk, D) / (B, Hk, D, Sk) views, or with desc2d over the 2-D (B Hk Sk, D) / (B Hk D, Sk) views (two
+# TMA coordinates per load instead of four, as attention_fp8's per-head descriptors).
 # keep_row: keep bits accumulated per row (one int32 per row, layout of m_i) and OR-reduced across rows once per
-# 32 visited tiles; False: the round-1 [BLOCK_M, NWORDS] select per tile, one reduction at the end (kept for the
-# A/B until measured). diag: timing diagnostics only, wrong results at density < 1: "seqidx" visits tiles
-# 0..cnt-1 instead of the listed ones (no index loads), "nokeep" skips the keep test (empty next list).
-FP8_SKIP_CONFIG = dict(block_m=64, num_warps=4, num_stages=3, host_desc=True, keep_row=True, diag="")
+# 32 visited tiles; False: the round-1 [BLOCK_M, NWORDS] select per tile, one reduction at the end (measured 2.7%
+# slower at density 1, skip fp8 round 2; kept for the A/B). diag: timing diagnostics only, wrong results at
+# density < 1: "seqidx" visits tiles 0..cnt-1 instead of the listed ones (no index loads), "nokeep" skips the keep
+# test (empty next list).
+# Switches of session 15 (same outputs and lists; defaults off until measured, NOTES "fp8 skip-list forward"):
+#   full_rows: a row whose list holds every k-tile (count Tk) walks 0..Tk-1 without loading its list (no index
+#     load per tile, no list read when writing the next list): the "seqidx" loop for the rows where it is exact.
+#   early_list: the list's count / last / first index are loaded at the program's start, under q's load, instead
+#     of after q's quantization (two dependent round trips before the first K/V copy can be issued).
+#   lsum_early: the P V wgmma waits for the row sum (an exact fma(l, 0, alpha) dependency), so the sum's adds and
+#     shuffles run before the P V issue, as in attention_fp8's loop, instead of between it and the next Q K^T.
+FP8_SKIP_CONFIG = dict(block_m=64, num_warps=4, num_stages=3, host_desc=True, keep_row=True, diag="",
+                       desc2d=False, full_rows=False, early_list=False, lsum_early=False)
 _DIAGS = ("", "seqidx", "nokeep")
 
 
@@ -65,15 +75,18 @@ def supports_tile(tile) -> bool:
 
 
 @triton.jit
-def _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, bhk_b, bhk_h, start_n, offs_n, Sk,
+def _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk, start_n, offs_n, Sk,
                D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, QK_ACC: tl.constexpr,
-               LOG2_PS: tl.constexpr, HOST_DESC: tl.constexpr, FBLK: tl.constexpr):
+               LOG2_PS: tl.constexpr, DESC: tl.constexpr, FBLK: tl.constexpr, LSUM_EARLY: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) step of the online softmax on the quantized operands; returns (acc, l_i, m_i, the
-    block's row max of the dequantized scores in log2 units)."""
-    if HOST_DESC:
-        k = k_desc.load([bhk_b, bhk_h, start_n, 0]).reshape(BLOCK_N, D)
-        vt = v_desc.load([bhk_b, bhk_h, 0, start_n]).reshape(D, BLOCK_N)
-    else:
+    block's row max of the dequantized scores in log2 units). (b, hk) = (batch, kv head), bhk = b * Hk + hk."""
+    if DESC == 2:      # host descriptors over the 2-D (B Hk Sk, D) / (B Hk D, Sk) views
+        k = k_desc.load([bhk * Sk + start_n, 0])
+        vt = v_desc.load([bhk * D, start_n])
+    elif DESC == 1:    # host descriptors over the 4-D (B, Hk, Sk, D) / (B, Hk, D, Sk) views
+        k = k_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, D)
+        vt = v_desc.load([b, hk, 0, start_n]).reshape(D, BLOCK_N)
+    else:              # descriptors built in the kernel, per (batch, kv head)
         k = k_desc.load([start_n, 0])
         vt = v_desc.load([0, start_n])
     c = cq * tl.load(ks_base + start_n // FBLK)
@@ -93,106 +106,65 @@ def _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, bhk_b, bhk_h, star
         p = tl.math.exp2(s * c - (m_use - LOG2_PS)[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if LSUM_EARLY:
+        # alpha + 0 * l_i is alpha exactly (l_i is finite: P <= 2^LOG2_PS per key), but the P V wgmma now depends
+        # on the row sum, so the compiler finishes the sum before issuing it (dense/fp8.py's order) instead of
+        # leaving its adds and shuffles between the P V issue and the next Q K^T issue
+        alpha = tl.fma(l_i, 0.0, alpha)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
     return acc, l_i, m_new, rmax
 
 
 @triton.jit
-def _tile(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, bhk_b, bhk_h, j, offs_n, Sk,
+def _tile(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk, j, offs_n, Sk,
           D: tl.constexpr, TILE_N: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-          QK_ACC: tl.constexpr, LOG2_PS: tl.constexpr, HOST_DESC: tl.constexpr, FBLK: tl.constexpr):
+          QK_ACC: tl.constexpr, LOG2_PS: tl.constexpr, DESC: tl.constexpr, FBLK: tl.constexpr,
+          LSUM_EARLY: tl.constexpr):
     """All sub-blocks of skip tile j; returns (acc, l_i, m_i, row max over the tile, log2 units)."""
-    acc, l_i, m_i, tmax = _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, bhk_b, bhk_h, j * TILE_N,
-                                     offs_n, Sk, D, BLOCK_N, MASK_N, QK_ACC, LOG2_PS, HOST_DESC, FBLK)
+    acc, l_i, m_i, tmax = _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk, j * TILE_N, offs_n, Sk,
+                                     D, BLOCK_N, MASK_N, QK_ACC, LOG2_PS, DESC, FBLK, LSUM_EARLY)
     for sb in tl.static_range(1, TILE_N // BLOCK_N):
-        acc, l_i, m_i, rmax = _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, bhk_b, bhk_h,
+        acc, l_i, m_i, rmax = _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk,
                                          j * TILE_N + sb * BLOCK_N, offs_n, Sk, D, BLOCK_N, MASK_N, QK_ACC, LOG2_PS,
-                                         HOST_DESC, FBLK)
+                                         DESC, FBLK, LSUM_EARLY)
         tmax = tl.maximum(tmax, rmax)
     return acc, l_i, m_i, tmax
 
 
 @triton.jit
-def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, STEP, KW, ARRIVE,
-                     KD, VD, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
-                     Sq, Sk, Sk_pad, Hq, Hk, n_rep, nkb, Tq, Tk, slot_stride_cnt, slot_stride_idx, n_warmup,
-                     qk_scale, threshold,
-                     D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                     TILE_N: tl.constexpr, STATEFUL: tl.constexpr, HAS_FORCED: tl.constexpr,
-                     LAST_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr, LOG2_PS: tl.constexpr,
-                     QK_ACC: tl.constexpr, QINV: tl.constexpr, NWORDS: tl.constexpr, HOST_DESC: tl.constexpr,
-                     FBLK: tl.constexpr, KEEP_ROW: tl.constexpr, DIAG: tl.constexpr):
-    """Program (pid, bh): rows [pid * BLOCK_M, +BLOCK_M) of (batch, query head) bh, part pid % SPLIT of skip q-tile
-    pid // SPLIT (TILE_M = SPLIT * BLOCK_M rows). q is quantized here, one scale per program (as attention_fp8's
-    fused q). KW (B * Hq * Tq, SPLIT, NWORDS + 1) int32 and ARRIVE (B * Hq * Tq,) int32 (zeroed): with SPLIT 2,
-    each program stores its keep words (and the partial last tile's keep bit) in its part's row of KW, then counts
-    itself in ARRIVE; the program that arrives last merges the parts and writes the next list."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    pid_m = pid // SPLIT
-    part = pid % SPLIT
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // n_rep
-    bhk = (b * Hk + hk).to(tl.int64)
-    b64 = b.to(tl.int64)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < Sq
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    if HOST_DESC:
-        k_desc = KD
-        v_desc = VD
-    else:
-        k_desc = tl.make_tensor_descriptor(K8 + bhk * Sk * D, shape=[Sk, D], strides=[D, 1],
-                                           block_shape=[BLOCK_N, D])
-        v_desc = tl.make_tensor_descriptor(VT8 + bhk * D * Sk_pad, shape=[D, Sk], strides=[Sk_pad, 1],
-                                           block_shape=[D, BLOCK_N])
-    qf = tl.load(Q + b64 * stride_qb + h * stride_qh + rows[:, None] * stride_qs + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0).to(tl.float32)
-    qy, sq = _quant_tile(qf, QINV, QK_ACC == tl.int32)    # bit for bit `quantize_fp8_reference`'s q
-    q = qy.to(K8.dtype.element_ty)
-    cq = sq * qk_scale
-    ks_base = KS + bhk * nkb
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-
-    row = (b64 * Hq + h) * Tq + pid_m
-    cnt_in, idx_in, cnt_out, idx_out, warm, write_ok = list_slots(
-        CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, row, Tk, STEP, n_warmup, slot_stride_cnt, slot_stride_idx, STATEFUL)
-    cnt = tl.load(cnt_in)
-    j_next = tl.load(idx_in)
-    if STATEFUL:
-        cnt = tl.where(warm, Tk, cnt)           # a warm-up call reads every tile
-    # n_plain: listed tiles before a partial last k-tile (index Tk - 1), which the loop masks separately
-    n_plain = cnt
-    if LAST_PARTIAL:
-        last = tl.load(idx_in + tl.maximum(cnt - 1, 0))
-        if STATEFUL:
-            last = tl.where(warm, Tk - 1, last)
-        n_plain = tl.where((cnt > 0) & (last == Tk - 1), cnt - 1, cnt)
-    if HAS_FORCED:
-        frow = (tl.load(FROW + pid_m) != 0).to(tl.int32)
+def _listed_tiles(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk, idx_in, j0, n_plain, Tk, warm, full,
+                  row_ok, offs_n, Sk, threshold,
+                  D: tl.constexpr, TILE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  QK_ACC: tl.constexpr, LOG2_PS: tl.constexpr, DESC: tl.constexpr, FBLK: tl.constexpr,
+                  NWORDS: tl.constexpr, STATEFUL: tl.constexpr, SEQ: tl.constexpr, FULL_ROWS: tl.constexpr,
+                  KEEP_ROW: tl.constexpr, NO_KEEP: tl.constexpr, LSUM_EARLY: tl.constexpr):
+    """The listed full k-tiles 0 .. n_plain - 1 of a row (idx_in: its list, j0 = its first index) -> (acc, l_i,
+    m_i, keep words: bit it % 32 of word it // 32 set iff visited tile `it` passes the keep test in some row of
+    the program). SEQ (diagnostic "seqidx"): tile `it` at step `it` for every row, the list unread. FULL_ROWS: so
+    for a full row (count Tk: an ascending list of Tk distinct tiles is 0 .. Tk - 1; a warm-up row counts as
+    full), whose index loads are predicated off. NO_KEEP (diagnostic): no keep test, no words."""
     widx = tl.arange(0, NWORDS)
     words = tl.zeros([NWORDS], tl.int32)
     rbits = tl.zeros([BLOCK_M], tl.int32)
     if not KEEP_ROW:
         bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
+    j_next = j0
     for it in range(0, n_plain):
-        if DIAG == 1:    # diagnostic (cfg diag="seqidx"): tile it instead of the listed index (= the list at rho 1)
+        if SEQ:
             j = it
+        elif FULL_ROWS:
+            j = tl.where(full != 0, it, j_next)
+            j_next = tl.load(idx_in + tl.minimum(it + 1, Tk - 1), mask=full == 0, other=0)
         else:
             j = j_next       # the index of the next visited tile is loaded one iteration ahead
             j_next = tl.load(idx_in + tl.minimum(it + 1, Tk - 1))
-        if STATEFUL:
-            j = tl.where(warm, it, j)
+            if STATEFUL:
+                j = tl.where(warm, it, j)
         m_before = m_i
-        acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, j, offs_n, Sk, D, TILE_N,
-                                    BLOCK_N, False, QK_ACC, LOG2_PS, HOST_DESC, FBLK)
-        if DIAG != 2:    # diag="nokeep" (diagnostic): no keep test, the next list is empty
+        acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk, j, offs_n, Sk, D,
+                                    TILE_N, BLOCK_N, False, QK_ACC, LOG2_PS, DESC, FBLK, LSUM_EARLY)
+        if not NO_KEEP:
             hit = (((tmax - m_before) > threshold) & row_ok).to(tl.int32) << (it & 31)
             if KEEP_ROW:
                 # keep bits per row in the layout of the row statistics (no [BLOCK_M, NWORDS] select and no layout
@@ -204,12 +176,112 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
                     rbits = tl.zeros([BLOCK_M], tl.int32)
             else:
                 bits = bits | tl.where((widx == (it >> 5))[None, :], hit[:, None], 0)
+    if not KEEP_ROW:
+        words = tl.reduce(bits, 0, bit_or)
+    return acc, l_i, m_i, words
+
+
+@triton.jit
+def _list_head(CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, STEP, row, pid_m, Tk, n_warmup, slot_stride_cnt,
+               slot_stride_idx, STATEFUL: tl.constexpr, LAST_PARTIAL: tl.constexpr, HAS_FORCED: tl.constexpr):
+    """The list slots of q-tile `row` and what the loop needs before it starts -> (cnt_in, idx_in, cnt_out,
+    idx_out, warm, write_ok, cnt, n_plain (listed tiles before a partial last k-tile, index Tk - 1, which the
+    masked loop visits), j0 (first listed index), frow (must_do row flag, 0 without must_do))."""
+    cnt_in, idx_in, cnt_out, idx_out, warm, write_ok = list_slots(
+        CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, row, Tk, STEP, n_warmup, slot_stride_cnt, slot_stride_idx, STATEFUL)
+    cnt = tl.load(cnt_in)
+    j0 = tl.load(idx_in)
+    if STATEFUL:
+        cnt = tl.where(warm, Tk, cnt)           # a warm-up call reads every tile
+        j0 = tl.where(warm, 0, j0)
+    n_plain = cnt
+    if LAST_PARTIAL:
+        last = tl.load(idx_in + tl.maximum(cnt - 1, 0))
+        if STATEFUL:
+            last = tl.where(warm, Tk - 1, last)
+        n_plain = tl.where((cnt > 0) & (last == Tk - 1), cnt - 1, cnt)
+    frow = tl.full([], 0, tl.int32)
+    if HAS_FORCED:
+        frow = (tl.load(FROW + pid_m) != 0).to(tl.int32)
+    return cnt_in, idx_in, cnt_out, idx_out, warm, write_ok, cnt, n_plain, j0, frow
+
+
+@triton.jit
+def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, STEP, KW, ARRIVE,
+                     KD, VD, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
+                     Sq, Sk, Sk_pad, Hq, Hk, n_rep, nkb, Tq, Tk, slot_stride_cnt, slot_stride_idx, n_warmup,
+                     qk_scale, threshold,
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     TILE_N: tl.constexpr, STATEFUL: tl.constexpr, HAS_FORCED: tl.constexpr,
+                     LAST_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr, LOG2_PS: tl.constexpr,
+                     QK_ACC: tl.constexpr, QINV: tl.constexpr, NWORDS: tl.constexpr, DESC: tl.constexpr,
+                     FBLK: tl.constexpr, KEEP_ROW: tl.constexpr, DIAG: tl.constexpr, FULL_ROWS: tl.constexpr,
+                     EARLY_LIST: tl.constexpr, LSUM_EARLY: tl.constexpr):
+    """Program (pid, bh): rows [pid * BLOCK_M, +BLOCK_M) of (batch, query head) bh, part pid % SPLIT of skip q-tile
+    pid // SPLIT (TILE_M = SPLIT * BLOCK_M rows). q is quantized here, one scale per program (as attention_fp8's
+    fused q). KW (B * Hq * Tq, SPLIT, NWORDS + 1) int32 and ARRIVE (B * Hq * Tq,) int32 (zeroed): with SPLIT 2,
+    each program stores its keep words (and the partial last tile's keep bit) in its part's row of KW, then counts
+    itself in ARRIVE; the program that arrives last merges the parts and writes the next list.
+    DESC: 0 descriptors built here per (batch, kv head), 1 / 2 host descriptors KD / VD over the 4-D / 2-D views.
+    FULL_ROWS / EARLY_LIST / LSUM_EARLY: FP8_SKIP_CONFIG's full_rows / early_list / lsum_early."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    pid_m = pid // SPLIT
+    part = pid % SPLIT
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // n_rep
+    bhk32 = b * Hk + hk
+    bhk = bhk32.to(tl.int64)
+    b64 = b.to(tl.int64)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Sq
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    row = (b64 * Hq + h) * Tq + pid_m
+    if EARLY_LIST:
+        # the list's loads (count -> last index: two dependent round trips) overlap q's load instead of
+        # following q's quantization (whose CTA barrier keeps later loads behind it)
+        cnt_in, idx_in, cnt_out, idx_out, warm, write_ok, cnt, n_plain, j0, frow = _list_head(
+            CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, STEP, row, pid_m, Tk, n_warmup, slot_stride_cnt,
+            slot_stride_idx, STATEFUL, LAST_PARTIAL, HAS_FORCED)
+    if DESC == 0:
+        k_desc = tl.make_tensor_descriptor(K8 + bhk * Sk * D, shape=[Sk, D], strides=[D, 1],
+                                           block_shape=[BLOCK_N, D])
+        v_desc = tl.make_tensor_descriptor(VT8 + bhk * D * Sk_pad, shape=[D, Sk], strides=[Sk_pad, 1],
+                                           block_shape=[D, BLOCK_N])
+    else:
+        k_desc = KD
+        v_desc = VD
+    qf = tl.load(Q + b64 * stride_qb + h * stride_qh + rows[:, None] * stride_qs + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0).to(tl.float32)
+    qy, sq = _quant_tile(qf, QINV, QK_ACC == tl.int32)    # bit for bit `quantize_fp8_reference`'s q
+    q = qy.to(K8.dtype.element_ty)
+    cq = sq * qk_scale
+    ks_base = KS + bhk * nkb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+
+    if not EARLY_LIST:
+        cnt_in, idx_in, cnt_out, idx_out, warm, write_ok, cnt, n_plain, j0, frow = _list_head(
+            CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, STEP, row, pid_m, Tk, n_warmup, slot_stride_cnt,
+            slot_stride_idx, STATEFUL, LAST_PARTIAL, HAS_FORCED)
+    widx = tl.arange(0, NWORDS)
+    full = (cnt == Tk).to(tl.int32)
+    # DIAG 1 (diagnostic "seqidx"): every row walks tiles 0 .. n_plain - 1 (= its list only at density 1);
+    # DIAG 2 ("nokeep"): no keep test, empty next list
+    acc, l_i, m_i, words = _listed_tiles(
+        acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk32, idx_in, j0, n_plain, Tk, warm, full, row_ok,
+        offs_n, Sk, threshold, D, TILE_N, BLOCK_M, BLOCK_N, QK_ACC, LOG2_PS, DESC, FBLK, NWORDS, STATEFUL,
+        DIAG == 1, FULL_ROWS, KEEP_ROW, DIAG == 2, LSUM_EARLY)
     # The partial last k-tile (masked columns), if listed (at most one iteration).
     keep1 = tl.full([], 0, tl.int32)
     for it in range(n_plain, cnt):
         m_before = m_i
-        acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, Tk - 1, offs_n, Sk, D,
-                                    TILE_N, BLOCK_N, True, QK_ACC, LOG2_PS, HOST_DESC, FBLK)
+        acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk32, Tk - 1, offs_n, Sk, D,
+                                    TILE_N, BLOCK_N, True, QK_ACC, LOG2_PS, DESC, FBLK, False)
         hit = ((tmax - m_before) > threshold) & row_ok
         keep1 = tl.max(hit.to(tl.int32), 0)
 
@@ -223,9 +295,7 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe) - LOG2_PS) * LN2_C)
         tl.store(LSE + (b64 * Hq + h) * Sq + rows, lse, mask=row_ok)
 
-    # One cross-row OR reduction for all tiles; with SPLIT 2 the parts of the q-tile are merged by the last one.
-    if not KEEP_ROW:
-        words = tl.reduce(bits, 0, bit_or)
+    # With SPLIT 2 the parts of the q-tile are merged by the last one to finish.
     writer = True
     if SPLIT > 1:
         kw_row = KW + row * (SPLIT * (NWORDS + 1))
@@ -250,9 +320,13 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
             c1 = tl.minimum(c0 + CHUNK_C, n_plain)
             word = tl.sum(tl.where(widx == (c0 >> 5), words, 0), 0)
             inb = offs_c < (c1 - c0)
-            jv = tl.load(idx_in + c0 + offs_c, mask=inb, other=0)
-            if STATEFUL:
-                jv = tl.where(warm, c0 + offs_c, jv)
+            if FULL_ROWS:   # a full row's list is 0 .. Tk - 1 (a warm-up row counts as full)
+                jv = tl.load(idx_in + c0 + offs_c, mask=offs_c < (c1 - c0) * (1 - full), other=0)
+                jv = tl.where(full != 0, c0 + offs_c, jv)
+            else:
+                jv = tl.load(idx_in + c0 + offs_c, mask=inb, other=0)
+                if STATEFUL:
+                    jv = tl.where(warm, c0 + offs_c, jv)
             keep = (((word >> offs_c) & 1) != 0) & inb
             if HAS_FORCED:
                 fc = (tl.load(FCOL + jv, mask=inb, other=0) != 0).to(tl.int32)
@@ -311,15 +385,28 @@ def q_block(tile=DEFAULT_TILE, cfg=None) -> int:
     return _cfg(cfg, check_tile(tile)[0])["block_m"]
 
 
-def _host_descs(k8, vt8, block_n):
+def _host_descs(k8, vt8, block_n, two_d):
+    """Host TMA descriptors (as `DescriptorArgs`) for K8 (B, Hk, Sk, D) and V^T8 (B, Hk, D, Sk_pad) -> (kd, vd, DESC
+    constexpr), or (None, None, 0) without host descriptors in this Triton. two_d: over the 2-D views
+    (B Hk Sk, D) and (B Hk D, Sk) (coordinates bhk * Sk + key, bhk * D: int32, so only while those fit; K's partial
+    last tile then reads the next head's first keys, which the kernel's masked tile sets to -inf, and V^T's columns
+    past Sk read as zeros as in 4-D), else over the 4-D views."""
     try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401  (this Triton has host descriptors)
     except ImportError:
-        return None, None
+        return None, None, 0
     B, Hk, Sk, D = k8.shape
-    kd = TensorDescriptor(k8, [B, Hk, Sk, D], list(k8.stride()), [1, 1, block_n, D])
-    vd = TensorDescriptor(vt8, [B, Hk, D, Sk], list(vt8.stride()), [1, 1, D, block_n])
-    return kd, vd
+    if two_d and k8.is_contiguous() and vt8.is_contiguous() and B * Hk * max(Sk, D) < 2 ** 31:
+        kd = DescriptorArgs(k8, [B * Hk * Sk, D], [D, 1], [block_n, D], "zero")
+        vd = DescriptorArgs(vt8, [B * Hk * D, Sk], [vt8.stride(2), 1], [D, block_n], "zero")
+        return kd, vd, 2
+    kd = DescriptorArgs(k8, [B, Hk, Sk, D], list(k8.stride()), [1, 1, block_n, D], "zero")
+    vd = DescriptorArgs(vt8, [B, Hk, D, Sk], list(vt8.stride()), [1, 1, D, block_n], "zero")
+    return kd, vd, 1
+
+
+# Direct-launch plans of the kernel (`_common.LaunchPlans`; the quantize launches have theirs in dense/fp8.py).
+_PLANS = LaunchPlans("fp8 skip")
 
 
 def _launch(q, k8, ks, vt8, vs, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step, slot_cnt,
@@ -341,25 +428,29 @@ def _launch(q, k8, ks, vt8, vs, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, f
 
     def run(host_desc):
         kd = vd = None
+        desc = 0
         if host_desc:
-            kd, vd = _host_descs(k8, vt8, block_n)
-        host = kd is not None
-        if not host:
+            kd, vd, desc = _host_descs(k8, vt8, block_n, bool(cfg["desc2d"]))
+        if desc == 0:
             set_tma_allocator()
             kd = vd = dummy
-        _skip_fp8_kernel[(Tq * split, B * Hq)](
-            q, k8, vt8, ks, vs, out, lse if lse is not None else dummy, cnt_in, idx_in, cnt_out, idx_out,
-            frow if frow is not None else dummy, fcol if fcol is not None else dummy,
-            step if step is not None else dummy, kw, arrive, kd, vd,
-            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            Sq, Sk, vt8.shape[-1], Hq, Hk, Hq // Hk, ks.shape[-1], Tq, Tk, slot_cnt, slot_idx, warmup,
-            scale * LOG2E, threshold,
+        params = dict(
+            Q=q, K8=k8, VT8=vt8, KS=ks, VS=vs, O=out, LSE=lse if lse is not None else dummy, CNT_IN=cnt_in,
+            IDX_IN=idx_in, CNT_OUT=cnt_out, IDX_OUT=idx_out, FROW=frow if frow is not None else dummy,
+            FCOL=fcol if fcol is not None else dummy, STEP=step if step is not None else dummy, KW=kw, ARRIVE=arrive,
+            KD=kd, VD=vd, stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
+            stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2), Sq=Sq, Sk=Sk,
+            Sk_pad=vt8.shape[-1], Hq=Hq, Hk=Hk, n_rep=Hq // Hk, nkb=ks.shape[-1], Tq=Tq, Tk=Tk,
+            slot_stride_cnt=slot_cnt, slot_stride_idx=slot_idx, n_warmup=warmup, qk_scale=scale * LOG2E,
+            threshold=threshold,
             D=D, BLOCK_M=bm, SPLIT=split, BLOCK_N=block_n, TILE_N=tn, STATEFUL=bool(stateful),
             HAS_FORCED=frow is not None, LAST_PARTIAL=bool(Sk % tn), WRITE_LSE=lse is not None,
             LOG2_PS=FP8_LOG2_P_SCALE, QK_ACC=tl.int32 if int8 else tl.float32, QINV=_QINV["int8" if int8 else "e4m3"],
-            NWORDS=nwords, HOST_DESC=host, FBLK=FP8_BLOCK, KEEP_ROW=bool(cfg["keep_row"]),
-            DIAG=_DIAGS.index(cfg["diag"]), num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+            NWORDS=nwords, DESC=desc, FBLK=FP8_BLOCK, KEEP_ROW=bool(cfg["keep_row"]),
+            DIAG=_DIAGS.index(cfg["diag"]), FULL_ROWS=bool(cfg["full_rows"]), EARLY_LIST=bool(cfg["early_list"]),
+            LSUM_EARLY=bool(cfg["lsum_early"]))
+        _PLANS.launch(_skip_fp8_kernel, (Tq * split, B * Hq), [params[n] for n in _skip_fp8_kernel.arg_names],
+                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     if cfg["host_desc"] and _HOST_DESC_OK[0]:
         try:
