@@ -1,0 +1,111 @@
+"""NSA forward switches (session 15): CMP_MASK_SPLIT, IMP_BLOCK_N, IMP_PAIRED, NSA_TMA. Each runs the same fp32
+operations on the same values as the default kernels, so the selected blocks equal the default's and the reference's
+exactly, and the outputs equal the default's (interpreter: bit for bit; GPU bf16: same indices, outputs within bf16
+rounding of the default)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernel_checks import check_bound, max_err
+from sparsepatch.config import NSAConfig
+from sparsepatch.kernels.nsa import reference as ref
+from test_nsa import _bf16_err, nsa_tol, rand
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not (CUDA or INTERPRET), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+SWITCHES = {
+    "split": dict(CMP_MASK_SPLIT=True),
+    "paired": dict(IMP_PAIRED=True),
+    "imp_n": dict(IMP_BLOCK_N=32),
+    "tma": dict(NSA_TMA=True),
+    "all": dict(CMP_MASK_SPLIT=True, IMP_PAIRED=True, IMP_BLOCK_N=32, NSA_TMA=True),
+}
+# block 16, compress 8 / 4 (R = 4, the last compressed block of each selection block spills into the next),
+# 16-key compressed tiles: at T = 100 the last programs see 24 compressed blocks, so the mask-split loops run a full
+# (unmasked) tile before the masked tail, and the paired scratch, 32-key importance tiles and descriptors cover
+# tails that end mid-tile
+CFG = dict(block_size=16, num_selected=3, window=24, compress_block=8, compress_stride=4)
+T_CPU = 100
+
+
+@needs_triton
+@pytest.mark.parametrize("selection, names", [("token", list(SWITCHES)), ("tile", ["tma", "all"])])
+def test_switch_equals_default_and_reference(selection, names, monkeypatch):
+    """Each switch set alone (tile selection: the descriptors of the shared-selection tile kernel, and all at once)
+    against the default kernels and the reference."""
+    from sparsepatch.kernels.nsa import forward as nsa
+    dev = "cuda" if CUDA and not INTERPRET else "cpu"
+    cfg = NSAConfig(**CFG, selection=selection)
+    monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
+    q, k, v = rand(1, T_CPU, 6, 2, 16, seed=70, device=dev)   # G = 3: a padded head row per token
+    assert (T_CPU - cfg.compress_block) // cfg.compress_stride + 1 > 16       # a full compressed tile exists
+    base, bidx = nsa.nsa_attention(q, k, v, cfg, return_indices=True)
+    want, widx = ref.nsa_attention(q, k, v, cfg, return_indices=True)
+    assert torch.equal(bidx.long().cpu(), widx.cpu())
+    for name in names:
+        with monkeypatch.context() as m:
+            for attr, val in SWITCHES[name].items():
+                m.setattr(nsa, attr, val)
+            if SWITCHES[name].get("NSA_TMA"):
+                assert nsa.tma_enabled(q.device) == (INTERPRET or torch.cuda.get_device_capability()[0] >= 9)
+            out, idx = nsa.nsa_attention(q, k, v, cfg, return_indices=True)
+        assert torch.equal(idx, bidx), name
+        if INTERPRET:
+            assert torch.equal(out, base), name
+        else:
+            check_bound(max_err(out, base), nsa_tol(q, k, v), f"{name} vs default")
+        check_bound(max_err(out.float(), want.float()), nsa_tol(q, k, v), f"{name} vs reference")
+
+
+def test_imp_block_n_rejects_bad_values(monkeypatch):
+    from sparsepatch.kernels.nsa import forward as nsa
+    for bad in (24, 8, 0):
+        monkeypatch.setattr(nsa, "IMP_BLOCK_N", bad)
+        with pytest.raises(ValueError, match="IMP_BLOCK_N"):
+            nsa._imp_block_n(4)
+    monkeypatch.setattr(nsa, "IMP_BLOCK_N", 16)
+    with pytest.raises(ValueError, match="IMP_BLOCK_N"):
+        nsa._imp_block_n(32)                       # fewer keys than one selection block's compressed blocks
+    monkeypatch.setattr(nsa, "IMP_BLOCK_N", None)
+    assert nsa._imp_block_n(4) == nsa.CMP_BLOCK_N
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("selection", ["token", "tile"])
+@pytest.mark.parametrize("G, Hk, T", [(16, 2, 4096), (4, 4, 3000), (1, 8, 1000)])
+def test_gpu_switches_equal_default_bf16(G, Hk, T, selection, monkeypatch):
+    """bf16, NSAConfig() sizes, CUDA: every switch set (TMA descriptors on sm_90+) selects exactly the default's
+    blocks and gives its outputs to bf16 rounding; a non-contiguous k (a slice of a wider tensor: 16-byte aligned
+    strides) goes through the descriptors too, an odd head stride falls back to pointer loads."""
+    from sparsepatch.kernels.nsa import forward as nsa
+    cfg = NSAConfig(selection=selection)
+    q, k, v = rand(1, T, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=T + G, device="cuda")
+    gates = torch.rand(1, T, G * Hk, 3, generator=torch.Generator().manual_seed(G)).cuda()
+    base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    for name, sw in SWITCHES.items():
+        sw = {**sw, "IMP_BLOCK_N": 128} if "IMP_BLOCK_N" in sw else sw
+        with monkeypatch.context() as m:
+            for attr, val in sw.items():
+                m.setattr(nsa, attr, val)
+            out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+        assert torch.equal(idx, bidx), name
+        assert _bf16_err(out, base) < 2e-2, name
+        same = (idx.long() == widx).all(-1)
+        assert same.float().mean().item() > 0.99, name
+    wide = torch.randn(1, T, Hk, 136, device="cuda", dtype=torch.bfloat16)[..., :128]   # row stride 136: aligned
+    odd = torch.randn(1, T, Hk, 129, device="cuda", dtype=torch.bfloat16)[..., :128]    # 129 * 2 bytes: not aligned
+    for kk in (wide, odd):
+        kk.copy_(k)
+        ref_out, ref_idx = nsa.nsa_attention(q, kk, v, cfg, gates=gates, return_indices=True)
+        with monkeypatch.context() as m:
+            m.setattr(nsa, "NSA_TMA", True)
+            assert (nsa._descs(q, (kk, 64))[0] is None) == (kk is odd)
+            out, idx = nsa.nsa_attention(q, kk, v, cfg, gates=gates, return_indices=True)
+        assert torch.equal(idx, ref_idx)
+        assert _bf16_err(out, ref_out) < 2e-2
