@@ -2,13 +2,11 @@
 
 Times, in one process on the same inputs, the dense `attention` backends at the dispatcher's prefill cells
 (`kernels.tuning.default_cells`: B * S = 16K tokens, B = 1 at 32K; MHA and GQA 4) for causal D 64 / 128 / 256
-and non-causal D 64 / 256, with `flash_triton` in three launch settings:
-  shipped: the shipped CONFIGS (every cell here on the Gluon kernel; causal work order picked per shape by
-           `gluon.causal_order`: head-major longest-first (1), the same with odd heads reversed (2), or grid-wide
-           longest-first (0), whichever gives the most even static shares),
-  o1 / o0: the causal order forced to 1 / 0,
+and non-causal D 64 / 256, with `flash_triton` in these launch settings:
+  shipped: the shipped CONFIGS (every cell here on the Gluon kernel; causal q-tiles from the atomic counter),
+  static:  causal q-tiles in static round-robin shares (cfg dynamic off),
   s4:      head dim 64 with 4 K/V stages (3 shipped);
-`--settings` picks which (default shipped,o1,o0); cells and settings are interleaved.
+`--settings` picks which (default shipped,static); cells and settings are interleaved.
 (Session 13's run of this script compared the Triton kernel ("before") with Gluon; results/h200-gluon-causal.json.)
 `--skip64` also times the skip-list forward at head dim 64, tile (128, 128), on the Gluon and on the Triton kernel
 (the CogVideoX-shaped B1 H48 S17550 and a 32K cell; fixed random lists of density 1 / 0.5 / 0.13) against our
@@ -39,11 +37,9 @@ SDPA = ["sdpa_cudnn", "sdpa_flash", "sdpa"]
 _GLUON_KEYS = ((128, 128), (64, 128), (256, 128))
 SETTINGS = {
     "shipped": {},
-    "o1": {key: dict(gluon=True, causal_gluon=True, gluon_causal_order=1) for key in _GLUON_KEYS},
-    "o0": {key: dict(gluon=True, causal_gluon=True, gluon_causal_order=0) for key in _GLUON_KEYS},
+    # causal q-tiles in static round-robin shares (head-major, longest first) instead of from the atomic counter
+    "static": {key: dict(gluon=True, causal_gluon=True, gluon_dynamic=False) for key in _GLUON_KEYS},
     "s4": {(64, 128): dict(gluon=True, causal_gluon=True, gluon_stages=4)},   # head dim 64: 4 K/V stages
-    # q-tiles from an atomic counter (head-major, longest first) instead of static shares
-    "dyn": {key: dict(gluon=True, causal_gluon=True, gluon_dynamic=True) for key in _GLUON_KEYS},
 }
 
 
@@ -131,7 +127,7 @@ def main(argv=None):
     ap.add_argument("--skip64", action="store_true", help="also the head-dim-64 skip rows")
     ap.add_argument("--no-grid", action="store_true", help="skip the dense grid")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
-    ap.add_argument("--settings", default="shipped,o1,o0", help=f"comma-separated, of {sorted(SETTINGS)}")
+    ap.add_argument("--settings", default="shipped,static", help=f"comma-separated, of {sorted(SETTINGS)}")
     args = ap.parse_args(argv)
     settings = args.settings.split(",")
     unknown = sorted(set(settings) - set(SETTINGS))

@@ -210,27 +210,6 @@ def test_flash_backend_runs_head_dim_256_on_split_d_where_gluon_cannot(causal):
     check_bound(max_err(out, want), attention_bounds(q, k, v, torch.float32)[0], "out")
 
 
-def test_causal_work_order_balances_the_static_shares():
-    """gluon.causal_order: ORDER 1 (head-major) where its shares are even, ORDER 2 where P ~ a multiple of Tq makes
-    ORDER 1 hand the long q-tiles of every head to the same programs (16 heads x 128 q-tiles on 132 programs: the
-    session-14 D256 16K case, 0.67x -> 0.94x cuDNN), ORDER 0 only where it is > 10% more even."""
-    from sparsepatch.kernels.skip.gluon import causal_order
-
-    def worst(n_heads, Tq, P, order, tiles=1, fixed=1.5):
-        share = [0.0] * P
-        for lin in range(n_heads * Tq):
-            bh, pos = divmod(lin, Tq)
-            pm = {0: Tq - 1 - lin // n_heads, 1: Tq - 1 - pos, 2: pos if bh % 2 else Tq - 1 - pos}[order]
-            share[lin % P] += (pm + 1) * tiles + fixed
-        return max(share) / (sum(share) / P)
-    assert worst(16, 128, 132, 1, 2) > 1.5 and worst(16, 128, 132, 2, 2) < 1.07
-    assert causal_order(16, 128, 132, 2) == 2
-    assert causal_order(32, 256, 132, 1) == 1                      # Llama-shaped 32K: already even
-    assert causal_order(32, 128, 132, 1) == 1                      # ORDER 0 only 2% more even: keep head-major
-    assert worst(16, 64, 132, 0) * 1.10 < min(worst(16, 64, 132, 1), worst(16, 64, 132, 2))
-    assert causal_order(16, 64, 132, 1) == 0
-
-
 def test_forced_backend_and_explain():
     q, k, v = _inputs(1, 16, 16, 2, 2, 32, torch.float32, "cpu")
     out = sp.kernels.attention(q, k, v, backend="reference")

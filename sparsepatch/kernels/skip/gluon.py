@@ -3,10 +3,12 @@
 Same function as `skip.skip_attention` (tile 128 x 128, head dim 64 / 128, fp16 / bf16), as the stateful
 `skip.skip_step` (STATEFUL: the list slots and the call counter of the patcher's buffers) and, with skipping
 compiled out (SKIP=False), as `skip.attention`, non-causal or causal (CAUSAL: each q-tile stops at its diagonal
-tile, which is masked; q-tiles run longest first within each head); `skip.py` dispatches here by default on sm_90
+tile, which is masked; q-tiles run longest first within each head and are handed out by an atomic counter, so
+q-tiles of unequal length spread evenly over the programs); `skip.py` dispatches here by default on sm_90
 at head dim 64 / 128 (cfg keys `gluon`, `causal_gluon`). H100: ~10% faster per tile than the Triton kernel, dense 641-658
 TFLOP/s vs cuDNN 564-590 (benchmarks/NOTES.md, skip forward v9).
-Each program (one per SM) owns q-tiles p, p + P, ...; a 1-warp producer partition walks their lists and keeps a
+Each program (one per SM) owns q-tiles p, p + P, ... (causal: q-tile p, then those it draws); a 1-warp producer
+partition walks their lists and keeps a
 STAGES-deep K/V ring (and q) loaded across q-tile boundaries, so the next q-tile's first tiles are in shared memory
 while the two consumer warpgroups (64 rows each) finish the current one (last P V, next-list write, out store).
 Where the speed comes from, measured: the per-tile overlap below (Triton 3.6's kernel waits for each Q K^T before
@@ -45,37 +47,12 @@ from ..dense.reference import LOG2E
 
 BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile (head dim 256, dense only: 64, as K / V stages of 128 x 256 do not fit shared memory)
-# causal_order None: `causal_order` picks per shape; dynamic (causal only): q-tiles handed out by an atomic counter
-# instead of static round-robin shares (`_producer`)
-GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True,
-                         causal_order=None, dynamic=False)
+# dynamic (causal only): q-tiles handed out by an atomic counter instead of static round-robin shares (`_producer`;
+# H200 bf16: +2 to +14% at 16K / 32K, neutral at 1K, NOTES session 15)
+GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True, dynamic=True)
 # head dim 256: q 64 KB + 2 stages of 64-key K and V tiles (128 KB); out stored from registers (the staging through
 # the last K tile needs 64 rows per warpgroup)
 GLUON_D256_CONFIG = dict(GLUON_SKIP_CONFIG, stages=2, kstage=False)
-
-
-@functools.lru_cache(maxsize=256)
-def causal_order(n_heads: int, Tq: int, programs: int, tiles_per_q: int, fixed_tiles: float = 1.5) -> int:
-    """The causal work order (`_item`'s ORDER) whose static round-robin shares are most even: each program's share
-    is the sum over its items of the q-tile's key tiles (tiles_per_q per q-tile row block, the diagonal one
-    included) plus a fixed cost per q-tile (~1.5 tiles: NOTES, the ~4.5k-cycle q-tile epilogue). The head-major
-    orders first (ORDER 1 unless ORDER 2's largest share is > 2% smaller), ORDER 0 only where its largest share is
-    > 10% smaller than theirs."""
-    def worst(order):
-        share = [0.0] * programs
-        for lin in range(n_heads * Tq):
-            if order == 0:
-                pm = Tq - 1 - lin // n_heads
-            else:
-                bh, pos = divmod(lin, Tq)
-                pm = pos if (order == 2 and bh % 2) else Tq - 1 - pos
-            share[lin % programs] += (pm + 1) * tiles_per_q + fixed_tiles
-        return max(share)
-    costs = {o: worst(o) for o in (1, 2, 0)}
-    head_major = 1 if costs[1] <= 1.02 * costs[2] else 2
-    # grid-wide longest-first only where it balances much better (it was 5-14% slower on MHA at equal balance:
-    # the programs running at once read many heads' K/V; NOTES session 13)
-    return 0 if costs[0] * 1.10 < costs[head_major] else head_major
 
 
 def block_n(D: int) -> int:
@@ -104,7 +81,7 @@ if HAS_GLUON:
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, q_ready, q_empty,
                   item_smem, CTR, CNT, IDX, warm, PRB,
                   MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
-                  SKIP: gl.constexpr, STATEFUL: gl.constexpr, CAUSAL: gl.constexpr, ORDER: gl.constexpr,
+                  SKIP: gl.constexpr, STATEFUL: gl.constexpr, CAUSAL: gl.constexpr,
                   LAYOUT: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, DYNAMIC: gl.constexpr,
                   PROBE: gl.constexpr):
         """The loads. K and V of a k-tile share one ring slot and barrier pair (ready / empty); SPLIT: K and V have
@@ -112,8 +89,7 @@ if HAS_GLUON:
         soon as its Q K^T is done and the next K loads while the previous P V still runs (2-stage rings: head dim
         256, where a third stage does not fit shared memory).
         DYNAMIC: after its first item (the program id), each program takes the next item from the counter *CTR
-        (items in `_item` order, ORDER 1: head-major, longest q-tiles first), so programs that drew long q-tiles
-        draw fewer; the item goes to the consumers through item_smem with the q-tile's q_ready phase, and -1 after
+        (items in `_item` order: head-major, longest q-tiles first), so programs that drew long q-tiles draw fewer; the item goes to the consumers through item_smem with the q-tile's q_ready phase, and -1 after
         the last one."""
         pid = gl.program_id(0)
         P = gl.num_programs(0)
@@ -127,7 +103,7 @@ if HAS_GLUON:
                 _stamp(PRB, pb, 0, lin)
                 gl.store(PRB + pb + 3, gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lin],
                                                                 dtype=gl.int64, is_pure=False, pack=1))
-            bh, pm = _item(lin, Tq, n_items, CAUSAL, ORDER)
+            bh, pm = _item(lin, Tq, CAUSAL)
             b = bh // Hq
             h = bh % Hq
             hk = h // n_rep
@@ -199,23 +175,12 @@ if HAS_GLUON:
             mbarrier.arrive(q_ready)
 
     @gluon.jit
-    def _item(lin, Tq, n_items, CAUSAL: gl.constexpr, ORDER: gl.constexpr):
-        """Work item lin -> (batch * head, q-tile). Non-causal: head-major, q-tiles in order (the programs running
-        at once share one head's K/V in L2). Causal (program p owns items p, p + P, ...; `causal_order` picks the
-        order whose static shares are most even): ORDER 1: head-major with each head's longest q-tiles (most key
-        tiles) first; ORDER 2: the same with odd heads shortest first (when P is close to a multiple of Tq, ORDER 1
-        hands the same programs the long q-tiles of every head); ORDER 0: the longest q-tiles of every head first
-        (longest-first over the whole grid; the programs running at once then read many heads' K/V)."""
+    def _item(lin, Tq, CAUSAL: gl.constexpr):
+        """Work item lin -> (batch * head, q-tile), head-major (the programs running at once share one head's K/V in
+        L2); causal: each head's longest q-tiles (most key tiles) first, so the short ones fill the end of the
+        dynamic schedule."""
         if CAUSAL:
-            if ORDER == 0:
-                BH = n_items // Tq
-                return lin % BH, Tq - 1 - lin // BH
-            elif ORDER == 2:
-                bh = lin // Tq
-                pos = lin % Tq
-                return bh, gl.where(bh % 2 == 0, Tq - 1 - pos, pos)
-            else:
-                return lin // Tq, Tq - 1 - lin % Tq
+            return lin // Tq, Tq - 1 - lin % Tq
         else:
             return lin // Tq, lin % Tq
 
@@ -249,7 +214,7 @@ if HAS_GLUON:
                   n_items, qk_scale, threshold, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
                   NWORDS: gl.constexpr, WG: gl.constexpr, LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                   SKIP: gl.constexpr, KSTAGE: gl.constexpr, PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr,
-                  CAUSAL: gl.constexpr, ORDER: gl.constexpr, FORCED: gl.constexpr, BN: gl.constexpr,
+                  CAUSAL: gl.constexpr, FORCED: gl.constexpr, BN: gl.constexpr,
                   SPLIT: gl.constexpr, DYNAMIC: gl.constexpr, PROBE: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile (DYNAMIC: of every q-tile the
         producer publishes in item_smem, until it publishes -1). WG 0 also writes the next lists
@@ -284,7 +249,7 @@ if HAS_GLUON:
             pb = ((pid * MAXK + k) * 3 + WG).to(gl.int64) * 8   # PROBE: this q-tile's stamps of this warpgroup
             if PROBE:
                 _stamp(PRB, pb, 0, lin)
-            bh, pm = _item(lin, Tq, n_items, CAUSAL, ORDER)
+            bh, pm = _item(lin, Tq, CAUSAL)
             row = IDX + lin.to(gl.int64) * Tk
             part = False
             if SKIP:
@@ -490,7 +455,7 @@ if HAS_GLUON:
                            WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
                            PV_ASYNC: gl.constexpr = True, STATEFUL: gl.constexpr = False, CAUSAL: gl.constexpr = False,
-                           ORDER: gl.constexpr = 1, FORCED: gl.constexpr = False, LAYOUT: gl.constexpr = 0,
+                           FORCED: gl.constexpr = False, LAYOUT: gl.constexpr = 0,
                            BLOCK_N: gl.constexpr = 128, DYNAMIC: gl.constexpr = False, PROBE: gl.constexpr = False):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads.
@@ -539,19 +504,19 @@ if HAS_GLUON:
                          bars.index(3), item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK,
                          stride_ob,
                          stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES,
-                         NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER, FORCED,
+                         NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, FORCED,
                          BLOCK_N, SPLIT, DYNAMIC, PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0), bars.index(1), wx,
                          bars.index(2),
                          bars.index(3), item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK,
                          stride_ob,
                          stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES,
-                         NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, ORDER, FORCED,
+                         NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, FORCED,
                          BLOCK_N, SPLIT, DYNAMIC, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0),
                          bars.index(1), item_smem, CTR,
                          CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D, STAGES, SKIP,
-                         STATEFUL, CAUSAL, ORDER, LAYOUT, BLOCK_N, SPLIT, DYNAMIC, PROBE)),
+                         STATEFUL, CAUSAL, LAYOUT, BLOCK_N, SPLIT, DYNAMIC, PROBE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -667,12 +632,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
     n_items = B * Hq * Tq
     grid = (min(n_items, num_sms(dev)),)
     maxk = triton.cdiv(n_items, grid[0])
-    order = 1
-    dynamic = bool(causal and cfg.get("dynamic"))
-    if causal and not dynamic:
-        order = cfg["causal_order"]
-        if order is None:
-            order = causal_order(B * Hq, Tq, grid[0], BM // bn)
+    dynamic = bool(causal and cfg["dynamic"])
     # benchmarks only: cfg["probe"], int64 (programs, maxk, 3, 8): %clock64 stamps per owned q-tile of warpgroup 0,
     # warpgroup 1 and the producer (bench_skip.py `probe_gluon` reads them)
     probe = cfg.get("probe")
@@ -730,7 +690,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
                   PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, CAUSAL=bool(causal),
-                  ORDER=order, FORCED=forced is not None, LAYOUT=layout, BLOCK_N=bn, DYNAMIC=dynamic,
+                  FORCED=forced is not None, LAYOUT=layout, BLOCK_N=bn, DYNAMIC=dynamic,
                   PROBE=probe is not None)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
