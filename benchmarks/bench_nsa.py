@@ -421,17 +421,9 @@ PHASE_VARIANTS = {
     "slc_w2": dict(sel=("token",), attrs=dict(SLC_TILE_ROWS=0, NUM_WARPS="slc=2")),
     "slc_s4": dict(sel=("token",), attrs=dict(SLC_TILE_ROWS=0, NUM_STAGES="slc=4")),
     "tile128": dict(sel=("tile",), attrs=dict(SLC_TILE_ROWS=128)),
-    # session 15 switches (same selections and outputs as base by construction; same_idx / max_diff check it):
-    # importance pass without the per-element mask on fully visible tiles (and pass 1 likewise), one paired scratch,
-    # 128-key importance tiles, all three; K/V through TMA descriptors (cmp, swa, slc_tile), and TMA with all three
-    "imp_split": dict(sel=("token", "tile"), attrs=dict(CMP_MASK_SPLIT=True)),
-    "imp_paired": dict(sel=("token", "tile"), attrs=dict(IMP_PAIRED=True)),
-    "imp_n128": dict(sel=("token",), attrs=dict(IMP_BLOCK_N=128)),
-    "imp_v2": dict(sel=("token", "tile"), attrs=dict(CMP_MASK_SPLIT=True, IMP_PAIRED=True, IMP_BLOCK_N=128)),
-    "tma": dict(sel=("token", "tile"), attrs=dict(NSA_TMA=True)),
-    "tma_split": dict(sel=("token", "tile"), attrs=dict(NSA_TMA=True, CMP_MASK_SPLIT=True)),
-    "tma_imp_v2": dict(sel=("token", "tile"), attrs=dict(NSA_TMA=True, CMP_MASK_SPLIT=True, IMP_PAIRED=True,
-                                                         IMP_BLOCK_N=128)),
+    # session 15 defaults turned off: pointer loads instead of TMA descriptors; tile mode's compressed launch masked
+    "ptr": dict(sel=("token", "tile"), attrs=dict(NSA_TMA=False)),
+    "no_split": dict(sel=("tile",), attrs=dict(CMP_MASK_SPLIT=False)),
 }
 PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel"]
 
@@ -494,8 +486,7 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
     rows = []
     saved = {kk: getattr(nsa, kk) for kk in ("SLC_TILE_ROWS", "PARALLEL_TOPK", "TOPK_PARALLEL_MIN_BLOCKS",
                                             "NUM_WARPS", "NUM_STAGES", "CMP_TILE_ROWS", "SWA_TILE_ROWS",
-                                            "CMP_BLOCK_N", "SWA_BLOCK_N", "CMP_MASK_SPLIT", "IMP_BLOCK_N",
-                                            "IMP_PAIRED", "NSA_TMA")}
+                                            "CMP_BLOCK_N", "SWA_BLOCK_N", "CMP_MASK_SPLIT", "NSA_TMA")}
 
     def attrs(spec):
         """A variant's overrides; NUM_WARPS / NUM_STAGES "kernel=n[,kernel=n]" -> a copy of the saved dict with

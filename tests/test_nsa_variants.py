@@ -1,5 +1,6 @@
-"""NSA forward switches (session 15): CMP_MASK_SPLIT, IMP_BLOCK_N, IMP_PAIRED, NSA_TMA. Each runs the same fp32
-operations on the same values as the default kernels, so the selected blocks equal the default's and the reference's
+"""NSA forward switches (session 15): NSA_TMA (K / V through TMA descriptors) and CMP_MASK_SPLIT (unmasked full key
+tiles in selection="tile"'s compressed launch), both on by default. Turning either off runs the same fp32
+operations on the same values, so the selected blocks equal the default's and the reference's
 exactly, and the outputs equal the default's (interpreter: bit for bit; GPU bf16: same indices, outputs within bf16
 rounding of the default)."""
 from __future__ import annotations
@@ -19,25 +20,22 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not (CUDA or INTERPRET), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 
 SWITCHES = {
-    "split": dict(CMP_MASK_SPLIT=True),
-    "paired": dict(IMP_PAIRED=True),
-    "imp_n": dict(IMP_BLOCK_N=32),
-    "tma": dict(NSA_TMA=True),
-    "all": dict(CMP_MASK_SPLIT=True, IMP_PAIRED=True, IMP_BLOCK_N=32, NSA_TMA=True),
+    "pointer_loads": dict(NSA_TMA=False),
+    "no_split": dict(CMP_MASK_SPLIT=False),
+    "neither": dict(NSA_TMA=False, CMP_MASK_SPLIT=False),
 }
 # block 16, compress 8 / 4 (R = 4, the last compressed block of each selection block spills into the next),
 # 16-key compressed tiles: at T = 100 the last programs see 24 compressed blocks, so the mask-split loops run a full
-# (unmasked) tile before the masked tail, and the paired scratch, 32-key importance tiles and descriptors cover
-# tails that end mid-tile
+# (unmasked) tile before the masked tail, and the descriptors cover tails that end mid-tile
 CFG = dict(block_size=16, num_selected=3, window=24, compress_block=8, compress_stride=4)
 T_CPU = 100
 
 
 @needs_triton
-@pytest.mark.parametrize("selection, names", [("token", list(SWITCHES)), ("tile", ["tma", "all"])])
+@pytest.mark.parametrize("selection, names", [("token", ["pointer_loads"]), ("tile", list(SWITCHES))])
 def test_switch_equals_default_and_reference(selection, names, monkeypatch):
-    """Each switch set alone (tile selection: the descriptors of the shared-selection tile kernel, and all at once)
-    against the default kernels and the reference."""
+    """Each switch set (per-token selection: only the loads differ; tile selection: the mask split too) against the
+    default kernels and the reference."""
     from sparsepatch.kernels.nsa import forward as nsa
     dev = "cuda" if CUDA and not INTERPRET else "cpu"
     cfg = NSAConfig(**CFG, selection=selection)
@@ -51,8 +49,8 @@ def test_switch_equals_default_and_reference(selection, names, monkeypatch):
         with monkeypatch.context() as m:
             for attr, val in SWITCHES[name].items():
                 m.setattr(nsa, attr, val)
-            if SWITCHES[name].get("NSA_TMA"):
-                assert nsa.tma_enabled(q.device) == (INTERPRET or torch.cuda.get_device_capability()[0] >= 9)
+            assert nsa.tma_enabled(q.device) == (nsa.NSA_TMA and (INTERPRET or
+                                                                  torch.cuda.get_device_capability()[0] >= 9))
             out, idx = nsa.nsa_attention(q, k, v, cfg, return_indices=True)
         assert torch.equal(idx, bidx), name
         if INTERPRET:
@@ -62,24 +60,11 @@ def test_switch_equals_default_and_reference(selection, names, monkeypatch):
         check_bound(max_err(out.float(), want.float()), nsa_tol(q, k, v), f"{name} vs reference")
 
 
-def test_imp_block_n_rejects_bad_values(monkeypatch):
-    from sparsepatch.kernels.nsa import forward as nsa
-    for bad in (24, 8, 0):
-        monkeypatch.setattr(nsa, "IMP_BLOCK_N", bad)
-        with pytest.raises(ValueError, match="IMP_BLOCK_N"):
-            nsa._imp_block_n(4)
-    monkeypatch.setattr(nsa, "IMP_BLOCK_N", 16)
-    with pytest.raises(ValueError, match="IMP_BLOCK_N"):
-        nsa._imp_block_n(32)                       # fewer keys than one selection block's compressed blocks
-    monkeypatch.setattr(nsa, "IMP_BLOCK_N", None)
-    assert nsa._imp_block_n(4) == nsa.CMP_BLOCK_N
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("selection", ["token", "tile"])
 @pytest.mark.parametrize("G, Hk, T", [(16, 2, 4096), (4, 4, 3000), (1, 8, 1000)])
 def test_gpu_switches_equal_default_bf16(G, Hk, T, selection, monkeypatch):
-    """bf16, NSAConfig() sizes, CUDA: every switch set (TMA descriptors on sm_90+) selects exactly the default's
+    """bf16, NSAConfig() sizes, CUDA: every switch set (TMA descriptors off, the mask split off) selects exactly the default's
     blocks and gives its outputs to bf16 rounding; a non-contiguous k (a slice of a wider tensor: 16-byte aligned
     strides) goes through the descriptors too, an odd head stride falls back to pointer loads."""
     from sparsepatch.kernels.nsa import forward as nsa
@@ -89,7 +74,6 @@ def test_gpu_switches_equal_default_bf16(G, Hk, T, selection, monkeypatch):
     base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
     want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
     for name, sw in SWITCHES.items():
-        sw = {**sw, "IMP_BLOCK_N": 128} if "IMP_BLOCK_N" in sw else sw
         with monkeypatch.context() as m:
             for attr, val in sw.items():
                 m.setattr(nsa, attr, val)

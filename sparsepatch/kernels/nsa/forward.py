@@ -99,21 +99,18 @@ def _kv_tile(desc, base, b, hk, row0, rows, ok, stride, offs_d, N: tl.constexpr,
 
 
 @triton.jit
-def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE, KD, VD, KD2,
+def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE, KD, VD,
                 sqb, sqs, sqh, skb, sks, skh, sob, sos, soh,
                 T, n_c, q_off, Hq, Hk, G, NBP, qk_scale, tok0,
                 CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
                 HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
                 SELECT: tl.constexpr, SAVE: tl.constexpr, STORE_O: tl.constexpr, TS: tl.constexpr,
-                IMP_N: tl.constexpr = 64, MASK_SPLIT: tl.constexpr = False, PAIRED: tl.constexpr = False,
-                USE_TMA: tl.constexpr = False):
+                MASK_SPLIT: tl.constexpr = False, USE_TMA: tl.constexpr = False):
     """T row tokens (query tokens tok0 + i * TS, see `_token_tile_rows`). STORE_O: write o_cmp (and with SAVE the
-    LSE); SELECT: write the block importance of every row token to row i of IMP_A / IMP_B (B, Hk, T, NBP), or with
-    PAIRED to IMP_A alone as (B, Hk, T, NBP, 2) pairs (first part of block j, spill of block j into j + 1).
-    IMP_N: compressed keys per tile of the importance sweep (BLOCK_N: of pass 1). MASK_SPLIT: key tiles every row
-    token sees completely run without the per-element score mask (the same values: the mask selects nothing there),
-    the rest with it. USE_TMA: K / V tiles through the host descriptors KD, VD (boxes of BLOCK_N keys) and KD2 (IMP_N
-    keys); the same values as the pointer loads."""
+    LSE); SELECT: write the block importance of every row token to row i of IMP_A / IMP_B (B, Hk, T, NBP).
+    MASK_SPLIT: pass 1 runs the key tiles every row token sees completely without the per-element score mask (the
+    same values: the mask selects nothing there), the rest with it. USE_TMA: K / V tiles through the host
+    descriptors KD, VD (boxes of BLOCK_N keys); the same values as the pointer loads."""
     b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP, tok0, TS)
     b32 = tl.program_id(1) // Hk
     M: tl.constexpr = BT * GP
@@ -166,58 +163,38 @@ def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE, KD, VD, KD2,
         # heads before it is stored, and each head's p needs its own final LSE. Rescaling pass-1 partials
         # (exp2(s - m_running) * exp2(m_running - lse)) would have to keep them per head until the LSE is known:
         # G x the (T, n_b) scratch (17 GB at 64K, G=16) or n_b x rows in shared memory (256 KB per 64-row tile).
-        NB: tl.constexpr = IMP_N // R
-        offs_i = tl.arange(0, IMP_N)
+        NB: tl.constexpr = BLOCK_N // R
         tt = t0 + tl.arange(0, BT)
         jj = tl.arange(0, NB)
         maxcur = maxpos // BS
-        cr = offs_i % R
+        cr = offs_n % R
         w1 = tl.minimum(CB, BS - cr * CS).to(tl.float32)
         w2 = CB - w1
         t_ok = (tt < T)[:, None]
-        if PAIRED:
-            imp_row = IMPA + ((b64 * Hk + hk) * T + tt[:, None].to(tl.int64)) * (2 * NBP)
-        else:
-            imp_row = IMPA + ((b64 * Hk + hk) * T + tt[:, None].to(tl.int64)) * NBP
+        imp_row = IMPA + ((b64 * Hk + hk) * T + tt[:, None].to(tl.int64)) * NBP
         impb_row = IMPB + ((b64 * Hk + hk) * T + tt[:, None].to(tl.int64)) * NBP
-        jfull = 0
-        if MASK_SPLIT:
-            # rows that are padding or past T get p = exp2(s - inf) = 0 (the masked path's where gives the same 0)
-            lse = tl.where(row_ok, lse, float("inf"))
-            jfull = lo_vis // IMP_N * NB
-            for j0 in range(0, jfull, NB):
-                c = j0 * R + offs_i
-                k = _kv_tile(KD2, kbase, b32, hk, j0 * R, c, c < hi, sks, offs_d, IMP_N, HEAD_DIM, USE_TMA, False)
-                s = tl.dot(q, tl.trans(k)) * qk_scale
-                p = tl.math.exp2(s - lse[:, None])
-                _imp_store(p, w1, w2, imp_row, impb_row, j0, jj, t_ok, NBP, BT, GP, IMP_N, NB, R, PAIRED)
-        for j0 in range(jfull, maxcur + 1, NB):
-            c = j0 * R + offs_i
+        for j0 in range(0, maxcur + 1, NB):
+            c = j0 * R + offs_n
             kv_ok = c < hi
-            k = _kv_tile(KD2, kbase, b32, hk, j0 * R, c, kv_ok, sks, offs_d, IMP_N, HEAD_DIM, USE_TMA, True)
+            k = _kv_tile(KD, kbase, b32, hk, j0 * R, c, kv_ok, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, True)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             p = tl.math.exp2(s - lse[:, None])
             p = tl.where((c[None, :] < nvis[:, None]) & row_ok[:, None], p, 0.0)
-            _imp_store(p, w1, w2, imp_row, impb_row, j0, jj, t_ok, NBP, BT, GP, IMP_N, NB, R, PAIRED)
+            _imp_store(p, w1, w2, imp_row, impb_row, j0, jj, t_ok, NBP, BT, GP, BLOCK_N, NB, R)
 
 
 @triton.jit
 def _imp_store(p, w1, w2, imp_row, impb_row, j0, jj, t_ok, NBP, BT: tl.constexpr, GP: tl.constexpr,
-               N: tl.constexpr, NB: tl.constexpr, R: tl.constexpr, PAIRED: tl.constexpr):
+               N: tl.constexpr, NB: tl.constexpr, R: tl.constexpr):
     """Importance of one key tile: p (BT * GP, N) summed over each token's heads, then over the R compressed blocks
     of each selection block j = j0 + jj with weights w1 (first part) and w2 (spill into j + 1) -> IMP_A[j] /
-    IMP_B[j + 1], or with PAIRED the pair (first, spill) at IMP_A[j] (one store of 2 * NB contiguous floats)."""
+    IMP_B[j + 1]."""
     ph = tl.sum(tl.reshape(p, (BT, GP, N)), 1)                                # (BT, N)
     a = tl.sum(tl.reshape(ph * w1[None, :], (BT, NB, R)), 2)                  # (BT, NB)
     bsp = tl.sum(tl.reshape(ph * w2[None, :], (BT, NB, R)), 2)
-    if PAIRED:
-        jp = 2 * j0 + tl.arange(0, 2 * NB)
-        pair = tl.reshape(tl.join(a, bsp), (BT, 2 * NB))                      # a[j], bsp[j] at 2j, 2j + 1
-        tl.store(imp_row + jp[None, :], pair, mask=t_ok & (jp < 2 * NBP)[None, :])
-    else:
-        j = j0 + jj
-        tl.store(imp_row + j[None, :], a, mask=t_ok & (j < NBP)[None, :])
-        tl.store(impb_row + (j + 1)[None, :], bsp, mask=t_ok & (j + 1 < NBP)[None, :])
+    j = j0 + jj
+    tl.store(imp_row + j[None, :], a, mask=t_ok & (j < NBP)[None, :])
+    tl.store(impb_row + (j + 1)[None, :], bsp, mask=t_ok & (j + 1 < NBP)[None, :])
 
 
 @triton.jit
@@ -254,7 +231,7 @@ def _topk_rank(key, ok, jv, base, NSEL: tl.constexpr, NSELP: tl.constexpr):
 @triton.jit
 def _topk_kernel(IMPA, IMPB, IDX, T, Hk, NBP, n_b, q_off, s_ib, s_it, s_ih, tok0,
                  BS: tl.constexpr, NSEL: tl.constexpr, NBLK: tl.constexpr, NSELP: tl.constexpr, TS: tl.constexpr,
-                 PARALLEL: tl.constexpr, NCH: tl.constexpr, CAP: tl.constexpr, PAIRED: tl.constexpr = False):
+                 PARALLEL: tl.constexpr, NCH: tl.constexpr, CAP: tl.constexpr):
     """Row t of T (query token tok0 + t * TS, as `_cmp_kernel`'s rows): its selected blocks -> IDX row t.
 
     Every block gets a distinct int64 key: high word = fp32 bits of its score (monotone for scores >= 0, -inf
@@ -268,9 +245,7 @@ def _topk_kernel(IMPA, IMPB, IDX, T, Hk, NBP, n_b, q_off, s_ib, s_it, s_ih, tok0
     most CAP blocks are candidates (i.i.d. random scores at NSEL=16, NCH=32, 1024 blocks: 21.5 on average, > 32 in
     ~0.5% of rows; strided chunks spread a run of high-scoring neighbouring blocks over many chunks), they are
     compacted in ascending block order into this row's IMPA / IMPB scratch (already read) and ranked pairwise
-    (CAP x CAP); otherwise (adversarial layouts) the serial rounds. Both give the same set.
-    PAIRED: IMPA holds rows of NBP (first part, spill) pairs (`_cmp_kernel` PAIRED) and IMPB is IMPA + 1 element: the
-    score of block j is IMPA[2j] + IMPB[2(j - 1)], the same two fp32 terms added as in the unpaired layout."""
+    (CAP x CAP); otherwise (adversarial layouts) the serial rounds. Both give the same set."""
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -279,12 +254,10 @@ def _topk_kernel(IMPA, IMPB, IDX, T, Hk, NBP, n_b, q_off, s_ib, s_it, s_ih, tok0
     cur = (tok0 + t * TS + q_off) // BS
     cur = tl.minimum(cur, n_b - 1)
     j = tl.arange(0, NBLK)
-    ES: tl.constexpr = 2 if PAIRED else 1       # elements per block entry
-    SB: tl.constexpr = 1 if PAIRED else 0       # IMPB's entry of block j: j (spill stored into j) or j - 1 (out of it)
-    row = ((b64 * Hk + hk) * T + t) * NBP * ES
+    row = ((b64 * Hk + hk) * T + t) * NBP
     vis = j <= cur
-    sa = tl.load(IMPA + row + j * ES, mask=vis, other=0.0)
-    sb = tl.load(IMPB + row + (j - SB) * ES, mask=vis & (j >= 1), other=0.0)
+    sa = tl.load(IMPA + row + j, mask=vis, other=0.0)
+    sb = tl.load(IMPB + row + j, mask=vis & (j >= 1), other=0.0)
     score = sa + sb
     score = tl.where(j == 0, FORCE_FIRST_C, score)
     score = tl.where(j == cur, float("inf"), score)
@@ -307,14 +280,13 @@ def _topk_kernel(IMPA, IMPB, IDX, T, Hk, NBP, n_b, q_off, s_ib, s_it, s_ih, tok0
         if cnt <= CAP:
             pos = tl.cumsum(c32, 0) - 1
             tl.debug_barrier()   # every thread has read its IMPA / IMPB entries before the row is overwritten
-            # (pos < cnt <= the visible blocks <= n_b: inside the row, IMPA's and IMPB's slots apart)
-            tl.store(IMPA + row + pos * ES, score, mask=cand)
-            tl.store(IMPB + row + pos * ES, j.to(tl.float32), mask=cand)
+            tl.store(IMPA + row + pos, score, mask=cand)
+            tl.store(IMPB + row + pos, j.to(tl.float32), mask=cand)
             tl.debug_barrier()   # the compacted list is read back by other threads
             ci = tl.arange(0, CAP)
             c_ok = ci < cnt
-            cs = tl.load(IMPA + row + ci * ES, mask=c_ok, other=0.0)
-            cj = tl.load(IMPB + row + ci * ES, mask=c_ok, other=0.0).to(tl.int32)
+            cs = tl.load(IMPA + row + ci, mask=c_ok, other=0.0)
+            cj = tl.load(IMPB + row + ci, mask=c_ok, other=0.0).to(tl.int32)
             ckey = (cs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (NBLK - 1 - cj).to(tl.int64)
             _topk_rank(ckey, c_ok, cj, base, NSEL, NSELP)
         else:
@@ -549,19 +521,15 @@ SLC_SHARED = True
 # warps 1.66): parallel at every length, 2 warps below 512 blocks (NUM_WARPS topk_small).
 PARALLEL_TOPK = True
 TOPK_PARALLEL_MIN_BLOCKS = 0
-# Switches under A/B (session 15, `bench_nsa --phases` variants imp_*, tma*); each gives the same selected blocks
-# and outputs as the default (the same fp32 operations on the same values; tests/test_nsa.py runs each).
-# CMP_MASK_SPLIT: `_cmp_kernel` runs the key tiles every token of a program sees completely (all but the last one
-# or two) without the per-element causal / padding mask, in pass 1 and in the importance pass (padding rows get
-# LSE +inf there, so p = 0 as the mask gives).
-# IMP_BLOCK_N: compressed keys per tile of the importance pass (None = CMP_BLOCK_N); pass 1 keeps CMP_BLOCK_N.
-# IMP_PAIRED: one importance scratch of (first part, spill) pairs and one store per tile instead of IMP_A + IMP_B.
-# NSA_TMA: K / V tiles of the compressed pass 1 and importance pass, the window kernel and the shared-selection
-# tile kernel (selection="tile") through host TMA descriptors (CUDA sm_90+, and the interpreter), not pointers.
-CMP_MASK_SPLIT = False
-IMP_BLOCK_N = None
-IMP_PAIRED = False
-NSA_TMA = False
+# NSA_TMA: K / V tiles of the compressed kernel, the window kernel and the token-tile selected kernel through host
+# TMA descriptors (CUDA sm_90+, and the interpreter) instead of pointer loads; the same values. H200 session 15
+# (results/h200-nsa-phases-s15b.json): cmp -10 to -13%, swa -11%, slc_tile -15% at 16K-64K; forward 4K tile
+# 0.81 -> 0.71 ms, 64K tile 23.0 -> 20.4 ms, 64K per token 42.3 -> 40.2 ms.
+# CMP_MASK_SPLIT: selection="tile"'s compressed launch (o_cmp only, no importance) runs the key tiles every token
+# of a program sees completely without the per-element score mask (the same values). Measured with the importance
+# pass split too: tile 64K cmp -8 to -9%, 4K +7%; per-token calls slower (their importance pass), so there it is off.
+NSA_TMA = True
+CMP_MASK_SPLIT = True
 
 
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
@@ -608,15 +576,6 @@ def _tiles(G, rows):
     return GP, max(1, rows // GP)
 
 
-def _imp_block_n(R: int) -> int:
-    """Compressed keys per tile of `_cmp_kernel`'s importance sweep (IMP_BLOCK_N, None = CMP_BLOCK_N)."""
-    n = CMP_BLOCK_N if IMP_BLOCK_N is None else IMP_BLOCK_N
-    if n < 16 or n & (n - 1) or n < R:
-        raise ValueError(f"nsa.IMP_BLOCK_N must be None or a power of two >= max(16, block_size / compress_stride = "
-                         f"{R}), got {IMP_BLOCK_N}")
-    return n
-
-
 def tma_enabled(device) -> bool:
     """NSA_TMA and the kernels can load through TMA descriptors here: the interpreter (host TensorDescriptor
     emulated), or a CUDA device of compute capability >= 9 with a Triton that has host descriptors."""
@@ -641,25 +600,19 @@ def _descs(q, *specs):
     return (None,) * len(specs) if any(x is None for x in out) else out
 
 
-def _topk(imp_a, imp_b, n_b: int, q_off: int, tok0: int, ts: int, bs: int, nsel: int,
-          paired: bool = False) -> torch.Tensor:
+def _topk(imp_a, imp_b, n_b: int, q_off: int, tok0: int, ts: int, bs: int, nsel: int) -> torch.Tensor:
     """`_topk_kernel` on selection scores imp_a + imp_b (fp32 (B, Hk, n_rows, NBP), NBP > n_b; imp_b[..., j] is the
     spill into block j, its entry 0 unread). Row i is query position tok0 + i * ts + q_off (its visible blocks:
     j <= that // bs, capped at n_b - 1). Returns int32 (B, n_rows, Hk, nsel): ascending, -1 padded.
-    paired: imp_a is fp32 (B, Hk, n_rows, NBP, 2), [..., j, 0] the first part of block j and [..., j, 1] its spill
-    into block j + 1 (imp_b unused).
     The rows of imp_a / imp_b are overwritten (the parallel top-k compacts its candidates there)."""
-    B, Hk, n_rows, NBP = imp_a.shape[:4]
-    if paired:
-        flat = imp_a.view(-1)
-        imp_a, imp_b = flat, flat[1:]
+    B, Hk, n_rows, NBP = imp_a.shape
     nselp = max(16, triton.next_power_of_2(nsel))
     sel = torch.empty((B, n_rows, Hk, nsel), dtype=torch.int32, device=imp_a.device)
     _topk_kernel[(n_rows, B * Hk)](
         imp_a, imp_b, sel, n_rows, Hk, NBP, n_b, q_off, sel.stride(0), sel.stride(1), sel.stride(2), tok0,
         BS=bs, NSEL=nsel, NBLK=max(16, triton.next_power_of_2(n_b)), NSELP=nselp, TS=ts,
         PARALLEL=PARALLEL_TOPK and nselp <= 32 and n_b >= TOPK_PARALLEL_MIN_BLOCKS, NCH=2 * nselp, CAP=2 * nselp,
-        PAIRED=paired, num_warps=NUM_WARPS["topk"] if n_b >= 512 else NUM_WARPS["topk_small"])
+        num_warps=NUM_WARPS["topk"] if n_b >= 512 else NUM_WARPS["topk_small"])
     return sel
 
 
@@ -705,28 +658,21 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
     cmp_strides = (q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
                    o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2))
     R = bs // d
-    imp_n = _imp_block_n(R)
-    # TMA descriptors (None: pointer loads): compressed K / V boxes of CMP_BLOCK_N and imp_n keys
-    kd, vd, kd2 = _descs(q, (k_cmp, CMP_BLOCK_N), (v_cmp, CMP_BLOCK_N), (k_cmp, imp_n))
-    cmp_meta = dict(CB=l, CS=d, BS=bs, R=R, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=CMP_BLOCK_N, IMP_N=imp_n,
-                    MASK_SPLIT=CMP_MASK_SPLIT, USE_TMA=kd is not None,
+    # TMA descriptors (None: pointer loads): compressed K / V boxes of CMP_BLOCK_N keys
+    kd, vd = _descs(q, (k_cmp, CMP_BLOCK_N), (v_cmp, CMP_BLOCK_N))
+    cmp_meta = dict(CB=l, CS=d, BS=bs, R=R, HEAD_DIM=D, GP=GP, BT=BT, BLOCK_N=CMP_BLOCK_N, USE_TMA=kd is not None,
                     num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"] if D <= 128 else 2)
-    cmp_descs = (kd, vd, kd2) if kd is not None else (o_cmp, o_cmp, o_cmp)
+    cmp_descs = (kd, vd) if kd is not None else (o_cmp, o_cmp)
 
     def select(n_rows, tok0, ts, store_o):
         """Importance and top-k of n_rows row tokens (query tokens tok0 + i * ts) -> idx (B, n_rows, Hk, nsel);
         store_o: the same launch writes o_cmp (and the LSE) of every query token (ts == 1, n_rows == T)."""
-        if IMP_PAIRED:
-            imp_a = torch.empty((B, Hk, n_rows, NBP, 2), dtype=torch.float32, device=dev)
-            imp_b = imp_a
-        else:
-            imp_a = torch.empty((B, Hk, n_rows, NBP), dtype=torch.float32, device=dev)
-            imp_b = torch.empty((B, Hk, n_rows, NBP), dtype=torch.float32, device=dev)
+        imp_a = torch.empty((B, Hk, n_rows, NBP), dtype=torch.float32, device=dev)
+        imp_b = torch.empty((B, Hk, n_rows, NBP), dtype=torch.float32, device=dev)
         _cmp_kernel[(triton.cdiv(n_rows, BT), B * Hk)](
             *cmp_args, imp_a, imp_b, lse_c, *cmp_descs, *cmp_strides, n_rows, n_c, q_off, Hq, Hk, G, NBP,
-            qk_scale, tok0, SELECT=True, SAVE=save and store_o, STORE_O=store_o, TS=ts, PAIRED=IMP_PAIRED,
-            **cmp_meta)
-        return _topk(imp_a, imp_b, n_b, q_off, tok0, ts, bs, nsel, paired=IMP_PAIRED)
+            qk_scale, tok0, SELECT=True, SAVE=save and store_o, STORE_O=store_o, TS=ts, **cmp_meta)
+        return _topk(imp_a, imp_b, n_b, q_off, tok0, ts, bs, nsel)
 
     if not tile:
         idx = select(T, 0, 1, True)
@@ -735,7 +681,7 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
         # every token of the tile then uses
         _cmp_kernel[grid_cmp](
             *cmp_args, o_cmp, o_cmp, lse_c, *cmp_descs, *cmp_strides, T, n_c, q_off, Hq, Hk, G, NBP, qk_scale, 0,
-            SELECT=False, SAVE=save, STORE_O=True, TS=1, **cmp_meta)
+            SELECT=False, SAVE=save, STORE_O=True, TS=1, MASK_SPLIT=CMP_MASK_SPLIT, **cmp_meta)
         first = -(-q_off // bs)                       # first selection tile starting at or after the first query
         tok0 = first * bs - q_off
         n_tiles = max(0, triton.cdiv(T - tok0, bs))
