@@ -112,6 +112,10 @@ def test_fp8_precision_validation():
     with pytest.raises(ValueError, match="backward"):
         SkipConfig(precision="fp8", backward=True)
     assert SkipConfig(precision="fp8").precision == "fp8"
+    with pytest.raises(ValueError, match="unknown keys"):      # the schedule is not a cfg choice any more
+        skip_fp8.q_block((128, 128), {"lsum_early": True})
+    with pytest.raises(ValueError, match="block_m"):
+        skip_fp8.q_block((128, 128), {"block_m": 32})
 
 
 def test_skip_step_fp8_cpu_matches_emulation():
@@ -240,45 +244,10 @@ def test_kernel_interpreter_keep_words(monkeypatch):
     assert bool(((res[0][1].to_mask() ^ n_ref.to_mask()) <= near).all())
 
 
-# every same-output switch of FP8_SKIP_CONFIG on (session 15): they change the schedule, never a value or a list
-SWITCHES = {"full_rows": True, "early_list": True, "lsum_early": True, "desc2d": True}
-
-
 @cpu_only
-@pytest.mark.parametrize("must_do", [None, [(130, 140)]])
-def test_kernel_interpreter_switches(monkeypatch, must_do):
-    """The session-15 switches (full_rows, early_list, lsum_early, desc2d) give the default kernel's output, LSE and
-    next list bit for bit (interpreter, fp16 stand-ins): rows listing every k-tile (the full_rows walk, here with a
-    partial last k-tile), rows listing a few, a partial last q-tile, and the two-part merge of 128-row q-tiles;
-    with must_do, the union list makes the forced rows full."""
-    B, H, Sq, Sk, D, thr, tile = 1, 2, 300, 330, 64, -2.0, (128, 64)
-    q, k, v = (x[:, :Sq] if i == 0 else x[:, :Sk] for i, x in
-               enumerate(video_like_qkv(heads=H, frames=6, height=8, width=8, dim=D, seed=9)))
-    q, k, v = (x.half().float() for x in (q, k, v))
-    mask = random_list(B, H, Sq, Sk, tile, 0.5, seed=3).to_mask()
-    mask[:, 0, 1] = True                 # full rows (Tk = 6, the last k-tile partial)
-    mask[:, 1, 2] = True
-    lst = SkipList.from_mask(mask, tile, Sq, Sk)
-    quant = _standin_quantized(k, v)
-    monkeypatch.setattr(skip_fp8, "fp8_skip_supported", lambda q, tile=None: True)
-    base = skip_fp8.skip_attention_fp8(q, k, v, lst, thr, return_lse=True, tile=tile, must_do=must_do,
-                                       quantized=quant)
-    alt = skip_fp8.skip_attention_fp8(q, k, v, lst, thr, return_lse=True, tile=tile, must_do=must_do,
-                                      quantized=quant, cfg=SWITCHES)
-    assert torch.equal(base[0], alt[0]) and torch.equal(base[2], alt[2])
-    assert base[1].equal(alt[1])
-    dens = base[1].density().item()
-    assert 0.0 < dens < 1.0                            # the keep test dropped some tiles and kept others
-    kept = base[1].to_mask()[:, 1, 2]                   # a full row's next list: some tiles, not all
-    assert bool(kept.any()) and not bool(kept.all())
-
-
-@cpu_only
-@pytest.mark.parametrize("cfg", [None, SWITCHES], ids=["default", "switches"])
-def test_kernel_interpreter_stateful(monkeypatch, cfg):
+def test_kernel_interpreter_stateful(monkeypatch):
     """STATEFUL launch (interpreter, stand-ins): warm-up call reads every tile and leaves the slots alone; the next
-    calls read slot (n - warmup) % 2 and write the other; density recorded. cfg "switches": the stateful kernel with
-    the session-15 switches (a warm-up row takes the full_rows walk) writes what the default one-call entry does."""
+    calls read slot (n - warmup) % 2 and write the other, what the one-call entry writes; density recorded."""
     B, H, S, D, thr, tile = 1, 2, 260, 64, -2.0, (128, 128)
     q, k, v = (x[:, :S].half().float() for x in video_like_qkv(heads=H, frames=5, height=8, width=8, dim=D, seed=7))
     k8, ks, vt, vs = _standin_quantized(k, v)
@@ -289,7 +258,7 @@ def test_kernel_interpreter_stateful(monkeypatch, cfg):
     for n in range(3):
         before = bufs.counts.clone(), bufs.indices.clone()
         skip_fp8.skip_step_fp8(q, k, v, bufs.counts, bufs.indices, bufs.step, bufs.density, thr, 1, 128, 128,
-                               1 / math.sqrt(D), [], cfg=cfg)
+                               1 / math.sqrt(D), [])
         if n == 0:
             assert torch.equal(bufs.counts, before[0]) and torch.equal(bufs.indices, before[1])
             continue
@@ -310,17 +279,18 @@ def _cuda():
 
 
 @gpu
-@pytest.mark.parametrize("D,tile,block_m,switch", [(128, (128, 128), 64, None), (64, (128, 128), 64, None),
-                                                   (128, (64, 64), 64, None), (128, (128, 128), 128, None),
-                                                   (128, (128, 128), 64, "all"), (64, (64, 64), 64, "all")])
-def test_gpu_kernel_vs_emulation(D, tile, block_m, switch):
+@pytest.mark.parametrize("D,tile,block_m,full_tiles", [(128, (128, 128), 64, False), (64, (128, 128), 64, False),
+                                                      (128, (64, 64), 64, False), (128, (128, 128), 128, False),
+                                                      (128, (128, 128), 64, True), (64, (64, 64), 64, True)])
+def test_gpu_kernel_vs_emulation(D, tile, block_m, full_tiles):
     """Kernel vs emulation on the same inputs. The kernel's int8 q (quantized in-kernel) is the emulation's bit for
     bit (`dense.fp8._quant_tile`: same scale multiply, IEEE reciprocal, uncontracted rounding; bf16 inputs have
     many exact rounding ties, so anything less flips whole rows: round 2 failed here with 3.6% of rows), and the
     emulation takes k8 / v8 / scales from `quantize_fp8` itself. So the scores differ by fp32 rounding only and the
     LSE of every row lies within `_lse_bounds` (no tie allowance); lists equal except tiles whose gain lies within
     twice that score bound of the threshold; outputs within the fp8 error model (P's e4m3 rounding: 2^-4 relative
-    per probability, averaging over keys -> rel RMS <= 2e-2 vs the emulation)."""
+    per probability, averaging over keys -> rel RMS <= 2e-2 vs the emulation). full_tiles: every third q-tile lists
+    every k-tile (the partial last one included) beside rows listing about half."""
     if not _cuda():
         pytest.skip("needs sm_90")
     thr = -5.0
@@ -330,8 +300,7 @@ def test_gpu_kernel_vs_emulation(D, tile, block_m, switch):
     q, k, v = q[:, :S].contiguous(), k[:, :S].contiguous(), v[:, :S].contiguous()
     lst = random_list(1, 4, S, S, tile, 0.5, seed=3, device="cuda")
     cfg = {"block_m": block_m}
-    if switch == "all":          # the session-15 switches, with full rows in the list (the full_rows walk)
-        cfg.update(SWITCHES)
+    if full_tiles:
         mask = lst.to_mask()
         mask[:, :, ::3] = True
         lst = SkipList.from_mask(mask, tile, S, S)
@@ -398,37 +367,6 @@ def test_gpu_must_do_and_stateful():
         skip_step(q, k, v, bufs, -5.0, 1, must_do=must, precision="fp8")
     _, want = skip_attention(q, k, v, first, -5.0, must_do=must, precision="fp8")
     assert bufs.current(1).equal(want)
-
-
-@gpu
-@pytest.mark.parametrize("switch", ["full_rows", "early_list", "lsum_early", "desc2d"])
-def test_gpu_switch_equals_default(switch):
-    """Each session-15 switch alone gives the default kernel's output, LSE and next list bit for bit (they change
-    the schedule only): a list with full rows and partial rows, a partial last q- and k-tile, must_do, and the
-    stateful path over a warm-up call and two carried calls."""
-    if not _cuda():
-        pytest.skip("needs sm_90")
-    q, k, v = video_like_qkv(heads=4, frames=8, height=16, width=24, dim=128, seed=6, dtype=torch.bfloat16,
-                             device="cuda")
-    S = q.shape[1] - 60
-    q, k, v = q[:, :S].contiguous(), k[:, :S].contiguous(), v[:, :S].contiguous()
-    mask = random_list(1, 4, S, S, (128, 128), 0.4, seed=8).to_mask()
-    mask[:, :, ::4] = True
-    lst = SkipList.from_mask(mask.cuda(), (128, 128), S, S)
-    cfg = {switch: True}
-    for must in (None, [(0, 100)]):
-        base = skip_fp8.skip_attention_fp8(q, k, v, lst, -5.0, return_lse=True, must_do=must)
-        alt = skip_fp8.skip_attention_fp8(q, k, v, lst, -5.0, return_lse=True, must_do=must, cfg=cfg)
-        assert torch.equal(base[0], alt[0]) and torch.equal(base[2], alt[2]) and base[1].equal(alt[1])
-        assert 0.0 < base[1].density().item() < 1.0
-    bufs = [SkipListBuffers.create(1, 4, S, S, (128, 128), "cuda") for _ in range(2)]
-    flat = [0, 100]
-    with torch.no_grad():
-        for call in range(3):
-            outs = [skip_fp8.skip_step_fp8(q, k, v, b.counts, b.indices, b.step, b.density, -5.0, 1, 128, 128,
-                                           1 / math.sqrt(128), flat, cfg=c) for b, c in zip(bufs, (None, cfg))]
-            assert torch.equal(outs[0], outs[1]), call
-            assert torch.equal(bufs[0].counts, bufs[1].counts) and bufs[0].current(1).equal(bufs[1].current(1))
 
 
 @gpu

@@ -46,22 +46,18 @@ CHUNK_C = tl.constexpr(CHUNK)
 # Launch settings: 64-row programs of one warpgroup (two per SM: one's softmax overlaps the other's wgmma, as in
 # attention_fp8), 3 stages; host_desc: K8 / V^T8 TMA descriptors built on the host (no per-program descriptor
 # build: it is part of the fixed cost per q-tile program that dominates at low density, skip NOTES v5), over the
-# 4-D (B, Hk, Sk, D) / (B, Hk, D, Sk) views, or with desc2d over the 2-D (B Hk Sk, D) / (B Hk D, Sk) views (two
-# TMA coordinates per load instead of four, as attention_fp8's per-head descriptors).
+# 4-D (B, Hk, Sk, D) / (B, Hk, D, Sk) views.
 # keep_row: keep bits accumulated per row (one int32 per row, layout of m_i) and OR-reduced across rows once per
 # 32 visited tiles; False: the round-1 [BLOCK_M, NWORDS] select per tile, one reduction at the end (measured 2.7%
 # slower at density 1, skip fp8 round 2; kept for the A/B). diag: timing diagnostics only, wrong results at
 # density < 1: "seqidx" visits tiles 0..cnt-1 instead of the listed ones (no index loads), "nokeep" skips the keep
 # test (empty next list).
-# Switches of session 15 (same outputs and lists; defaults off until measured, NOTES "fp8 skip-list forward"):
-#   full_rows: a row whose list holds every k-tile (count Tk) walks 0..Tk-1 without loading its list (no index
-#     load per tile, no list read when writing the next list): the "seqidx" loop for the rows where it is exact.
-#   early_list: the list's count / last / first index are loaded at the program's start, under q's load, instead
-#     of after q's quantization (two dependent round trips before the first K/V copy can be issued).
-#   lsum_early: the P V wgmma waits for the row sum (an exact fma(l, 0, alpha) dependency), so the sum's adds and
-#     shuffles run before the P V issue, as in attention_fp8's loop, instead of between it and the next Q K^T.
-FP8_SKIP_CONFIG = dict(block_m=64, num_warps=4, num_stages=3, host_desc=True, keep_row=True, diag="",
-                       desc2d=False, full_rows=False, early_list=False, lsum_early=False)
+# Schedule (always on; measured kernel alone, H200, B1 H12 S32760 D128, density 1 / 0.5 / 0.13, paired ratios,
+# results/h200-skip-fp8-s15.json): the P V wgmma of a listed tile waits for the row sum (an exact
+# fma(l, 0, alpha) dependency), so the sum's adds and shuffles run before the P V issue as in attention_fp8's loop
+# (-3.6 to -5.4%); the list's count / first / last index are loaded at the program's start, under q's load, not
+# after q's quantization (-0.4 to -2.4%).
+FP8_SKIP_CONFIG = dict(block_m=64, num_warps=4, num_stages=3, host_desc=True, keep_row=True, diag="")
 _DIAGS = ("", "seqidx", "nokeep")
 
 
@@ -75,15 +71,12 @@ def supports_tile(tile) -> bool:
 
 
 @triton.jit
-def _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk, start_n, offs_n, Sk,
+def _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, start_n, offs_n, Sk,
                D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, QK_ACC: tl.constexpr,
-               LOG2_PS: tl.constexpr, DESC: tl.constexpr, FBLK: tl.constexpr, LSUM_EARLY: tl.constexpr):
+               LOG2_PS: tl.constexpr, DESC: tl.constexpr, FBLK: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) step of the online softmax on the quantized operands; returns (acc, l_i, m_i, the
-    block's row max of the dequantized scores in log2 units). (b, hk) = (batch, kv head), bhk = b * Hk + hk."""
-    if DESC == 2:      # host descriptors over the 2-D (B Hk Sk, D) / (B Hk D, Sk) views
-        k = k_desc.load([bhk * Sk + start_n, 0])
-        vt = v_desc.load([bhk * D, start_n])
-    elif DESC == 1:    # host descriptors over the 4-D (B, Hk, Sk, D) / (B, Hk, D, Sk) views
+    block's row max of the dequantized scores in log2 units). (b, hk) = (batch, kv head)."""
+    if DESC == 1:      # host descriptors over the 4-D (B, Hk, Sk, D) / (B, Hk, D, Sk) views
         k = k_desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, D)
         vt = v_desc.load([b, hk, 0, start_n]).reshape(D, BLOCK_N)
     else:              # descriptors built in the kernel, per (batch, kv head)
@@ -106,10 +99,11 @@ def _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk, start_
         p = tl.math.exp2(s * c - (m_use - LOG2_PS)[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if LSUM_EARLY:
+    if not MASK_N:
         # alpha + 0 * l_i is alpha exactly (l_i is finite: P <= 2^LOG2_PS per key), but the P V wgmma now depends
         # on the row sum, so the compiler finishes the sum before issuing it (dense/fp8.py's order) instead of
-        # leaving its adds and shuffles between the P V issue and the next Q K^T issue
+        # leaving its adds and shuffles between the P V issue and the next Q K^T issue (the masked tile runs at
+        # most once, after the loop: nothing to overlap)
         alpha = tl.fma(l_i, 0.0, alpha)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
@@ -117,33 +111,31 @@ def _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk, start_
 
 
 @triton.jit
-def _tile(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk, j, offs_n, Sk,
+def _tile(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, j, offs_n, Sk,
           D: tl.constexpr, TILE_N: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-          QK_ACC: tl.constexpr, LOG2_PS: tl.constexpr, DESC: tl.constexpr, FBLK: tl.constexpr,
-          LSUM_EARLY: tl.constexpr):
+          QK_ACC: tl.constexpr, LOG2_PS: tl.constexpr, DESC: tl.constexpr, FBLK: tl.constexpr):
     """All sub-blocks of skip tile j; returns (acc, l_i, m_i, row max over the tile, log2 units)."""
-    acc, l_i, m_i, tmax = _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk, j * TILE_N, offs_n, Sk,
-                                     D, BLOCK_N, MASK_N, QK_ACC, LOG2_PS, DESC, FBLK, LSUM_EARLY)
+    acc, l_i, m_i, tmax = _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, j * TILE_N, offs_n, Sk,
+                                     D, BLOCK_N, MASK_N, QK_ACC, LOG2_PS, DESC, FBLK)
     for sb in tl.static_range(1, TILE_N // BLOCK_N):
-        acc, l_i, m_i, rmax = _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk,
+        acc, l_i, m_i, rmax = _sub_block(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk,
                                          j * TILE_N + sb * BLOCK_N, offs_n, Sk, D, BLOCK_N, MASK_N, QK_ACC, LOG2_PS,
-                                         DESC, FBLK, LSUM_EARLY)
+                                         DESC, FBLK)
         tmax = tl.maximum(tmax, rmax)
     return acc, l_i, m_i, tmax
 
 
 @triton.jit
-def _listed_tiles(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk, idx_in, j0, n_plain, Tk, warm, full,
-                  row_ok, offs_n, Sk, threshold,
+def _listed_tiles(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, idx_in, j0, n_plain, Tk, warm, row_ok,
+                  offs_n, Sk, threshold,
                   D: tl.constexpr, TILE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   QK_ACC: tl.constexpr, LOG2_PS: tl.constexpr, DESC: tl.constexpr, FBLK: tl.constexpr,
-                  NWORDS: tl.constexpr, STATEFUL: tl.constexpr, SEQ: tl.constexpr, FULL_ROWS: tl.constexpr,
-                  KEEP_ROW: tl.constexpr, NO_KEEP: tl.constexpr, LSUM_EARLY: tl.constexpr):
+                  NWORDS: tl.constexpr, STATEFUL: tl.constexpr, SEQ: tl.constexpr, KEEP_ROW: tl.constexpr,
+                  NO_KEEP: tl.constexpr):
     """The listed full k-tiles 0 .. n_plain - 1 of a row (idx_in: its list, j0 = its first index) -> (acc, l_i,
     m_i, keep words: bit it % 32 of word it // 32 set iff visited tile `it` passes the keep test in some row of
-    the program). SEQ (diagnostic "seqidx"): tile `it` at step `it` for every row, the list unread. FULL_ROWS: so
-    for a full row (count Tk: an ascending list of Tk distinct tiles is 0 .. Tk - 1; a warm-up row counts as
-    full), whose index loads are predicated off. NO_KEEP (diagnostic): no keep test, no words."""
+    the program). SEQ (diagnostic "seqidx"): tile `it` at step `it` for every row, the list unread. NO_KEEP
+    (diagnostic): no keep test, no words."""
     widx = tl.arange(0, NWORDS)
     words = tl.zeros([NWORDS], tl.int32)
     rbits = tl.zeros([BLOCK_M], tl.int32)
@@ -153,17 +145,14 @@ def _listed_tiles(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk, idx
     for it in range(0, n_plain):
         if SEQ:
             j = it
-        elif FULL_ROWS:
-            j = tl.where(full != 0, it, j_next)
-            j_next = tl.load(idx_in + tl.minimum(it + 1, Tk - 1), mask=full == 0, other=0)
         else:
             j = j_next       # the index of the next visited tile is loaded one iteration ahead
             j_next = tl.load(idx_in + tl.minimum(it + 1, Tk - 1))
             if STATEFUL:
                 j = tl.where(warm, it, j)
         m_before = m_i
-        acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk, j, offs_n, Sk, D,
-                                    TILE_N, BLOCK_N, False, QK_ACC, LOG2_PS, DESC, FBLK, LSUM_EARLY)
+        acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, j, offs_n, Sk, D,
+                                    TILE_N, BLOCK_N, False, QK_ACC, LOG2_PS, DESC, FBLK)
         if not NO_KEEP:
             hit = (((tmax - m_before) > threshold) & row_ok).to(tl.int32) << (it & 31)
             if KEEP_ROW:
@@ -215,15 +204,13 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
                      TILE_N: tl.constexpr, STATEFUL: tl.constexpr, HAS_FORCED: tl.constexpr,
                      LAST_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr, LOG2_PS: tl.constexpr,
                      QK_ACC: tl.constexpr, QINV: tl.constexpr, NWORDS: tl.constexpr, DESC: tl.constexpr,
-                     FBLK: tl.constexpr, KEEP_ROW: tl.constexpr, DIAG: tl.constexpr, FULL_ROWS: tl.constexpr,
-                     EARLY_LIST: tl.constexpr, LSUM_EARLY: tl.constexpr):
+                     FBLK: tl.constexpr, KEEP_ROW: tl.constexpr, DIAG: tl.constexpr):
     """Program (pid, bh): rows [pid * BLOCK_M, +BLOCK_M) of (batch, query head) bh, part pid % SPLIT of skip q-tile
     pid // SPLIT (TILE_M = SPLIT * BLOCK_M rows). q is quantized here, one scale per program (as attention_fp8's
     fused q). KW (B * Hq * Tq, SPLIT, NWORDS + 1) int32 and ARRIVE (B * Hq * Tq,) int32 (zeroed): with SPLIT 2,
     each program stores its keep words (and the partial last tile's keep bit) in its part's row of KW, then counts
     itself in ARRIVE; the program that arrives last merges the parts and writes the next list.
-    DESC: 0 descriptors built here per (batch, kv head), 1 / 2 host descriptors KD / VD over the 4-D / 2-D views.
-    FULL_ROWS / EARLY_LIST / LSUM_EARLY: FP8_SKIP_CONFIG's full_rows / early_list / lsum_early."""
+    DESC: 0 descriptors built here per (batch, kv head), 1 host descriptors KD / VD over the 4-D views."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     pid_m = pid // SPLIT
@@ -231,20 +218,18 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
     b = bh // Hq
     h = bh % Hq
     hk = h // n_rep
-    bhk32 = b * Hk + hk
-    bhk = bhk32.to(tl.int64)
+    bhk = (b * Hk + hk).to(tl.int64)
     b64 = b.to(tl.int64)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < Sq
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     row = (b64 * Hq + h) * Tq + pid_m
-    if EARLY_LIST:
-        # the list's loads (count -> last index: two dependent round trips) overlap q's load instead of
-        # following q's quantization (whose CTA barrier keeps later loads behind it)
-        cnt_in, idx_in, cnt_out, idx_out, warm, write_ok, cnt, n_plain, j0, frow = _list_head(
-            CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, STEP, row, pid_m, Tk, n_warmup, slot_stride_cnt,
-            slot_stride_idx, STATEFUL, LAST_PARTIAL, HAS_FORCED)
+    # the list's loads (count -> last index: two dependent round trips) overlap q's load instead of following q's
+    # quantization (whose CTA barrier keeps later loads behind it)
+    cnt_in, idx_in, cnt_out, idx_out, warm, write_ok, cnt, n_plain, j0, frow = _list_head(
+        CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, STEP, row, pid_m, Tk, n_warmup, slot_stride_cnt,
+        slot_stride_idx, STATEFUL, LAST_PARTIAL, HAS_FORCED)
     if DESC == 0:
         k_desc = tl.make_tensor_descriptor(K8 + bhk * Sk * D, shape=[Sk, D], strides=[D, 1],
                                            block_shape=[BLOCK_N, D])
@@ -264,24 +249,19 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
 
-    if not EARLY_LIST:
-        cnt_in, idx_in, cnt_out, idx_out, warm, write_ok, cnt, n_plain, j0, frow = _list_head(
-            CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, STEP, row, pid_m, Tk, n_warmup, slot_stride_cnt,
-            slot_stride_idx, STATEFUL, LAST_PARTIAL, HAS_FORCED)
     widx = tl.arange(0, NWORDS)
-    full = (cnt == Tk).to(tl.int32)
     # DIAG 1 (diagnostic "seqidx"): every row walks tiles 0 .. n_plain - 1 (= its list only at density 1);
     # DIAG 2 ("nokeep"): no keep test, empty next list
     acc, l_i, m_i, words = _listed_tiles(
-        acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk32, idx_in, j0, n_plain, Tk, warm, full, row_ok,
-        offs_n, Sk, threshold, D, TILE_N, BLOCK_M, BLOCK_N, QK_ACC, LOG2_PS, DESC, FBLK, NWORDS, STATEFUL,
-        DIAG == 1, FULL_ROWS, KEEP_ROW, DIAG == 2, LSUM_EARLY)
+        acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, idx_in, j0, n_plain, Tk, warm, row_ok, offs_n,
+        Sk, threshold, D, TILE_N, BLOCK_M, BLOCK_N, QK_ACC, LOG2_PS, DESC, FBLK, NWORDS, STATEFUL, DIAG == 1,
+        KEEP_ROW, DIAG == 2)
     # The partial last k-tile (masked columns), if listed (at most one iteration).
     keep1 = tl.full([], 0, tl.int32)
     for it in range(n_plain, cnt):
         m_before = m_i
-        acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, bhk32, Tk - 1, offs_n, Sk, D,
-                                    TILE_N, BLOCK_N, True, QK_ACC, LOG2_PS, DESC, FBLK, False)
+        acc, l_i, m_i, tmax = _tile(acc, l_i, m_i, q, cq, k_desc, v_desc, ks_base, b, hk, Tk - 1, offs_n, Sk, D,
+                                    TILE_N, BLOCK_N, True, QK_ACC, LOG2_PS, DESC, FBLK)
         hit = ((tmax - m_before) > threshold) & row_ok
         keep1 = tl.max(hit.to(tl.int32), 0)
 
@@ -320,13 +300,9 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
             c1 = tl.minimum(c0 + CHUNK_C, n_plain)
             word = tl.sum(tl.where(widx == (c0 >> 5), words, 0), 0)
             inb = offs_c < (c1 - c0)
-            if FULL_ROWS:   # a full row's list is 0 .. Tk - 1 (a warm-up row counts as full)
-                jv = tl.load(idx_in + c0 + offs_c, mask=offs_c < (c1 - c0) * (1 - full), other=0)
-                jv = tl.where(full != 0, c0 + offs_c, jv)
-            else:
-                jv = tl.load(idx_in + c0 + offs_c, mask=inb, other=0)
-                if STATEFUL:
-                    jv = tl.where(warm, c0 + offs_c, jv)
+            jv = tl.load(idx_in + c0 + offs_c, mask=inb, other=0)
+            if STATEFUL:
+                jv = tl.where(warm, c0 + offs_c, jv)
             keep = (((word >> offs_c) & 1) != 0) & inb
             if HAS_FORCED:
                 fc = (tl.load(FCOL + jv, mask=inb, other=0) != 0).to(tl.int32)
@@ -385,21 +361,15 @@ def q_block(tile=DEFAULT_TILE, cfg=None) -> int:
     return _cfg(cfg, check_tile(tile)[0])["block_m"]
 
 
-def _host_descs(k8, vt8, block_n, two_d):
-    """Host TMA descriptors (as `DescriptorArgs`) for K8 (B, Hk, Sk, D) and V^T8 (B, Hk, D, Sk_pad) -> (kd, vd, DESC
-    constexpr), or (None, None, 0) without host descriptors in this Triton. two_d: over the 2-D views
-    (B Hk Sk, D) and (B Hk D, Sk) (coordinates bhk * Sk + key, bhk * D: int32, so only while those fit; K's partial
-    last tile then reads the next head's first keys, which the kernel's masked tile sets to -inf, and V^T's columns
-    past Sk read as zeros as in 4-D), else over the 4-D views."""
+def _host_descs(k8, vt8, block_n):
+    """Host TMA descriptors (as `DescriptorArgs`) over K8 (B, Hk, Sk, D) and V^T8 (B, Hk, D, Sk_pad) as 4-D views
+    (V^T's columns past Sk read as zeros) -> (kd, vd, DESC constexpr 1), or (None, None, 0) without host
+    descriptors in this Triton."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401  (this Triton has host descriptors)
     except ImportError:
         return None, None, 0
     B, Hk, Sk, D = k8.shape
-    if two_d and k8.is_contiguous() and vt8.is_contiguous() and B * Hk * max(Sk, D) < 2 ** 31:
-        kd = DescriptorArgs(k8, [B * Hk * Sk, D], [D, 1], [block_n, D], "zero")
-        vd = DescriptorArgs(vt8, [B * Hk * D, Sk], [vt8.stride(2), 1], [D, block_n], "zero")
-        return kd, vd, 2
     kd = DescriptorArgs(k8, [B, Hk, Sk, D], list(k8.stride()), [1, 1, block_n, D], "zero")
     vd = DescriptorArgs(vt8, [B, Hk, D, Sk], list(vt8.stride()), [1, 1, D, block_n], "zero")
     return kd, vd, 1
@@ -430,7 +400,7 @@ def _launch(q, k8, ks, vt8, vs, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, f
         kd = vd = None
         desc = 0
         if host_desc:
-            kd, vd, desc = _host_descs(k8, vt8, block_n, bool(cfg["desc2d"]))
+            kd, vd, desc = _host_descs(k8, vt8, block_n)
         if desc == 0:
             set_tma_allocator()
             kd = vd = dummy
@@ -447,8 +417,7 @@ def _launch(q, k8, ks, vt8, vs, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, f
             HAS_FORCED=frow is not None, LAST_PARTIAL=bool(Sk % tn), WRITE_LSE=lse is not None,
             LOG2_PS=FP8_LOG2_P_SCALE, QK_ACC=tl.int32 if int8 else tl.float32, QINV=_QINV["int8" if int8 else "e4m3"],
             NWORDS=nwords, DESC=desc, FBLK=FP8_BLOCK, KEEP_ROW=bool(cfg["keep_row"]),
-            DIAG=_DIAGS.index(cfg["diag"]), FULL_ROWS=bool(cfg["full_rows"]), EARLY_LIST=bool(cfg["early_list"]),
-            LSUM_EARLY=bool(cfg["lsum_early"]))
+            DIAG=_DIAGS.index(cfg["diag"]))
         _PLANS.launch(_skip_fp8_kernel, (Tq * split, B * Hq), [params[n] for n in _skip_fp8_kernel.arg_names],
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
