@@ -28,18 +28,27 @@ SWITCHES = {
 # 16-key compressed tiles: at T = 100 the last programs see 24 compressed blocks, so the mask-split loops run a full
 # (unmasked) tile before the masked tail, and the descriptors cover tails that end mid-tile
 CFG = dict(block_size=16, num_selected=3, window=24, compress_block=8, compress_stride=4)
+# block 24 (loaded as 32-key boxes: the descriptor brings in the next block's first 8 keys, which the mask drops, and
+# the last block's box runs past S)
+CFG24 = dict(CFG, block_size=24, compress_block=12, compress_stride=3)
 T_CPU = 100
 
 
 @needs_triton
-@pytest.mark.parametrize("selection, names", [("token", ["pointer_loads"]), ("tile", list(SWITCHES))])
-def test_switch_equals_default_and_reference(selection, names, monkeypatch):
+@pytest.mark.parametrize("selection, names, slc_rows, cfg_kw", [
+    ("token", ["pointer_loads"], None, CFG),     # the tiny config routes to the token-tile kernel
+    ("token", ["pointer_loads"], 0, CFG),        # the per-token selected kernel
+    ("token", ["pointer_loads"], 0, CFG24),
+    ("tile", list(SWITCHES), None, CFG)])
+def test_switch_equals_default_and_reference(selection, names, slc_rows, cfg_kw, monkeypatch):
     """Each switch set (per-token selection: only the loads differ; tile selection: the mask split too) against the
-    default kernels and the reference."""
+    default kernels and the reference. slc_rows: nsa.SLC_TILE_ROWS (0 = the per-token selected kernel)."""
     from sparsepatch.kernels.nsa import forward as nsa
     dev = "cuda" if CUDA and not INTERPRET else "cpu"
-    cfg = NSAConfig(**CFG, selection=selection)
+    cfg = NSAConfig(**cfg_kw, selection=selection)
     monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
+    monkeypatch.setattr(nsa, "SLC_TILE_ROWS", slc_rows)
+    assert (nsa.slc_tile_rows(3, -(-T_CPU // cfg.block_size)) == 0) == (slc_rows == 0)
     q, k, v = rand(1, T_CPU, 6, 2, 16, seed=70, device=dev)   # G = 3: a padded head row per token
     assert (T_CPU - cfg.compress_block) // cfg.compress_stride + 1 > 16       # a full compressed tile exists
     base, bidx = nsa.nsa_attention(q, k, v, cfg, return_indices=True)
@@ -61,14 +70,16 @@ def test_switch_equals_default_and_reference(selection, names, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("selection", ["token", "tile"])
+@pytest.mark.parametrize("selection, slc_rows", [("token", None), ("token", 0), ("tile", None)])
 @pytest.mark.parametrize("G, Hk, T", [(16, 2, 4096), (4, 4, 3000), (1, 8, 1000)])
-def test_gpu_switches_equal_default_bf16(G, Hk, T, selection, monkeypatch):
+def test_gpu_switches_equal_default_bf16(G, Hk, T, selection, slc_rows, monkeypatch):
     """bf16, NSAConfig() sizes, CUDA: every switch set (TMA descriptors off, the mask split off) selects exactly the default's
     blocks and gives its outputs to bf16 rounding; a non-contiguous k (a slice of a wider tensor: 16-byte aligned
-    strides) goes through the descriptors too, an odd head stride falls back to pointer loads."""
+    strides) goes through the descriptors too, an odd head stride falls back to pointer loads. slc_rows 0: the
+    per-token selected kernel (these lengths otherwise route to the token-tile kernel)."""
     from sparsepatch.kernels.nsa import forward as nsa
     cfg = NSAConfig(selection=selection)
+    monkeypatch.setattr(nsa, "SLC_TILE_ROWS", slc_rows)
     q, k, v = rand(1, T, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=T + G, device="cuda")
     gates = torch.rand(1, T, G * Hk, 3, generator=torch.Generator().manual_seed(G)).cuda()
     base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)

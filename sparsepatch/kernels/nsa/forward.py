@@ -294,12 +294,17 @@ def _topk_kernel(IMPA, IMPB, IDX, T, Hk, NBP, n_b, q_off, s_ib, s_it, s_ih, tok0
 
 
 @triton.jit
-def _slc_kernel(Q, K, V, IDX, OC, GATES, PART, BO_C, BO_S, LSE,
+def _slc_kernel(Q, K, V, IDX, OC, GATES, PART, BO_C, BO_S, LSE, KD, VD,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, s_ib, s_it, s_ih,
                 sgb, sgs, sgh, sgc,
                 T, S, q_off, Hk, G, qk_scale,
                 BS: tl.constexpr, BSP: tl.constexpr, NSEL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                GP: tl.constexpr, HAS_GATES: tl.constexpr, SLC_STAGES: tl.constexpr, SAVE: tl.constexpr):
+                GP: tl.constexpr, HAS_GATES: tl.constexpr, SLC_STAGES: tl.constexpr, SAVE: tl.constexpr,
+                USE_TMA: tl.constexpr = False):
+    """Selected branch of one token x the G query heads of one KV head (rows = G padded to GP): its NSEL selected
+    blocks (ascending, -1 padding) of BS keys, each loaded as BSP rows. USE_TMA: K / V blocks through the host
+    descriptors KD / VD (boxes of BSP keys from the block's first key; keys past S zero-filled; a padding entry
+    loads block 0, which its mask then drops as the pointer path's fully masked load does)."""
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -319,14 +324,16 @@ def _slc_kernel(Q, K, V, IDX, OC, GATES, PART, BO_C, BO_S, LSE,
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, HEAD_DIM], tl.float32)
-    # No branch on padding (-1) entries: their loads are fully masked, so the loop stays software-pipelined.
+    # No branch on padding (-1) entries: their keys are all masked (pointer loads: nothing read; TMA: block 0 read,
+    # in bounds, and dropped by the mask), so the loop stays software-pipelined.
     for i in tl.range(0, NSEL, num_stages=SLC_STAGES):
         jb = tl.load(ibase + i)
-        key = tl.maximum(jb, 0) * BS + offs_n
+        j0 = tl.maximum(jb, 0) * BS
+        key = j0 + offs_n
         lim = S * (jb >= 0).to(tl.int32)                       # padding entry: every key masked
         ok = (offs_n < BS) & (key < lim) & (key <= qpos)
-        k = tl.load(kbase + key[:, None].to(tl.int64) * sks + offs_d[None, :], mask=ok[:, None], other=0.0)
-        v = tl.load(vbase + key[:, None].to(tl.int64) * svs + offs_d[None, :], mask=ok[:, None], other=0.0)
+        k = _kv_tile(KD, kbase, b, hk, j0, key, ok, sks, offs_d, BSP, HEAD_DIM, USE_TMA, True)
+        v = _kv_tile(VD, vbase, b, hk, j0, key, ok, svs, offs_d, BSP, HEAD_DIM, USE_TMA, True)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
@@ -521,10 +528,12 @@ SLC_SHARED = True
 # warps 1.66): parallel at every length, 2 warps below 512 blocks (NUM_WARPS topk_small).
 PARALLEL_TOPK = True
 TOPK_PARALLEL_MIN_BLOCKS = 0
-# NSA_TMA: K / V tiles of the compressed kernel, the window kernel and the token-tile selected kernel through host
-# TMA descriptors (CUDA sm_90+, and the interpreter) instead of pointer loads; the same values. H200 session 15
+# NSA_TMA: K / V tiles of the compressed kernel, the window kernel and both selected kernels through host TMA
+# descriptors (CUDA sm_90+, and the interpreter) instead of pointer loads; the same values. H200 session 15
 # (results/h200-nsa-phases-s15b.json): cmp -10 to -13%, swa -11%, slc_tile -15% at 16K-64K; forward 4K tile
-# 0.81 -> 0.71 ms, 64K tile 23.0 -> 20.4 ms, 64K per token 42.3 -> 40.2 ms.
+# 0.81 -> 0.71 ms, 64K tile 23.0 -> 20.4 ms, 64K per token 42.3 -> 40.2 ms. The per-token `_slc_kernel` followed
+# (offline: 711 -> 412 SASS instructions per selected block, 209 -> 172 registers, the same 72 KB shared; it reads
+# ~7.6 TB/s from L2 either way, benchmarks/NOTES.md session 15).
 # CMP_MASK_SPLIT: selection="tile"'s compressed launch (o_cmp only, no importance) runs the key tiles every token
 # of a program sees completely without the per-element score mask (the same values). Measured with the importance
 # pass split too: tile 64K cmp -8 to -9%, 4K +7%; per-token calls slower (their importance pass), so there it is off.
@@ -707,6 +716,9 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
     common = dict(BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D,
                   HAS_GATES=gates is not None, SAVE=save)
     rows = slc_tile_rows(G, n_b, bs if tile else 0)
+    bsp = common["BSP"]
+    skd, svd = _descs(q, (k, bsp), (v, bsp))     # selected blocks: boxes of BSP keys
+    slc_descs = (skd, svd) if skd is not None else (o_cmp, o_cmp)
     if rows:
         if rows < 16 or rows & (rows - 1):
             raise ValueError(f"nsa.SLC_TILE_ROWS must be None, 0 or a power of two >= 16, got {rows}")
@@ -715,20 +727,18 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
         shared = tile and SLC_SHARED and q_off % bs == 0 and bs % bt == 0   # each program inside one tile
         cap = 1 if shared else min(n_b, bt * nsel)        # the union of bt tokens' selections
         union = torch.empty((B * Hk * n_tiles * cap,), dtype=torch.int32, device=dev)
-        bsp = common["BSP"]
-        skd, svd = _descs(q, (k, bsp), (v, bsp))
         _slc_tile_kernel[(n_tiles, B * Hk)](
             q, k, v, idx, union, o_cmp, gt, part, bo_c, bo_s, lse_s,
-            *((skd, svd) if skd is not None else (o_cmp, o_cmp)), *strides, T, S, q_off, Hk, G, qk_scale, cap,
+            *slc_descs, *strides, T, S, q_off, Hk, G, qk_scale, cap,
             NSELP=triton.next_power_of_2(nsel), NWP=triton.next_power_of_2(triton.cdiv(n_b, 32)), GP=GP, BT=bt,
             SLC_STAGES=NUM_STAGES["slc_tile"], SHARED=shared, USE_TMA=skd is not None,
             num_warps=NUM_WARPS["slc_tile_64"] if shared and rows <= 64 else NUM_WARPS["slc_tile"],
             num_stages=NUM_STAGES["slc_tile"], **common)
     else:
         _slc_kernel[(T, B * Hk)](
-            q, k, v, idx, o_cmp, gt, part, bo_c, bo_s, lse_s, *strides, T, S, q_off, Hk, G, qk_scale,
-            GP=max(16, GP), SLC_STAGES=NUM_STAGES["slc"], num_warps=NUM_WARPS["slc"], num_stages=NUM_STAGES["slc"],
-            **common)
+            q, k, v, idx, o_cmp, gt, part, bo_c, bo_s, lse_s, *slc_descs, *strides, T, S, q_off, Hk, G, qk_scale,
+            GP=max(16, GP), SLC_STAGES=NUM_STAGES["slc"], USE_TMA=skd is not None, num_warps=NUM_WARPS["slc"],
+            num_stages=NUM_STAGES["slc"], **common)
     out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
     wkd, wvd = _descs(q, (k, SWA_BLOCK_N), (v, SWA_BLOCK_N))
     _swa_kernel[(triton.cdiv(T, BT_SWA), B * Hk)](
