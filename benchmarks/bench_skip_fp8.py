@@ -117,6 +117,8 @@ def main():
                          "CUDA-graph replays (device time without host launch cost)")
     ap.add_argument("--old-variants", action="store_true", help="also time block_m 128 and device-side descriptors")
     ap.add_argument("--no-quality", action="store_true", help="skip the video-like quality check")
+    ap.add_argument("--plan-ab", action="store_true",
+                    help="also time the e2e call with only the skip kernel's / only the quantize launches' plans off")
     ap.add_argument("--S", type=int, default=32760)
     ap.add_argument("--out", default=None, help="JSON file (default benchmarks/results/<gpu>-skip-fp8.json)")
     args = ap.parse_args()
@@ -170,13 +172,18 @@ def main():
     bad = [k_ for k_, ok_ in same.items() if not ok_]
     log(f"switches equal to the default (output + next list, bitwise): {'all' if not bad else 'NOT ' + str(bad)}")
 
-    def no_plans(fn):
+    def no_plans(fn, which=("skip", "quant")):
+        """fn with the direct-launch plans of `which` off (the skip kernel's, the quantize launches')."""
+        plans = [p for name, p in (("skip", skip_fp8._PLANS), ("quant", dense_fp8._QUANT_PLANS)) if name in which]
+
         def run():
-            skip_fp8._PLANS.enabled[0] = dense_fp8._QUANT_PLANS.enabled[0] = False
+            for p in plans:
+                p.enabled[0] = False
             try:
                 return fn()
             finally:
-                skip_fp8._PLANS.enabled[0] = dense_fp8._QUANT_PLANS.enabled[0] = True
+                for p in plans:
+                    p.enabled[0] = True
         return run
 
     cells = {"cudnn": lambda: _cudnn(qt, kt, vt), "fp8_dense": lambda: dense_fp8.attention_fp8(q, k, v),
@@ -197,6 +204,10 @@ def main():
             cells[f"fp8_skip{suf}@{rho}"] = lambda lst=lst, cfg=cfg: skip_fp8.skip_attention_fp8(q, k, v, lst, -5.0,
                                                                                                cfg=cfg)
         cells[f"fp8_skip_noplan@{rho}"] = no_plans(lambda lst=lst: skip_fp8.skip_attention_fp8(q, k, v, lst, -5.0))
+        if args.plan_ab:   # which plans cost the e2e time measured with plans on at low density (session 15)
+            for which in ("skip", "quant"):
+                cells[f"fp8_skip_no{which}plan@{rho}"] = no_plans(
+                    lambda lst=lst: skip_fp8.skip_attention_fp8(q, k, v, lst, -5.0), (which,))
         cells[f"fp8_skip_kernel@{rho}"] = lambda lst=lst: skip_fp8.skip_attention_fp8(q, k, v, lst, -5.0,
                                                                                      quantized=quant)
         for name, cfg in switches.items():
