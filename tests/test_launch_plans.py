@@ -1,4 +1,4 @@
-"""`_common.LaunchPlans` (the direct-launch plans of the fp8 quantize launches; the fp8 skip kernel has them off): host logic on CPU with
+"""`_common.LaunchPlans` (the direct-launch plans of the fp8 quantize and fp8 skip launches): host logic on CPU with
 a stand-in kernel. The first launch of a key goes through the kernel's runner (fn[grid](...)) with host descriptors
 as Triton TensorDescriptors; later launches with the same key relaunch the recorded plan with the new tensors and
 descriptors; anything Triton specialises on (a plain value, a tensor's dtype or 16-byte alignment, a descriptor's

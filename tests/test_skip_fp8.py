@@ -371,10 +371,9 @@ def test_gpu_must_do_and_stateful():
 
 @gpu
 def test_gpu_launch_plans():
-    """The fp8 skip call's quantize launches relaunch recorded plans (`_common.LaunchPlans`) with each call's tensors
-    (fresh inputs and lists each call, so every pointer and descriptor is re-filled): bitwise equal to Triton's own
-    launch path on the same inputs, no new plan per call, no fallback. The skip kernel itself records none (its
-    plans are off: `skip.fp8._PLANS`)."""
+    """The fp8 skip call and its quantize launches relaunch recorded plans (`_common.LaunchPlans`) with each call's
+    tensors (fresh inputs and lists each call, so every pointer and descriptor is re-filled): bitwise equal to
+    Triton's own launch path on the same inputs, no new plan per call, no fallback."""
     if not _cuda():
         pytest.skip("needs sm_90")
     import triton
@@ -392,19 +391,20 @@ def test_gpu_launch_plans():
     with torch.no_grad():
         skip_fp8.skip_attention_fp8(*inputs(20), -5.0, return_lse=True)   # Triton's launcher; plans recorded
         n = (len(skip_fp8._PLANS.plans), len(dense_fp8._QUANT_PLANS.plans))
-        assert n == (0, 2) and not skip_fp8._PLANS.enabled[0] and dense_fp8._QUANT_PLANS.enabled[0]
+        assert n == (1, 2) and skip_fp8._PLANS.enabled[0] and dense_fp8._QUANT_PLANS.enabled[0]
         if triton.__version__ in C_LAUNCH_VERSIONS:
-            assert all(getattr(p, "direct", False) for p in dense_fp8._QUANT_PLANS.plans.values())
+            for plans in (skip_fp8._PLANS, dense_fp8._QUANT_PLANS):
+                assert all(getattr(p, "direct", False) for p in plans.plans.values())
         for seed in (21, 22):
             q, k, v, lst = inputs(seed)
             via_plan = skip_fp8.skip_attention_fp8(q, k, v, lst, -5.0, return_lse=True)
             assert (len(skip_fp8._PLANS.plans), len(dense_fp8._QUANT_PLANS.plans)) == n
-            assert dense_fp8._QUANT_PLANS.enabled[0]
-            dense_fp8._QUANT_PLANS.enabled[0] = False    # Triton's launcher
+            assert skip_fp8._PLANS.enabled[0] and dense_fp8._QUANT_PLANS.enabled[0]
+            skip_fp8._PLANS.enabled[0] = dense_fp8._QUANT_PLANS.enabled[0] = False    # Triton's launcher
             try:
                 via_jit = skip_fp8.skip_attention_fp8(q, k, v, lst, -5.0, return_lse=True)
             finally:
-                dense_fp8._QUANT_PLANS.enabled[0] = True
+                skip_fp8._PLANS.enabled[0] = dense_fp8._QUANT_PLANS.enabled[0] = True
             assert torch.equal(via_plan[0], via_jit[0]) and torch.equal(via_plan[2], via_jit[2])
             assert via_plan[1].equal(via_jit[1])
             assert 0.0 < via_plan[1].density().item() < lst.density().item()

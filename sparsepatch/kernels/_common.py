@@ -240,14 +240,13 @@ class LaunchPlans:
     kernel's launcher: tens of microseconds less host time per call than JITFunction.run's binding and cache
     lookup); later launches with the same key reuse it. A failing direct relaunch warns and turns this caller's
     plans off (`relaunch_or_stop`); Triton's runner then launches every call. Kernels that need Triton's global
-    scratch (descriptors built on the device) are launched by the runner and not planned. direct=False: every launch
-    through the runner (a caller whose plans measured slower end to end)."""
+    scratch (descriptors built on the device) are launched by the runner and not planned."""
 
-    def __init__(self, who: str, limit: int = 64, direct: bool = True):
+    def __init__(self, who: str, limit: int = 64):
         self.who = who
         self.limit = limit
         self.plans: dict = {}
-        self.enabled = [direct and not interpret()]
+        self.enabled = [not interpret()]
 
     def launch(self, fn, grid, args, num_warps: int, num_stages: int | None = None) -> None:
         grid = tuple(grid)

@@ -375,11 +375,8 @@ def _host_descs(k8, vt8, block_n):
     return kd, vd, 1
 
 
-# The kernel goes through Triton's runner, not direct-launch plans (`_common.LaunchPlans`): with both this kernel
-# and the quantize launches (dense/fp8.py's plans) direct-launched, the call measured 0.1-0.3 ms slower end to end
-# at density 0.13 / 0.5 (B1 H12 S32760, H200, 3 runs; cause not found), and the same with either one's plans off
-# (results/h200-skip-fp8-s15-planab.json). Plans save ~0.1 ms of Python per call, which shows only host-bound.
-_PLANS = LaunchPlans("fp8 skip", direct=False)
+# Direct-launch plans of the kernel (`_common.LaunchPlans`; the quantize launches have theirs in dense/fp8.py).
+_PLANS = LaunchPlans("fp8 skip")
 
 
 def _launch(q, k8, ks, vt8, vs, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, step, slot_cnt,
