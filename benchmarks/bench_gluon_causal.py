@@ -6,7 +6,8 @@ and non-causal D 64 / 256, with `flash_triton` in these launch settings:
   shipped: the shipped CONFIGS (every cell here on the Gluon kernel; causal q-tiles from the atomic counter),
   static:  causal q-tiles in static round-robin shares (cfg dynamic off),
   s4:      head dim 64 with 4 K/V stages (3 shipped);
-`--settings` picks which (default shipped,static); cells and settings are interleaved, the settings in an order that turns by one per cell.
+`--settings` picks which (default shipped,static); cells and settings are interleaved, the settings in an order
+that turns by one per cell.
 (Session 13's run of this script compared the Triton kernel ("before") with Gluon; results/h200-gluon-causal.json.)
 `--skip64` also times the skip-list forward at head dim 64, tile (128, 128), on the Gluon and on the Triton kernel
 (the CogVideoX-shaped B1 H48 S17550 and a 32K cell; fixed random lists of density 1 / 0.5 / 0.13) against our
