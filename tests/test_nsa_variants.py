@@ -35,12 +35,12 @@ T_CPU = 100
 
 
 @needs_triton
-@pytest.mark.parametrize("selection, names, slc_rows, cfg_kw", [
-    ("token", ["pointer_loads"], None, CFG),     # the tiny config routes to the token-tile kernel
-    ("token", ["pointer_loads"], 0, CFG),        # the per-token selected kernel
-    ("token", ["pointer_loads"], 0, CFG24),
-    ("tile", list(SWITCHES), None, CFG)])
-def test_switch_equals_default_and_reference(selection, names, slc_rows, cfg_kw, monkeypatch):
+@pytest.mark.parametrize("selection, names, slc_rows, cfg_kw, T", [
+    ("token", ["pointer_loads"], None, CFG, T_CPU),   # the tiny config routes to the token-tile kernel
+    ("token", ["pointer_loads"], 0, CFG, 40),         # the per-token selected kernel (one program per token)
+    ("token", ["pointer_loads"], 0, CFG24, 40),
+    ("tile", list(SWITCHES), None, CFG, T_CPU)])
+def test_switch_equals_default_and_reference(selection, names, slc_rows, cfg_kw, T, monkeypatch):
     """Each switch set (per-token selection: only the loads differ; tile selection: the mask split too) against the
     default kernels and the reference. slc_rows: nsa.SLC_TILE_ROWS (0 = the per-token selected kernel)."""
     from sparsepatch.kernels.nsa import forward as nsa
@@ -48,9 +48,10 @@ def test_switch_equals_default_and_reference(selection, names, slc_rows, cfg_kw,
     cfg = NSAConfig(**cfg_kw, selection=selection)
     monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
     monkeypatch.setattr(nsa, "SLC_TILE_ROWS", slc_rows)
-    assert (nsa.slc_tile_rows(3, -(-T_CPU // cfg.block_size)) == 0) == (slc_rows == 0)
-    q, k, v = rand(1, T_CPU, 6, 2, 16, seed=70, device=dev)   # G = 3: a padded head row per token
-    assert (T_CPU - cfg.compress_block) // cfg.compress_stride + 1 > 16       # a full compressed tile exists
+    assert (nsa.slc_tile_rows(3, -(-T // cfg.block_size)) == 0) == (slc_rows == 0)
+    q, k, v = rand(1, T, 6, 2, 16, seed=70, device=dev)   # G = 3: a padded head row per token
+    if selection == "tile":
+        assert (T - cfg.compress_block) // cfg.compress_stride + 1 > 16       # a full compressed tile exists
     base, bidx = nsa.nsa_attention(q, k, v, cfg, return_indices=True)
     want, widx = ref.nsa_attention(q, k, v, cfg, return_indices=True)
     assert torch.equal(bidx.long().cpu(), widx.cpu())
