@@ -4,13 +4,13 @@ Same function as `skip.skip_attention` (tile 128 x 128, head dim 64 / 128, fp16 
 `skip.skip_step` (STATEFUL: the list slots and the call counter of the patcher's buffers) and, with skipping
 compiled out (SKIP=False), as `skip.attention`, non-causal or causal (CAUSAL: each q-tile stops at its diagonal
 tile, which is masked; q-tiles run longest first within each head and are handed out by an atomic counter, so
-q-tiles of unequal length spread evenly over the programs); `skip.py` dispatches here by default on sm_90
-at head dim 64 / 128 (cfg keys `gluon`, `causal_gluon`). H100: ~10% faster per tile than the Triton kernel, dense 641-658
+q-tiles of unequal length spread evenly over the programs); `skip.py` dispatches here by default on sm_90 at head
+dim 64 / 128 (cfg keys `gluon`, `causal_gluon`). H100: ~10% faster per tile than the Triton kernel, dense 641-658
 TFLOP/s vs cuDNN 564-590 (benchmarks/NOTES.md, skip forward v9).
 Each program (one per SM) owns q-tiles p, p + P, ... (causal: q-tile p, then those it draws); a 1-warp producer
-partition walks their lists and keeps a
-STAGES-deep K/V ring (and q) loaded across q-tile boundaries, so the next q-tile's first tiles are in shared memory
-while the two consumer warpgroups (64 rows each) finish the current one (last P V, next-list write, out store).
+partition walks their lists and keeps a STAGES-deep K/V ring (and q) loaded across q-tile boundaries, so the next
+q-tile's first tiles are in shared memory while the two consumer warpgroups (64 rows each) finish the current one
+(last P V, next-list write, out store).
 Where the speed comes from, measured: the per-tile overlap below (Triton 3.6's kernel waits for each Q K^T before
 its softmax), and a cheap q-tile epilogue (KSTAGE / PV_ASYNC, on by default; NOTES v10): the last P V runs under the
 next-list exchange, each warpgroup stages its out tile through its 64 rows of the last tile's K (free once both
@@ -89,8 +89,9 @@ if HAS_GLUON:
         soon as its Q K^T is done and the next K loads while the previous P V still runs (2-stage rings: head dim
         256, where a third stage does not fit shared memory).
         DYNAMIC: after its first item (the program id), each program takes the next item from the counter *CTR
-        (items in `_item` order: head-major, longest q-tiles first), so programs that drew long q-tiles draw fewer; the item goes to the consumers through item_smem with the q-tile's q_ready phase, and -1 after
-        the last one."""
+        (items in `_item` order: head-major, longest q-tiles first), so programs that drew long q-tiles draw fewer;
+        the item goes to the consumers through item_smem with the q-tile's q_ready phase, and -1 after the last one.
+        """
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -209,9 +210,9 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, q_ready, q_empty, wx, wx_full, wx_empty,
-                  item_smem, CNT, IDX,
-                  CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk,
-                  n_items, qk_scale, threshold, causal_off, D: gl.constexpr, STAGES: gl.constexpr,
+                  item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob, stride_os,
+                  stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D: gl.constexpr,
+                  STAGES: gl.constexpr,
                   NWORDS: gl.constexpr, WG: gl.constexpr, LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                   SKIP: gl.constexpr, KSTAGE: gl.constexpr, PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr,
                   CAUSAL: gl.constexpr, FORCED: gl.constexpr, BN: gl.constexpr,
@@ -500,19 +501,15 @@ if HAS_GLUON:
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0), bars.index(1), wx,
-                         bars.index(2),
-                         bars.index(3), item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK,
-                         stride_ob,
-                         stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES,
-                         NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, FORCED,
-                         BLOCK_N, SPLIT, DYNAMIC, PROBE)),
+                         bars.index(2), bars.index(3), item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE,
+                         PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold,
+                         causal_off, D, STAGES, NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL,
+                         CAUSAL, FORCED, BLOCK_N, SPLIT, DYNAMIC, PROBE)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0), bars.index(1), wx,
-                         bars.index(2),
-                         bars.index(3), item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK,
-                         stride_ob,
-                         stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D, STAGES,
-                         NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL, CAUSAL, FORCED,
-                         BLOCK_N, SPLIT, DYNAMIC, PROBE)),
+                         bars.index(2), bars.index(3), item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE,
+                         PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold,
+                         causal_off, D, STAGES, NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL,
+                         CAUSAL, FORCED, BLOCK_N, SPLIT, DYNAMIC, PROBE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0),
                          bars.index(1), item_smem, CTR,
                          CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D, STAGES, SKIP,
@@ -685,7 +682,8 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
                   slot_idx=slot_idx, stride_ob=out.stride(0),
                   stride_os=out.stride(1), stride_oh=out.stride(2), Sq=Sq, Sk=Sk, Hq=Hq, n_rep=Hq // Hk, Tq=Tq,
                   Tk=Tk, n_items=n_items,
-                  qk_scale=scale * LOG2E, threshold=float(threshold), causal_off=Sk - Sq, D=D, STAGES=int(cfg["stages"]),
+                  qk_scale=scale * LOG2E, threshold=float(threshold), causal_off=Sk - Sq, D=D,
+                  STAGES=int(cfg["stages"]),
                   NWORDS=max(1, triton.next_power_of_2(triton.cdiv(Tk, 32))), LAST_PARTIAL=bool(Sk % bn),
                   WRITE_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
