@@ -12,7 +12,8 @@ forward, speedup_vs_fla_same_branches with our forward minus our window kernel (
 Decode (`bench_decode`; --decode-only runs only it): one query token, HQ64/H4, context 8K..64K,
 NSACache(store_kv=False) prefilled, the split-K decode path eager and CUDA-graph captured vs SDPA decode
 (enable_gqa: default, flash, cuDNN backends; default captured). Times: triton.testing.do_bench medians (ms). Also a
-per-kernel breakdown at the largest T (CUDA events around each launch). Writes <out>/<gpu>-nsa.json and prints ratio tables.
+per-kernel breakdown at the largest T (CUDA events around each launch). Writes <out>/<gpu>-nsa.json and prints ratio
+tables.
 --bwd adds a training section "fwd_bwd": forward + backward (torch.autograd.grad of q, k, v for a random dout,
 uniform gates) of ours vs SDPA cuDNN causal (k/v expanded outside the timing, gradients of the expanded tensors)
 at the same head configurations, T = 8K..32K (8K, 16K with --quick; HQ64/H4 always up to --max-t, 64K); medians of
@@ -531,7 +532,8 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
                             row.setdefault("errors", {})[key] = _err(exc)
                         print(f"T={T} {key:16} ms={row['ms'].get(key, float('nan')):8.3f} "
                               f"x_cudnn={row['x_cudnn'].get(key, float('nan')):6.2f} "
-                              f"same_idx={row['same_idx'].get(key)} max_diff={row['max_diff'].get(key, float('nan')):.2e} "
+                              f"same_idx={row['same_idx'].get(key)} "
+                              f"max_diff={row['max_diff'].get(key, float('nan')):.2e} "
                               f"{row['phases'].get(key, row.get('errors', {}).get(key))}", flush=True)
                     del base
             print(f"T={T} cudnn_ms={row['cudnn_ms']:.3f} union(8,16 tokens)={row.get('union_8_16')}", flush=True)

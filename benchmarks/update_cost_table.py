@@ -1,6 +1,6 @@
 """Replace cells of a shipped cost table with re-measured ones from a benchmark's results JSON.
 
-    python benchmarks/update_cost_table.py RESULTS.json SETTING "why" [--table sparsepatch/kernels/cost_tables/sm90.json]
+    python benchmarks/update_cost_table.py RESULTS.json SETTING "why" [--table PATH (default: the shipped sm90.json)]
 
 RESULTS.json holds {"entries": {setting: [cost-table entries]}} (bench_gluon_causal.py writes it): each entry of
 SETTING replaces the ms of the table entry for the same cell (op, causal, D, group, dtype, B, Sq, Sk, Hq), backend by

@@ -74,10 +74,10 @@ def test_switch_equals_default_and_reference(selection, names, slc_rows, cfg_kw,
 @pytest.mark.parametrize("selection, slc_rows", [("token", None), ("token", 0), ("tile", None)])
 @pytest.mark.parametrize("G, Hk, T", [(16, 2, 4096), (4, 4, 3000), (1, 8, 1000)])
 def test_gpu_switches_equal_default_bf16(G, Hk, T, selection, slc_rows, monkeypatch):
-    """bf16, NSAConfig() sizes, CUDA: every switch set (TMA descriptors off, the mask split off) selects exactly the default's
-    blocks and gives its outputs to bf16 rounding; a non-contiguous k (a slice of a wider tensor: 16-byte aligned
-    strides) goes through the descriptors too, an odd head stride falls back to pointer loads. slc_rows 0: the
-    per-token selected kernel (these lengths otherwise route to the token-tile kernel)."""
+    """bf16, NSAConfig() sizes, CUDA: every switch set (TMA descriptors off, the mask split off) selects exactly the
+    default's blocks and gives its outputs to bf16 rounding; a non-contiguous k (a slice of a wider tensor:
+    16-byte aligned strides) goes through the descriptors too, an odd head stride falls back to pointer loads.
+    slc_rows 0: the per-token selected kernel (these lengths otherwise route to the token-tile kernel)."""
     from sparsepatch.kernels.nsa import forward as nsa
     cfg = NSAConfig(selection=selection)
     monkeypatch.setattr(nsa, "SLC_TILE_ROWS", slc_rows)
