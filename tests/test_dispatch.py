@@ -174,7 +174,8 @@ def test_flash_cells_do_not_stand_for_calls_the_measured_kernel_does_not_take():
     with Sk - Sq not a multiple of 128, runs the slower Triton kernel, so flash_triton counts as unmeasured there
     and SDPA runs; sequence- / head-major layouts, aligned causal calls and decode keep the measured route."""
     entries = [dict(op="attention", causal=c, D=128, group=1, dtype="bfloat16", B=1, Sq=sq, Sk=sk, Hq=16,
-                    ms={"flash_triton": 1.0, "sdpa": 1.2}) for c in (False, True) for sq, sk in ((4096, 4096), (1, 4096))]
+                    ms={"flash_triton": 1.0, "sdpa": 1.2})
+               for c in (False, True) for sq, sk in ((4096, 4096), (1, 4096))]
     old = dispatch._TABLE[0]
     dispatch.set_cost_table(dispatch.CostTable(dict(entries=entries)))
     # (dense_op's flash_triton predicate on stand-in backends: the real SDPA backend asks torch.cuda)

@@ -429,8 +429,9 @@ def _topk_candidates(score, cur, nsel=16, nch=32):
 
 
 @needs_triton
+# (each path and tie pattern once: CI time)
 @pytest.mark.parametrize("kind,n_b", [("random", 20), ("random", 100), ("random", 1024), ("ties", 20), ("ties", 1024),
-                                      ("const", 100), ("clustered", 1024)])   # (each path and tie pattern once: CI time)
+                                      ("const", 100), ("clustered", 1024)])
 def test_triton_topk_parallel_and_serial_match_reference(kind, n_b, monkeypatch):
     """`_topk_kernel` alone on given scores, PARALLEL_TOPK on and off, against `select_blocks` (ties to the lower
     block index, the local and first blocks forced, -1 padding): rows that see 1..20 blocks (fewer than the 16
