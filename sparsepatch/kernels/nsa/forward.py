@@ -29,6 +29,7 @@ needed the forward also saves, per branch, the LSE (log2 units) and the ungated 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -590,14 +591,26 @@ def tma_enabled(device) -> bool:
     emulated), or a CUDA device of compute capability >= 9 with a Triton that has host descriptors."""
     if not NSA_TMA:
         return False
+    if _interpret():
+        return _has_host_descriptors()
+    d = torch.device(device)
+    return d.type == "cuda" and _tma_device(d.index if d.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _has_host_descriptors() -> bool:
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
         return False
-    if _interpret():
-        return True
-    d = torch.device(device)
-    return d.type == "cuda" and torch.cuda.get_device_capability(d)[0] >= 9
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_device(index: int) -> bool:
+    """Device `index` has compute capability >= 9 and Triton host descriptors exist (cached: every forward call
+    asks three times, once per descriptor set)."""
+    return _has_host_descriptors() and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def _descs(q, *specs):
