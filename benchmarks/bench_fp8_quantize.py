@@ -3,18 +3,17 @@
 B1 H12 S32760 D128 (Wan2.1-1.3B self-attention; S % 16 = 8) and B2 H24 S17776 D64 (S % 16 = 0).
 
 "old" = the first launch as before + the V^T kernel of before (2-D grid, store mask s < S: one-byte stores when
-S % 16 != 0; its source is copied below). "new" = `quantize_fp8` at each FP8_QUANT_CONFIG setting. Every timer
+S % 16 != 0; its source is copied below). "new" = `quantize_fp8`. Every timer
 runs once per round, rounds interleaved, medians of the rounds; each cell is triton do_bench's median of CUDA-graph
 replays (device time, L2 flushed between replays); the two launches alone ("kqv", "vt_old", "vt_new"); and 100
 eager calls back to back (host ms per call, and wall ms per call once the device has finished them). GB/s = the
-fewest bytes (read k, v, v again; write k8, vt8) / time. Asserts that every variant's outputs are bitwise the old
-ones (vt8 up to Sk), the new default's dequantized outputs equal `quantize_fp8_reference`'s, and the new vt8
-padding columns are zero.
+fewest bytes (read k, v, v again; write k8, vt8) / time. Asserts that the new outputs are bitwise the old ones (vt8
+up to Sk), that they dequantize to `quantize_fp8_reference`'s, and that the new vt8 padding columns are zero.
 
 Prediction (written before any GPU run; H200, B1 H12 S32760 D128, 402 MB): old 0.29 ms = kqv ~0.075 + vt_old
 ~0.21 (vt_old's byte stores: 16x the L2 write transactions); new: kqv unchanged, vt_new ~0.04 ms (151 MB at ~3.8
-TB/s; 40 registers, up to 6 programs per SM) -> 0.11-0.12 ms (~3.5 TB/s, 2.4-2.6x old); new_rev / new_rev_l2
-within 0 to -10% of new (at most ~40 MB of V re-read from L2). B2 H24 S17776 D64 (S % 16 = 0, old stores already
+TB/s; 40 registers, up to 6 programs per SM) -> 0.11-0.12 ms (~3.5 TB/s, 2.4-2.6x old). (Session 14 also timed a
+reversed V^T order with L2 eviction hints: within 2% of "new", deleted.) B2 H24 S17776 D64 (S % 16 = 0, old stores already
 16-byte): 1.0-1.15x old. Host time per eager call ~20-30 us less (launch plans for both launches).
 
     python benchmarks/bench_fp8_quantize.py [--rounds 3]
@@ -37,7 +36,6 @@ from common import ROOT, gpu_name, graph_replay, save_results
 from sparsepatch.kernels.dense import fp8 as dense  # noqa: E402
 
 SHAPES = [(1, 32760, 12, 128), (2, 17776, 24, 64)]   # (B, S, H, D), k and v (B, S, H, D) bf16
-VARIANTS = {"new": dict(), "new_rev": dict(vt_order="rev"), "new_rev_l2": dict(vt_order="rev", l2_hint=True)}
 
 
 @triton.jit
@@ -77,13 +75,13 @@ class Bufs:
         self.vs = torch.empty((B, H, D), dtype=torch.float32, device=dev)
 
 
-def kqv(k, v, o, l2=False):
+def kqv(k, v, o):
     B, S, H, D = k.shape
     n_k = o.nkb * B * H
     dense._fp8_quant_kqv_kernel[(n_k,)](
         k, v, k, o.k8, o.ks, o.vamax, o.k8, o.ks, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), k.stride(0), k.stride(1), k.stride(2), S, S, H, H, o.nkb, o.nkb, n_k,
-        D=D, BLK=dense.FP8_BLOCK, QINV=dense._QINV["int8"], INT8=True, L2_HINT=l2, num_warps=8)
+        D=D, BLK=dense.FP8_BLOCK, QINV=dense._QINV["int8"], INT8=True, num_warps=8)
 
 
 def vt_old(v, o):
@@ -110,37 +108,30 @@ def run_shape(B, S, H, D, rounds, log):
     n = B * S * H * D
     s_pad = -(-S // 16) * 16
     nbytes = n * 2 * 3 + n + B * H * D * s_pad
-    # correctness first: old vs new (raw bits, every variant), new default vs the torch model
+    # correctness first: old vs new (raw bits), new vs the torch model
     ob = Bufs(k, v)
     ob.vt.fill_(1.0)
     old_quantize(k, v, ob)
-    checks = {}
-    news = {}
-    for name, qcfg in VARIANTS.items():
-        _, _, k8, ks, vt, vs = dense.quantize_fp8(k, k, v, "int8", quantize_q=False, quant_cfg=qcfg)
-        news[name] = (k8, ks, vt, vs)
-        checks[name] = dict(
-            k8=torch.equal(k8, ob.k8), ks=torch.equal(ks, ob.ks),
-            vt=torch.equal(vt[..., :S].view(torch.uint8), ob.vt[..., :S].view(torch.uint8)),
-            vs=torch.equal(vs, ob.vs), vt_pad_zero=bool((vt[..., S:].view(torch.uint8) == 0).all()))
+    _, _, k8, ks, vt, vs = dense.quantize_fp8(k, k, v, "int8", quantize_q=False)
+    checks = {"new": dict(
+        k8=torch.equal(k8, ob.k8), ks=torch.equal(ks, ob.ks),
+        vt=torch.equal(vt[..., :S].view(torch.uint8), ob.vt[..., :S].view(torch.uint8)),
+        vs=torch.equal(vs, ob.vs), vt_pad_zero=bool((vt[..., S:].view(torch.uint8) == 0).all()))}
     _, kd, vd = dense.quantize_fp8_reference(k[:, :1], k, v, "int8")
-    k8, ks, vt, vs = news["new"]
     checks["model"] = dict(
         k=torch.equal((k8.float() * ks.repeat_interleave(128, -1)[..., :S, None]).transpose(1, 2), kd),
         v=torch.equal((vt.float()[..., :S] * vs[..., None]).permute(0, 3, 1, 2), vd))
-    del kd, vd, news
+    del kd, vd, k8, ks, vt, vs
     bad = {n: c for n, c in checks.items() if not all(c.values())}
     log(f"B{B} H{H} S{S} D{D}: bit checks {'all equal' if not bad else bad}")
     assert not bad, bad
 
     nb = Bufs(k, v)
-    timers = {"old": graph_replay(lambda: old_quantize(k, v, ob))}
-    for name, qcfg in VARIANTS.items():
-        timers[name] = graph_replay(lambda qcfg=qcfg: dense.quantize_fp8(k, k, v, "int8", quantize_q=False,
-                                                                        quant_cfg=qcfg))
+    timers = {"old": graph_replay(lambda: old_quantize(k, v, ob)),
+              "new": graph_replay(lambda: dense.quantize_fp8(k, k, v, "int8", quantize_q=False))}
     timers["kqv"] = graph_replay(lambda: kqv(k, v, nb))
     timers["vt_old"] = graph_replay(lambda: vt_old(v, nb))
-    timers["vt_new"] = graph_replay(lambda: dense._launch_vt(v, nb.vt, nb.vs, nb.vamax, dense._quant_cfg(None)))
+    timers["vt_new"] = graph_replay(lambda: dense._launch_vt(v, nb.vt, nb.vs, nb.vamax))
     ms = {name: [] for name in timers}
     for _ in range(rounds):
         for name, fn in timers.items():
@@ -166,7 +157,7 @@ def run_shape(B, S, H, D, rounds, log):
                checks=checks, **host)
     for name, t in med.items():
         log(f"  {name:11s} {t:7.4f} ms  {row['gbps'][name]:7.0f} GB/s" + (
-            f"  ({med['old'] / t:4.2f}x old)" if name in VARIANTS else ""))
+            f"  ({med['old'] / t:4.2f}x old)" if name == "new" else ""))
     log(f"  eager calls: host {host['host_ms_per_call']:.4f} ms/call, back to back {host['eager_ms_per_call']:.4f} "
         "ms/call")
     return row
@@ -188,7 +179,7 @@ def main(argv=None):
     log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     rows = [run_shape(*shape, args.rounds, log) for shape in SHAPES]
     res = dict(device=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
-               config=dense.FP8_QUANT_CONFIG, rows=rows, log=lines)
+               rows=rows, log=lines)
     save_results(res, f"{gpu_name()}-fp8-quantize.json", os.path.join(ROOT, "benchmarks", "results"))
     save_results(res, "bench_fp8_quantize.json", None)
 

@@ -41,10 +41,9 @@ def test_quantize_model_error_budget():
 
 
 @cpu_only
-@pytest.mark.parametrize("l2_hint", [False, True])
-def test_quant_kqv_kernel_interpreter(l2_hint):
-    """The fused k / V-amax / q launch of `quantize_fp8` (interpreter, fp16 in, int8 out): k8, q8 and their block scales dequantize exactly to the model, and V's channel amax (atomic max on the fp32
-    bits) is exact."""
+def test_quant_kqv_kernel_interpreter():
+    """The fused k / V-amax / q launch of `quantize_fp8` (interpreter, fp16 in, int8 out): k8, q8 and their block
+    scales dequantize exactly to the model, and V's channel amax (atomic max on the fp32 bits) is exact."""
     import triton
     g = torch.Generator().manual_seed(1)
     B, Sq, Sk, Hq, Hk, D = 2, 200, 300, 4, 2, 64
@@ -58,7 +57,7 @@ def test_quant_kqv_kernel_interpreter(l2_hint):
     n_k = nkb * B * Hk
     dense._fp8_quant_kqv_kernel[(n_k + nqb * B * Hq,)](
         k, v, q, k8, ks, vam, q8, qs, *k.stride()[:3], *v.stride()[:3], *q.stride()[:3], Sk, Sq, Hk, Hq, nkb, nqb,
-        n_k, D=D, BLK=128, QINV=dense._QINV["int8"], INT8=True, L2_HINT=l2_hint)
+        n_k, D=D, BLK=128, QINV=dense._QINV["int8"], INT8=True)
     qd, kd, vd = dense.quantize_fp8_reference(q, k, v, "int8")
     assert torch.equal(vam.view(torch.float32), v.float().abs().amax(1))
     assert torch.equal((k8.float() * ks.repeat_interleave(128, -1)[..., :Sk, None]).transpose(1, 2), kd)
@@ -66,11 +65,10 @@ def test_quant_kqv_kernel_interpreter(l2_hint):
 
 
 @cpu_only
-@pytest.mark.parametrize("rev", [False, True])
-def test_quant_vt_kernel_interpreter(rev):
+def test_quant_vt_kernel_interpreter():
     """The V^T pass from the channel amax bits (interpreter; fp16 out, as the interpreter's e4m3 cast is not the
-    GPU's): V^T indexing in both program orders, the padding columns Sk..S_pad-1 written as zeros, and the
-    per-channel scales it stores."""
+    GPU's): V^T indexing, the padding columns Sk..S_pad-1 written as zeros, and the per-channel scales it
+    stores."""
     import triton
     g = torch.Generator().manual_seed(2)
     B, Sk, Hk, D = 2, 300, 3, 64                  # Sk % 16 != 0: 4 padding columns, a partial last block
@@ -83,8 +81,7 @@ def test_quant_vt_kernel_interpreter(rev):
     vt = torch.full((B, Hk, D, s_pad), float("nan"), dtype=torch.float16)
     vs = torch.full((B, Hk, D), float("nan"))
     nblk = triton.cdiv(Sk, 128)
-    dense._fp8_quant_vt_kernel[(nblk * B * Hk,)](v, vt, vs, vam, *v.stride()[:3], Sk, s_pad, Hk, nblk, D=D, BS=128,
-                                                 REV=rev)
+    dense._fp8_quant_vt_kernel[(nblk * B * Hk,)](v, vt, vs, vam, *v.stride()[:3], Sk, s_pad, Hk, nblk, D=D, BS=128)
     assert torch.equal(vs, want_s)
     assert torch.equal(vt[..., :Sk], (v.float() * (1.0 / want_s[:, None])).permute(0, 2, 3, 1).half())
     assert torch.equal(vt[..., Sk:], torch.zeros(B, Hk, D, s_pad - Sk, dtype=torch.float16))
@@ -99,7 +96,7 @@ def test_quantize_fp8_interpreter(quantize_q):
     g = torch.Generator().manual_seed(4)
     q = torch.randn(2, 200, 4, 64, generator=g).half()
     k, v = (torch.randn(2, 300, 2, 64, generator=g).half() for _ in range(2))
-    q8, qs, k8, ks, vt8, vs = dense.quantize_fp8(q, k, v, "int8", quantize_q=quantize_q, quant_cfg=dict(vt_order="rev"))
+    q8, qs, k8, ks, vt8, vs = dense.quantize_fp8(q, k, v, "int8", quantize_q=quantize_q)
     qd, kd, _ = dense.quantize_fp8_reference(q, k, v, "int8")
     assert torch.equal((k8.float() * ks.repeat_interleave(128, -1)[..., :300, None]).transpose(1, 2), kd)
     if quantize_q:
@@ -109,15 +106,6 @@ def test_quantize_fp8_interpreter(quantize_q):
     assert torch.equal(vs, v.float().abs().amax(1).clamp_min(1e-30) * dense._QINV["e4m3"])
     assert vt8.shape == (2, 2, 64, 304) and vt8.dtype == torch.float8_e4m3fn
     assert int(vt8[..., 300:].view(torch.uint8).count_nonzero()) == 0
-
-
-def test_quant_cfg_validation():
-    assert dense._quant_cfg(None) == dense.FP8_QUANT_CONFIG
-    assert dense._quant_cfg(dict(vt_order="rev"))["vt_order"] == "rev"
-    with pytest.raises(ValueError, match="unknown keys"):
-        dense._quant_cfg(dict(vt_oder="rev"))
-    with pytest.raises(ValueError, match="vt_order"):
-        dense._quant_cfg(dict(vt_order="tail"))
 
 
 def test_attention_fp8_rejects_bad_input():
@@ -136,7 +124,6 @@ QUANT_SHAPES = [  # (B, Sq, Sk, Hq, Hk, D)
     (2, 520, 1016, 8, 2, 64),       # B > 1, GQA, D64, Sq != Sk, Sk % 128 != 0 but Sk % 16 == 0 (no padding)
     (1, 130, 4099, 2, 1, 128),      # Sk % 16 == 3, 33 key blocks (two V^T programs per head order differ more)
 ]
-QUANT_CFGS = [dict(), dict(vt_order="rev"), dict(vt_order="rev", l2_hint=True)]
 
 
 @gpu
@@ -145,8 +132,8 @@ QUANT_CFGS = [dict(), dict(vt_order="rev"), dict(vt_order="rev", l2_hint=True)]
 def test_gpu_quantize_bitwise_model(fmt, shape):
     """`quantize_fp8` (k, q blocks, V channel scales, V^T) equals `quantize_fp8_reference` bit for bit on bf16
     inputs with rounding ties: bf16 blocks hold many elements at exactly amax / 2 (int8: y = 63.5), and two more
-    per block are planted, so an approximate division or an FMA-contracted rounding anywhere flips some. Every
-    launch setting (FP8_QUANT_CONFIG) gives the same bits, and V^T's padding columns are zero."""
+    per block are planted, so an approximate division or an FMA-contracted rounding anywhere flips some. V^T's
+    padding columns are zero."""
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9):
         pytest.skip("needs sm_90")
     B, Sq, Sk, Hq, Hk, D = shape
@@ -160,16 +147,15 @@ def test_gpu_quantize_bitwise_model(fmt, shape):
     q, k, v = q.cuda(), k.cuda(), v.cuda()
     qd, kd, vd = dense.quantize_fp8_reference(q, k, v, fmt)
     s_pad = -(-Sk // 16) * 16
-    for qcfg in QUANT_CFGS:
-        q8, qs, k8, ks, vt8, vs = dense.quantize_fp8(q, k, v, fmt, quant_cfg=qcfg)
-        assert vt8.shape == (B, Hk, D, s_pad)
-        got_q = (q8.float() * qs.repeat_interleave(128, -1)[..., :Sq, None]).transpose(1, 2)
-        got_k = (k8.float() * ks.repeat_interleave(128, -1)[..., :Sk, None]).transpose(1, 2)
-        got_v = (vt8.float()[..., :Sk] * vs[..., None]).permute(0, 3, 1, 2)
-        for name, got, want in (("q", got_q, qd), ("k", got_k, kd), ("v", got_v, vd)):
-            assert torch.equal(got, want), (qcfg, name, int((got != want).sum()))
-        assert torch.equal(vt8[..., Sk:].float(), torch.zeros(B, Hk, D, s_pad - Sk, device=v.device)), qcfg
-        assert torch.equal(vs, v.float().abs().amax(1).clamp_min(1e-30) / dense.FP8_MAX), qcfg
+    q8, qs, k8, ks, vt8, vs = dense.quantize_fp8(q, k, v, fmt)
+    assert vt8.shape == (B, Hk, D, s_pad)
+    got_q = (q8.float() * qs.repeat_interleave(128, -1)[..., :Sq, None]).transpose(1, 2)
+    got_k = (k8.float() * ks.repeat_interleave(128, -1)[..., :Sk, None]).transpose(1, 2)
+    got_v = (vt8.float()[..., :Sk] * vs[..., None]).permute(0, 3, 1, 2)
+    for name, got, want in (("q", got_q, qd), ("k", got_k, kd), ("v", got_v, vd)):
+        assert torch.equal(got, want), (name, int((got != want).sum()))
+    assert torch.equal(vt8[..., Sk:].float(), torch.zeros(B, Hk, D, s_pad - Sk, device=v.device))
+    assert torch.equal(vs, v.float().abs().amax(1).clamp_min(1e-30) / dense.FP8_MAX)
 
 
 CASES = [  # (B, Sq, Sk, Hq, Hk, D, causal)

@@ -81,25 +81,18 @@ def _quant_tile(x, QINV: tl.constexpr, INT8: tl.constexpr):
 
 @triton.jit
 def _fp8_quant_block(X, Y, SC, b, h, bh, blk, stride_b, stride_s, stride_h, S, n_blk,
-                     D: tl.constexpr, BLK: tl.constexpr, QINV: tl.constexpr, INT8: tl.constexpr,
-                     EVICT: tl.constexpr):
+                     D: tl.constexpr, BLK: tl.constexpr, QINV: tl.constexpr, INT8: tl.constexpr):
     """Rows [blk * BLK, +BLK) of head h of X (B, S, H, D) -> Y (B, H, S, D) e4m3 (or int8, rounded to nearest) and
-    the block's scale amax * QINV at SC[bh * n_blk + blk] (`_quant_tile`). EVICT: X and Y streamed evict_first."""
+    the block's scale amax * QINV at SC[bh * n_blk + blk] (`_quant_tile`)."""
     rows = blk * BLK + tl.arange(0, BLK)
     offs_d = tl.arange(0, D)
     ok = (rows < S)[:, None]
     ptrs = X + b * stride_b + h * stride_h + rows[:, None] * stride_s + offs_d[None, :]
-    if EVICT:
-        x = tl.load(ptrs, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    else:
-        x = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
     y, sc = _quant_tile(x, QINV, INT8)
     y = y.to(Y.dtype.element_ty)
     y_ptrs = Y + (bh.to(tl.int64) * S + rows[:, None]) * D + offs_d[None, :]
-    if EVICT:
-        tl.store(y_ptrs, y, mask=ok, eviction_policy="evict_first")
-    else:
-        tl.store(y_ptrs, y, mask=ok)
+    tl.store(y_ptrs, y, mask=ok)
     tl.store(SC + bh.to(tl.int64) * n_blk + blk, sc)
 
 
@@ -107,16 +100,14 @@ def _fp8_quant_block(X, Y, SC, b, h, bh, blk, stride_b, stride_s, stride_h, S, n
 def _fp8_quant_kqv_kernel(K, V, Q, K8, KS, VAMAX, Q8, QS, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_qb, stride_qs, stride_qh,
                           Sk, Sq, Hk, Hq, nkb, nqb, n_k_tasks,
-                          D: tl.constexpr, BLK: tl.constexpr, QINV: tl.constexpr, INT8: tl.constexpr,
-                          L2_HINT: tl.constexpr = False):
+                          D: tl.constexpr, BLK: tl.constexpr, QINV: tl.constexpr, INT8: tl.constexpr):
     """One launch for everything `quantize_fp8` can do before V's scales are known. Program t < n_k_tasks: key
     block (t % nkb) of (batch, kv head) t // nkb -> k8 + its scale, and the per-channel amax of the same V rows,
     merged into VAMAX (B, Hk, D) (zeroed by the caller) by an atomic max on the fp32 bits as int32 (|v| >= 0, so
     the integer order of the bits is the float order). Later programs: the q blocks (when there are any).
     Program t takes block t // (B Hk) of head t % (B Hk) (heads fastest: the programs resident at one time spread
     their V amax atomics over every head's D words; measured as fast as blocks-fastest, fp8 skip round 2). The
-    outputs do not depend on the order (integer atomic max). L2_HINT: V's rows are loaded evict_last and K's
-    evict_first, so the last V rows read here are still in L2 when the V^T pass (order "rev") starts with them."""
+    outputs do not depend on the order (integer atomic max)."""
     t = tl.program_id(0)
     if t < n_k_tasks:
         nbh = n_k_tasks // nkb
@@ -128,12 +119,8 @@ def _fp8_quant_kqv_kernel(K, V, Q, K8, KS, VAMAX, Q8, QS, stride_kb, stride_ks, 
         offs_d = tl.arange(0, D)
         # V's loads are issued before K's block is processed: both 32 KB reads in flight at once
         v_ptrs = V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + offs_d[None, :]
-        if L2_HINT:
-            xv = tl.load(v_ptrs, mask=(rows < Sk)[:, None], other=0.0, eviction_policy="evict_last")
-        else:
-            xv = tl.load(v_ptrs, mask=(rows < Sk)[:, None], other=0.0)
-        _fp8_quant_block(K, K8, KS, b, h, bh, blk, stride_kb, stride_ks, stride_kh, Sk, nkb, D, BLK, QINV, INT8,
-                         L2_HINT)
+        xv = tl.load(v_ptrs, mask=(rows < Sk)[:, None], other=0.0)
+        _fp8_quant_block(K, K8, KS, b, h, bh, blk, stride_kb, stride_ks, stride_kh, Sk, nkb, D, BLK, QINV, INT8)
         amax = tl.max(tl.abs(xv.to(tl.float32)), 0)
         tl.atomic_max(VAMAX + bh.to(tl.int64) * D + offs_d, amax.to(tl.int32, bitcast=True), sem="relaxed")
     else:
@@ -141,30 +128,23 @@ def _fp8_quant_kqv_kernel(K, V, Q, K8, KS, VAMAX, Q8, QS, stride_kb, stride_ks, 
         blk = t % nqb
         bh = t // nqb
         _fp8_quant_block(Q, Q8, QS, (bh // Hq).to(tl.int64), bh % Hq, bh, blk, stride_qb, stride_qs, stride_qh, Sq,
-                         nqb, D, BLK, QINV, INT8, False)
+                         nqb, D, BLK, QINV, INT8)
 
 
 @triton.jit
 def _fp8_quant_vt_kernel(X, Y, SC, VAMAX, stride_b, stride_s, stride_h, S, S_pad, H, nblk,
-                         D: tl.constexpr, BS: tl.constexpr, REV: tl.constexpr = False, EVICT: tl.constexpr = False):
-    """V (B, S, H, D) -> e4m3 V^T rows Y[(bh * D + d) * S_pad + s] (B, H, D, S_pad), columns >= S zero, with
-    the per-channel scales SC (B, H, D), computed here from the channel amax bits VAMAX as max(amax, 1e-30) *
-    fp32(1 / 448) (the bits of torch's CUDA `amax / 448.0`, which multiplies by the fp32 reciprocal: an IEEE
-    division differs in the last bit often enough to flip ~0.1% of the e4m3 roundings, fp8 session 6 run 1); the
-    program of block 0 of each head stores them to SC. 1-D grid of (B H) x nblk programs of BS keys. Order: REV
-    False = blocks fastest within a head; True = heads fastest, blocks descending (the V rows
-    `_fp8_quant_kqv_kernel` read last come first, see its L2_HINT). EVICT: V loaded evict_first (last read).
-    The tile is indexed (d, s) from the start: the load is vectorised along d, the store along s (16 keys per
-    thread), and the compiler's layout change between them goes through shared memory (offline sm_90: 40
-    registers, 32 KB shared at D128: up to 6 programs of 8 warps per SM)."""
+                         D: tl.constexpr, BS: tl.constexpr):
+    """V (B, S, H, D) -> e4m3 V^T rows Y[(bh * D + d) * S_pad + s] (B, H, D, S_pad), columns >= S zero, with the per-
+    channel scales SC (B, H, D), computed here from the channel amax bits VAMAX as max(amax, 1e-30) * fp32(1 /
+    448) (the bits of torch's CUDA `amax / 448.0`, which multiplies by the fp32 reciprocal: an IEEE division
+    differs in the last bit often enough to flip ~0.1% of the e4m3 roundings, fp8 session 6 run 1); the program
+    of block 0 of each head stores them to SC. 1-D grid of (B H) x nblk programs of BS keys, blocks fastest
+    within a head. The tile is indexed (d, s) from the start: the load is vectorised along d, the store along s
+    (16 keys per thread), and the compiler's layout change between them goes through shared memory (offline
+    sm_90: 40 registers, 32 KB shared at D128: up to 6 programs of 8 warps per SM)."""
     t = tl.program_id(0)
-    if REV:
-        nbh = tl.num_programs(0) // nblk
-        bh = t % nbh
-        blk = nblk - 1 - t // nbh
-    else:
-        bh = t // nblk
-        blk = t % nblk
+    bh = t // nblk
+    blk = t % nblk
     b = (bh // H).to(tl.int64)
     h = bh % H
     offs_d = tl.arange(0, D)
@@ -175,10 +155,7 @@ def _fp8_quant_vt_kernel(X, Y, SC, VAMAX, stride_b, stride_s, stride_h, S, S_pad
     inv = _recip_rn(sc)
     rows = blk * BS + tl.arange(0, BS)
     ptrs = X + b * stride_b + h * stride_h + rows[None, :] * stride_s + offs_d[:, None]
-    if EVICT:
-        x = tl.load(ptrs, mask=(rows < S)[None, :], other=0.0, eviction_policy="evict_first")
-    else:
-        x = tl.load(ptrs, mask=(rows < S)[None, :], other=0.0)
+    x = tl.load(ptrs, mask=(rows < S)[None, :], other=0.0)
     y = _mul_rn(x.to(tl.float32), tl.zeros([D, BS], tl.float32) + inv[:, None]).to(Y.dtype.element_ty)
     # The store mask is s < S_pad, a multiple of 16: the compiler proves each thread's 16-key run all in or all out
     # and stores 16-byte vectors (columns S..S_pad-1 get the zeros of the masked load). With the mask s < S and
@@ -296,29 +273,11 @@ _QINV = {f: fp32_inv(m) for f, m in _QMAX.items()}  # the kernels' QINV constexp
 
 _VT_BS = 128  # keys per V^T block: 128-byte rows of V^T per store
 
-# Launch settings of `quantize_fp8` (every setting gives the same bits; benchmarks/bench_fp8_quantize.py A/Bs them):
-#   vt_order: "head" (blocks fastest within a head) or "rev" (heads fastest, blocks descending: starts with the V
-#     rows the first launch read last); l2_hint: the first launch loads V evict_last and K / stores k8
-#     evict_first, the V^T pass loads V evict_first (meant with "rev": V^T's first reads hit L2).
-FP8_QUANT_CONFIG = dict(vt_order="head", l2_hint=False)
-_VT_ORDERS = ("head", "rev")
-
-
-def _quant_cfg(cfg):
-    unknown = sorted(set(cfg or {}) - set(FP8_QUANT_CONFIG))
-    if unknown:
-        raise ValueError(f"quant_cfg: unknown keys {unknown} (known: {sorted(FP8_QUANT_CONFIG)})")
-    cfg = dict(FP8_QUANT_CONFIG, **(cfg or {}))
-    if cfg["vt_order"] not in _VT_ORDERS:
-        raise ValueError(f"quant_cfg['vt_order'] must be one of {_VT_ORDERS}, got {cfg['vt_order']!r}")
-    return cfg
-
-
-def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True, quant_cfg=None):
+def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True):
     """Quantize for `attention_fp8`: -> (q8 (B, Hq, Sq, D), q_scale (B, Hq, ceil(Sq/128)), k8, k_scale (same for
     k), vt8 (B, Hk, D, Sk rounded up to 16), v_scale (B, Hk, D)); fp32 scales (dequant = x8 * scale). q8/k8 are
     int8 (qk_format "int8", scale amax/127) or e4m3 ("e4m3", amax/448); vt8 is always e4m3. quantize_q=False:
-    q8 and q_scale are None (the kernel quantizes q itself). quant_cfg: launch settings (FP8_QUANT_CONFIG).
+    q8 and q_scale are None (the kernel quantizes q itself).
 
     Two launches: k blocks + V's per-channel amax (atomic max) + q blocks, then the V^T pass, which needs the amax
     over the whole sequence. Every output equals `quantize_fp8_reference`'s rounding bit for bit; vt8 columns >=
@@ -327,7 +286,6 @@ def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True, quan
     q, k, v = (unit_stride(t) for t in (q, k, v))
     if qk_format not in QK_FORMATS:
         raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
-    cfg = _quant_cfg(quant_cfg)
     dev, f8 = q.device, torch.float8_e4m3fn
     qk_dt = torch.int8 if qk_format == "int8" else f8
     int8 = qk_format == "int8"
@@ -348,18 +306,18 @@ def quantize_fp8(q, k, v, qk_format: str = "int8", quantize_q: bool = True, quan
         (k, v, qa, k8, ks, vamax, q8 if quantize_q else k8, qs if quantize_q else ks,
          k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
          qa.stride(0), qa.stride(1), qa.stride(2), Sk, Sq, Hk, Hq, nkb, nqb, n_k,
-         D, FP8_BLOCK, _QINV[qk_format], int8, bool(cfg["l2_hint"])), num_warps=8)
-    _launch_vt(v, vt, vs, vamax, cfg)
+         D, FP8_BLOCK, _QINV[qk_format], int8), num_warps=8)
+    _launch_vt(v, vt, vs, vamax)
     return q8, qs, k8, ks, vt, vs
 
 
-def _launch_vt(v, vt, vs, vamax, cfg):
+def _launch_vt(v, vt, vs, vamax):
     """The V^T pass of `quantize_fp8` (v unit-stride on D; vamax: the first launch's channel amax bits)."""
     B, Sk, Hk, D = v.shape
     nblk = triton.cdiv(Sk, _VT_BS)
     _QUANT_PLANS.launch(_fp8_quant_vt_kernel, (nblk * B * Hk,),
                         (v, vt, vs, vamax, v.stride(0), v.stride(1), v.stride(2), Sk, vt.shape[-1], Hk, nblk,
-                         D, _VT_BS, cfg["vt_order"] == "rev", bool(cfg["l2_hint"])), num_warps=8)
+                         D, _VT_BS), num_warps=8)
 
 
 # Direct-launch plans of the two quantize launches (`_common.LaunchPlans`: the compiled kernel's launcher, ~tens of
