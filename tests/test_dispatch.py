@@ -79,6 +79,34 @@ def test_cost_table_routes_to_the_fastest_measured_backend():
         dispatch.set_cost_table(old)
 
 
+def test_baseline_kept_unless_another_backend_measured_clearly_faster():
+    """SDPA (what an unpatched model runs) keeps a call unless another backend measured more than BASELINE_MARGIN
+    faster than the fastest SDPA entry: a lead inside the table's run-to-run spread is not known to be one."""
+    q, k, v = _inputs(1, 64, 64, 2, 2, 64, torch.float32, "cpu")
+    call = dispatch.Call.of("attention", q, k, v)
+    cuda_call = dispatch.Call(**{**call.__dict__, "device": "cuda", "arch": (9, 0)})
+    margin = dispatch.BASELINE_MARGIN
+    assert 0.0 < margin < 0.1
+    old = dispatch._TABLE[0]
+    try:
+        for ours, sdpa_flash, want in ((1.0, 1.0 + margin / 2, "sdpa_flash"),    # inside the margin: baseline
+                                       (1.0, 1.0 + 2 * margin, "ours"),          # clearly faster: ours
+                                       (1.2, 1.0, "sdpa_flash")):               # slower: baseline anyway
+            dispatch.set_cost_table(dispatch.CostTable({"entries": [dict(
+                op="attention", causal=False, D=64, group=1, dtype="float32", B=1, Sq=64, Sk=64, Hq=2,
+                ms={"ours": ours, "sdpa_flash": sdpa_flash, "sdpa": 3.0})]}))
+            d = dispatch.Dispatcher("test_op_margin", [
+                dispatch.Backend("ours", lambda c: None, None),
+                dispatch.Backend("sdpa_flash", lambda c: None, None, baseline=True),
+                dispatch.Backend("sdpa", lambda c: None, None, baseline=True)])
+            r = d.route(cuda_call)
+            assert r.backend == want, (ours, sdpa_flash, r)
+            assert ("within" in r.reason) == (want != "ours" and ours < sdpa_flash)
+        assert all(b.baseline == b.name.startswith("sdpa") for b in dense_op.BACKENDS)
+    finally:
+        dispatch.set_cost_table(old)
+
+
 def test_training_calls_are_costed_by_forward_plus_backward_entries_only():
     """A forward-only measurement must not route a call that needs gradients: our forward can win while our
     backward loses, so without "+backward" entries a training call takes the default order (SDPA)."""

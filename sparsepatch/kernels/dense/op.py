@@ -149,7 +149,7 @@ def _sdpa_backend(name, kernel):
     # device-bound timings): small calls stay on torch's own choice unless the forced kernel saves more.
     return Backend(name, lambda call: sdpa.supports(call, kernel),
                    lambda q, k, v, **kw: sdpa.attention(q, k, v, kernel=kernel, **kw),
-                   host_ms=0.0 if kernel is None else sdpa.FORCED_HOST_MS)
+                   host_ms=0.0 if kernel is None else sdpa.FORCED_HOST_MS, baseline=True)
 
 
 BACKENDS = [
