@@ -5,7 +5,8 @@ Times, in one process on the same inputs, the dense `attention` backends at the 
 and non-causal D 64 / 256, with `flash_triton` in these launch settings:
   shipped: the shipped CONFIGS (every cell here on the Gluon kernel; causal q-tiles from the atomic counter),
   static:  causal q-tiles in static round-robin shares (cfg dynamic off),
-  s4:      head dim 64 with 4 K/V stages (3 shipped);
+  s4:      head dim 64 with 4 K/V stages (3 shipped),
+  polyN:   one exponential in N (2, 4, 8) on the FMA pipe (cfg exp_poly; 0 shipped);
 `--settings` picks which (default shipped,static); cells and settings are interleaved, the settings in an order
 that turns by one per cell.
 (Session 13's run of this script compared the Triton kernel ("before") with Gluon; results/h200-gluon-causal.json.)
@@ -41,6 +42,9 @@ SETTINGS = {
     # causal q-tiles in static round-robin shares (head-major, longest first) instead of from the atomic counter
     "static": {key: dict(gluon=True, causal_gluon=True, gluon_dynamic=False) for key in _GLUON_KEYS},
     "s4": {(64, 128): dict(gluon=True, causal_gluon=True, gluon_stages=4)},   # head dim 64: 4 K/V stages
+    # one exponential in n on the FMA pipe (cfg exp_poly)
+    **{f"poly{n}": {key: dict(gluon=True, causal_gluon=True, gluon_exp_poly=n) for key in _GLUON_KEYS}
+       for n in (2, 4, 8)},
 }
 
 
@@ -81,8 +85,9 @@ def run(dtypes, dims, settings, log=print):
     return rows, entries
 
 
-def skip64(log=print):
-    """Skip forward at D64 tile 128: Gluon vs Triton kernel vs own dense (Gluon) and cuDNN, ms."""
+def skip64(log=print, polys=()):
+    """Skip forward at D64 tile 128: Gluon vs Triton kernel vs own dense (Gluon) and cuDNN, ms; polys: also the
+    Gluon kernel with cfg exp_poly = each of them."""
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -103,9 +108,10 @@ def skip64(log=print):
             lst = random_list(B, H, S, rho, seed=1)
             row = dict(B=B, H=H, S=S, rho=rho, cudnn_ms=t_cudnn, own_dense_ms=t_dense,
                        line_ms=1.05 * t_dense if rho == 1.0 else 1.1 * rho * t_dense + 0.05)
-            for name, on in (("gluon", True), ("triton", False)):
+            for name, on, extra in (("gluon", True, {}), ("triton", False, {}),
+                                    *((f"gluon_poly{n}", True, dict(gluon_exp_poly=n)) for n in polys)):
                 saved = dict(skip_triton.SKIP_CONFIGS[(64, 128)])
-                skip_triton.SKIP_CONFIGS[(64, 128)] = dict(saved, gluon=on)
+                skip_triton.SKIP_CONFIGS[(64, 128)] = dict(saved, gluon=on, **extra)
                 try:
                     fn = lambda: skip_triton.skip_attention(q, k, v, lst, -5.0)   # noqa: E731
                     fn()
@@ -118,6 +124,7 @@ def skip64(log=print):
                                            ).abs().max().item()
             rows.append(row)
             log(f"skip64 B{B} H{H} S{S} rho {rho}: gluon {row['gluon_ms']:.3f} triton {row['triton_ms']:.3f} "
+                + "".join(f"poly{n} {row[f'gluon_poly{n}_ms']:.3f} " for n in polys) +
                 f"own dense {t_dense:.3f} cudnn {t_cudnn:.3f} line {row['line_ms']:.3f} ms")
         del q, k, v, qt, kt, vt
     return rows
@@ -128,6 +135,7 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--skip64", action="store_true", help="also the head-dim-64 skip rows")
+    ap.add_argument("--skip64-polys", default="", help="comma-separated exp_poly values also timed in the skip rows")
     ap.add_argument("--no-grid", action="store_true", help="skip the dense grid")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--settings", default="shipped,static", help=f"comma-separated, of {sorted(SETTINGS)}")
@@ -138,7 +146,8 @@ def main(argv=None):
         ap.error(f"--settings: unknown {unknown} (known: {sorted(SETTINGS)})")
     dtypes = tuple(getattr(torch, d) for d in args.dtypes.split(","))
     dims = tuple(int(d) for d in args.dims.split(","))
-    skip_rows = skip64() if args.skip64 else []
+    polys = tuple(int(n) for n in args.skip64_polys.split(",") if n)
+    skip_rows = skip64(polys=polys) if args.skip64 else []
     rows, entries = run(dtypes, dims, settings) if not args.no_grid else ([], {})
     print(f"\n{'causal':>6} {'D':>4} {'G':>2} {'dtype':>9} {'B':>3} {'S':>6} {'sdpa ms':>8} "
           + " ".join(f"{n + ' x':>9}" for n in settings))

@@ -709,3 +709,116 @@ def test_custom_ops_compile():
     eout, ecounts = f(q)
     torch.testing.assert_close(out, eout)
     assert torch.equal(counts, ecounts)
+
+
+# ------------------------------------------------------------------------------------------------- exp_poly
+
+
+def _run_exp2_poly_ptx(asm: str, n: int, x: "np.ndarray") -> "np.ndarray":
+    """Execute `exp2_poly_asm(n)` on fp32 inputs x (shape (m, n)) with numpy, one instruction at a time, fp32
+    rounding per instruction (an FMA: the exact fp64 product plus the addend, rounded to fp32); ex2.approx is
+    taken as an exactly rounded exp2 (the hardware's is within 2 ulp; the claim tested here is the FMA-pipe path)."""
+    import numpy as np
+    f32 = np.float32
+    regs = {f"${n + i}": x[:, i].astype(f32) for i in range(n)}
+
+    def val(tok):
+        tok = tok.strip()
+        if tok.startswith("0f"):
+            return np.full(x.shape[0], np.uint32(int(tok[2:], 16)).view(f32))
+        if tok.isdigit():
+            return int(tok)
+        return regs[tok]
+
+    for line in asm.split("\n"):
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *src = [t.strip() for t in rest.split(",")]
+        a = [val(t) for t in src]
+        if op == "ex2.approx.ftz.f32":
+            r = np.exp2(a[0].astype(np.float64)).astype(f32)
+        elif op == "max.ftz.f32":
+            r = np.maximum(a[0], a[1])
+        elif op == "add.rn.f32":
+            r = (a[0] + a[1]).astype(f32)
+        elif op == "sub.rn.f32":
+            r = (a[0] - a[1]).astype(f32)
+        elif op == "fma.rn.f32":
+            r = (a[0].astype(np.float64) * a[1].astype(np.float64) + a[2].astype(np.float64)).astype(f32)
+        elif op == "shl.b32":
+            r = (a[0].view(np.uint32) << np.uint32(a[1])).view(f32)
+        elif op == "add.s32":
+            r = (a[0].view(np.int32) + a[1].view(np.int32)).view(f32)
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+        regs[dst] = r
+    return np.stack([regs[f"${i}"] for i in range(n)], 1)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_exp2_poly_asm_matches_exp2(n):
+    """The PTX of the Gluon kernel's mixed exponential (cfg exp_poly), executed instruction by instruction: outputs
+    $0..$n-1 are 2^x of inputs $n..$2n-1 for x in [-126, 0], the FMA-pipe one within its polynomial's bound (7.5e-5
+    relative: degree-3 minimax of 2^f on [-0.5, 0.5]; 1e-4 allows fp32 Horner rounding), and equal to the torch
+    emulation `exp2_poly_reference` bit for bit; below -125 it returns ~2^-125 (a P of 2.4e-38, not 0)."""
+    import numpy as np
+    from sparsepatch.kernels.skip import gluon as skip_gluon
+    rng = np.random.default_rng(n)
+    x = np.concatenate([-rng.exponential(3.0, (4096, n)), -rng.uniform(0, 125, (4096, n)),
+                        np.full((1, n), -0.0), np.full((1, n), -0.5), np.full((1, n), -125.0)]).astype(np.float32)
+    y = _run_exp2_poly_ptx(skip_gluon.exp2_poly_asm(n), n, x)
+    want = np.exp2(x.astype(np.float64))
+    rel = np.abs(y.astype(np.float64) / want - 1.0)
+    assert rel[:, :-1].max() < 2 ** -23    # MUFU lanes: exp2 itself here
+    assert rel[:, -1].max() < 1e-4         # the polynomial lane
+    assert rel[:, -1].max() > 1e-6         # (it is the polynomial, not an exact exp2)
+    emu = skip_gluon.exp2_poly_reference(torch.from_numpy(x[:, -1])).numpy()
+    assert np.array_equal(emu.view(np.int32), y[:, -1].view(np.int32))
+    low = _run_exp2_poly_ptx(skip_gluon.exp2_poly_asm(n), n, np.full((1, n), -300.0, np.float32))[0, -1]
+    assert abs(low / 2.0 ** -125 - 1.0) < 1e-4
+
+
+def test_exp_poly_cfg_is_checked():
+    from sparsepatch.kernels.skip import gluon as skip_gluon
+    if not skip_gluon.HAS_GLUON:
+        pytest.skip("no Gluon in this Triton")
+    q = torch.zeros(1, 128, 1, 64)
+    with pytest.raises(ValueError, match="exp_poly"):
+        skip_gluon._launch(q, q, q, None, None, -5.0, 0.125, False, dict(exp_poly=3), False)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("poly", [2, 4, 8])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_exp_poly_gpu(monkeypatch, poly, D, causal, dtype):
+    """cfg exp_poly (one exponential in `poly` on the FMA pipe) against the reference, with the tolerances of the
+    all-MUFU kernel (the polynomial's 7.5e-5 relative error is far below P's rounding to bf16 / fp16): GQA, a
+    partial last tile, an offset causal diagonal; the skip kernel at D64 with the lists it writes."""
+    from sparsepatch.kernels.skip import gluon as skip_gluon
+    for table in (skip.CONFIGS, skip.SKIP_CONFIGS):
+        for key in list(table):
+            monkeypatch.setitem(table, key, dict(table[key], gluon=True, causal_gluon=True, gluon_exp_poly=poly))
+    g = torch.Generator(device="cuda").manual_seed(11 + poly)
+    Sq, Sk = (4000, 4128) if causal else (4000, 4000)
+    q = torch.randn(2, Sq, 4, D, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(2, Sk, 2, D, device="cuda", generator=g).to(dtype) for _ in range(2))
+    if not skip_gluon.supported(q, k, v, (128, 128), dense=True):
+        pytest.skip("Gluon kernel not available here")
+    out, lse = skip.attention(q, k, v, causal=causal, return_lse=True)
+    _assert_gluon_ran(q, k, v, (128, 128))
+    rout, rlse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    assert_close(out, rout, dtype)
+    torch.testing.assert_close(lse, rlse, atol=2e-3, rtol=1e-4)
+    plain = skip_gluon.dense_fwd(q, k, v, D ** -0.5, False, causal=causal)[0]
+    assert (out.float() - plain.float()).abs().max().item() > 0   # the option changed the arithmetic
+    if not causal and D == 64:
+        tile, thr = (128, 128), lattice_threshold(D)
+        qs, ks, vs, assign = structured_qkv(1, 4000, 4000, 2, 1, D, dtype, tile, seed=23, device="cuda", clusters=8)
+        nxt = check_skip(qs, ks, vs, None, thr, tile=tile, dtype=dtype)
+        qs, ks, vs, _ = structured_qkv(1, 4000, 4000, 2, 1, D, dtype, tile, seed=24, device="cuda", assign=assign)
+        check_skip(qs, ks, vs, nxt, thr, tile=tile, dtype=dtype)

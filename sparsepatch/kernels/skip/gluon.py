@@ -49,7 +49,8 @@ BM = 128  # q rows per q-tile (two warpgroups of 64)
 BN = 128  # keys per k-tile (head dim 256, dense only: 64, as K / V stages of 128 x 256 do not fit shared memory)
 # dynamic (causal only): q-tiles handed out by an atomic counter instead of static round-robin shares (`_producer`;
 # H200 bf16: +2 to +14% at 16K / 32K, neutral at 1K, NOTES session 15)
-GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True, dynamic=True)
+GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True, dynamic=True,
+                         exp_poly=0)
 # head dim 256: q 64 KB + 2 stages of 64-key K and V tiles (128 KB); out stored from registers (the staging through
 # the last K tile needs 64 rows per warpgroup)
 GLUON_D256_CONFIG = dict(GLUON_SKIP_CONFIG, stages=2, kstage=False)
@@ -59,9 +60,46 @@ def block_n(D: int) -> int:
     """Keys per k-tile of the kernel at head dim D."""
     return 64 if D > 128 else BN
 
+# 2^x for x <= 0 on the FMA pipe (cfg `exp_poly`): x = j + f with j = round(x) (the 1.5 * 2^23 add), f in [-0.5, 0.5],
+# 2^f by a degree-3 polynomial (relative error < 7.5e-5 in fp32 Horner, far below P's bf16 / fp16 rounding), 2^j
+# added to the exponent bits; x is clamped at -125 (P = 2^-125 instead of a smaller or zero one: an absolute error of
+# 2.4e-38; the result stays a normal number).
+# At head dim 64 a 128 x 128 tile's exponentials take the SM's MUFU unit (16 per clock) as long as its two GEMMs take
+# the tensor cores, so the softmax of one warpgroup cannot hide under the other's GEMMs; moving one exponential in
+# `exp_poly` to ~9 FMA / ALU instructions evens the two pipes out.
+_EXP2_POLY_C = ("0f3F7FFB49", "0f3F31798D", "0f3E786F0E", "0f3D61FBB0")   # c0..c3, fp32 bits
+
+
+def exp2_poly_asm(n: int) -> str:
+    """PTX for `inline_asm_elementwise(pack=n)`: outputs $0..$n-1 = 2^($n..$2n-1); the last of each n on the FMA
+    pipe, the others on MUFU (ex2.approx.ftz, what gl.exp2 lowers to)."""
+    lines = [f"ex2.approx.ftz.f32 ${i}, ${n + i};" for i in range(n - 1)]
+    c0, c1, c2, c3 = _EXP2_POLY_C
+    lines += ["{", ".reg .b32 t, j, f, p;",
+              f"max.ftz.f32 f, ${2 * n - 1}, 0fC2FA0000;",
+              "add.rn.f32 t, f, 0f4B400000;", "sub.rn.f32 j, t, 0f4B400000;", "sub.rn.f32 f, f, j;",
+              f"fma.rn.f32 p, f, {c3}, {c2};", f"fma.rn.f32 p, p, f, {c1};", f"fma.rn.f32 p, p, f, {c0};",
+              "shl.b32 t, t, 23;", f"add.s32 ${n - 1}, p, t;", "}"]
+    return "\n".join(lines)
+
+
+def exp2_poly_reference(x: torch.Tensor) -> torch.Tensor:
+    """What the FMA-pipe exponential of `exp2_poly_asm` computes, in torch fp32 (tests: error against exp2)."""
+    c0, c1, c2, c3 = (torch.tensor(int(c[2:], 16), dtype=torch.int32).view(torch.float32) for c in _EXP2_POLY_C)
+    x = torch.clamp(x.float(), min=-125.0)
+    j = torch.round(x)
+    f = x - j
+    p = c3
+    for c in (c2, c1, c0):   # fp32 FMAs: the fp64 product of two fp32 values is exact, then the sum is rounded
+        p = (p.double() * f.double() + c.double()).float()
+    return (p.view(torch.int32) + (j.to(torch.int32) << 23)).view(torch.float32)
+
+
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
     _BM = gl.constexpr(BM)
+    _EXP2_POLY = {n: gl.constexpr(exp2_poly_asm(n)) for n in (2, 4, 8)}
+    _EXP2_POLY2, _EXP2_POLY4, _EXP2_POLY8 = _EXP2_POLY[2], _EXP2_POLY[4], _EXP2_POLY[8]
 
     @gluon.jit
     def _bit_or(a, b):
@@ -191,10 +229,26 @@ if HAS_GLUON:
         return gl.maximum(gl.minimum(Tk, (pm * _BM + _BM + causal_off + BN - 1) // BN), 1)
 
     @gluon.jit
+    def _exp2_mixed(x, POLY: gl.constexpr):
+        """2^x (x <= 0, finite), one element in POLY on the FMA pipe (`exp2_poly_asm`), the rest on MUFU; 0: all
+        on MUFU."""
+        if POLY == 2:
+            return gl.inline_asm_elementwise(_EXP2_POLY2, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
+        elif POLY == 4:
+            return gl.inline_asm_elementwise(_EXP2_POLY4, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32,
+                                             is_pure=True, pack=4)
+        elif POLY == 8:
+            return gl.inline_asm_elementwise(_EXP2_POLY8, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r", [x],
+                                             dtype=gl.float32, is_pure=True, pack=8)
+        else:
+            return gl.exp2(x)
+
+    @gluon.jit
     def _softmax(s, m_i, l_i, qk_scale, start_n, Sk, MASK: gl.constexpr, s_layout: gl.constexpr, rows, causal_off,
-                 CAUSAL: gl.constexpr, BN: gl.constexpr):
+                 CAUSAL: gl.constexpr, BN: gl.constexpr, POLY: gl.constexpr = 0):
         """One online-softmax step on S (fp32 [64, BN]): -> (P fp32, new m, new l, alpha, scaled row max).
-        MASK: keys >= Sk (and, CAUSAL, keys > row + causal_off) are masked out."""
+        MASK: keys >= Sk (and, CAUSAL, keys > row + causal_off) are masked out (their exponentials all on MUFU:
+        -inf - m must give exactly 0). POLY: `_exp2_mixed` for the unmasked tiles."""
         if MASK:
             cols = start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
             if CAUSAL:
@@ -204,7 +258,10 @@ if HAS_GLUON:
                 s = gl.where(gl.expand_dims(cols < Sk, 0), s, float("-inf"))
         rmax = gl.max(s, 1) * qk_scale
         m_new = gl.maximum(m_i, rmax)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        if MASK:
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        else:
+            p = _exp2_mixed(s * qk_scale - gl.expand_dims(m_new, 1), POLY)
         alpha = gl.exp2(m_i - m_new)
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha, rmax
 
@@ -216,7 +273,7 @@ if HAS_GLUON:
                   NWORDS: gl.constexpr, WG: gl.constexpr, LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                   SKIP: gl.constexpr, KSTAGE: gl.constexpr, PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr,
                   CAUSAL: gl.constexpr, FORCED: gl.constexpr, BN: gl.constexpr,
-                  SPLIT: gl.constexpr, DYNAMIC: gl.constexpr, PROBE: gl.constexpr):
+                  SPLIT: gl.constexpr, DYNAMIC: gl.constexpr, PROBE: gl.constexpr, POLY: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile (DYNAMIC: of every q-tile the
         producer publishes in item_smem, until it publishes -1). WG 0 also writes the next lists
         (STATEFUL: not on a warm-up call, which visits every tile); FORCED: the must_do tiles (q-tile row flags FROW,
@@ -294,7 +351,7 @@ if HAS_GLUON:
                                                       s_layout, rows, causal_off, CAUSAL, BN)
             else:
                 p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout, rows,
-                                                      causal_off, CAUSAL, BN)
+                                                      causal_off, CAUSAL, BN, POLY)
             if SKIP:
                 word = ((rmax - m_i > threshold) & row_ok).to(gl.int32)
             p16 = gl.convert_layout(p.to(k_smem.dtype), p_layout)
@@ -322,7 +379,7 @@ if HAS_GLUON:
                                                               Sk, True, s_layout, rows, causal_off, CAUSAL, BN)
                     else:
                         p, m_new, l_i, alpha, rmax = _softmax(s, m_i, l_i, qk_scale, 0, Sk, False, s_layout, rows,
-                                                              causal_off, CAUSAL, BN)
+                                                              causal_off, CAUSAL, BN, POLY)
                     acc = warpgroup_mma_wait(0, deps=[o_tok])
                     if SPLIT:
                         mbarrier.arrive(v_empty.index(prev))
@@ -457,7 +514,8 @@ if HAS_GLUON:
                            num_warps: gl.constexpr, SKIP: gl.constexpr = True, KSTAGE: gl.constexpr = True,
                            PV_ASYNC: gl.constexpr = True, STATEFUL: gl.constexpr = False, CAUSAL: gl.constexpr = False,
                            FORCED: gl.constexpr = False, LAYOUT: gl.constexpr = 0,
-                           BLOCK_N: gl.constexpr = 128, DYNAMIC: gl.constexpr = False, PROBE: gl.constexpr = False):
+                           BLOCK_N: gl.constexpr = 128, DYNAMIC: gl.constexpr = False, PROBE: gl.constexpr = False,
+                           EXP_POLY: gl.constexpr = 0):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads.
         STATEFUL (the patcher's skip_step): CNT / IDX (read) and CNT_OUT / IDX_OUT (written) are two list slots each
@@ -504,12 +562,12 @@ if HAS_GLUON:
                          bars.index(2), bars.index(3), item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE,
                          PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold,
                          causal_off, D, STAGES, NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL,
-                         CAUSAL, FORCED, BLOCK_N, SPLIT, DYNAMIC, PROBE)),
+                         CAUSAL, FORCED, BLOCK_N, SPLIT, DYNAMIC, PROBE, EXP_POLY)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0), bars.index(1), wx,
                          bars.index(2), bars.index(3), item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE,
                          PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold,
                          causal_off, D, STAGES, NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL,
-                         CAUSAL, FORCED, BLOCK_N, SPLIT, DYNAMIC, PROBE)),
+                         CAUSAL, FORCED, BLOCK_N, SPLIT, DYNAMIC, PROBE, EXP_POLY)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0),
                          bars.index(1), item_smem, CTR,
                          CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D, STAGES, SKIP,
@@ -603,6 +661,10 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
     B, Sq, Hq, D = q.shape
     base = GLUON_D256_CONFIG if D > 128 else GLUON_SKIP_CONFIG
     cfg = dict(base, **cfg) if cfg else base
+    poly = int(cfg.get("exp_poly", 0))
+    if poly not in (0, 2, 4, 8):
+        raise ValueError(f"cfg['exp_poly'] must be 0 (every exponential on MUFU) or 2 / 4 / 8 (one in that many on "
+                         f"the FMA pipe), got {poly!r}")
     bn = block_n(D)
     if skip and bn != BN:
         raise ValueError(f"the Gluon skip kernel takes head dim 64 / 128, got {D}")
@@ -689,7 +751,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
                   PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, CAUSAL=bool(causal),
                   FORCED=forced is not None, LAYOUT=layout, BLOCK_N=bn, DYNAMIC=dynamic,
-                  PROBE=probe is not None)
+                  PROBE=probe is not None, EXP_POLY=poly)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
