@@ -6,7 +6,8 @@ and non-causal D 64 / 256, with `flash_triton` in these launch settings:
   shipped: the shipped CONFIGS (every cell here on the Gluon kernel; causal q-tiles from the atomic counter),
   static:  causal q-tiles in static round-robin shares (cfg dynamic off),
   s4:      head dim 64 with 4 K/V stages (3 shipped),
-  polyN:   one exponential in N (2, 4, 8) on the FMA pipe (cfg exp_poly; 0 shipped);
+  polyN:   one exponential in N (2, 4, 8, 16) on the FMA pipe (cfg exp_poly; shipped: 8 at dense head dim 64,
+           else 0), poly0: all on MUFU;
 `--settings` picks which (default shipped,static); cells and settings are interleaved, the settings in an order
 that turns by one per cell.
 (Session 13's run of this script compared the Triton kernel ("before") with Gluon; results/h200-gluon-causal.json.)
@@ -44,7 +45,7 @@ SETTINGS = {
     "s4": {(64, 128): dict(gluon=True, causal_gluon=True, gluon_stages=4)},   # head dim 64: 4 K/V stages
     # one exponential in n on the FMA pipe (cfg exp_poly)
     **{f"poly{n}": {key: dict(gluon=True, causal_gluon=True, gluon_exp_poly=n) for key in _GLUON_KEYS}
-       for n in (2, 4, 8)},
+       for n in (0, 2, 4, 8, 16)},
 }
 
 

@@ -757,7 +757,7 @@ def _run_exp2_poly_ptx(asm: str, n: int, x: "np.ndarray") -> "np.ndarray":
     return np.stack([regs[f"${i}"] for i in range(n)], 1)
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 4, 8, 16])
 def test_exp2_poly_asm_matches_exp2(n):
     """The PTX of the Gluon kernel's mixed exponential (cfg exp_poly), executed instruction by instruction: outputs
     $0..$n-1 are 2^x of inputs $n..$2n-1 for x in [-126, 0], the FMA-pipe one within its polynomial's bound (7.5e-5
@@ -791,13 +791,13 @@ def test_exp_poly_cfg_is_checked():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("poly", [2, 4, 8])
+@pytest.mark.parametrize("poly", [0, 4, 8, 16])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gluon_exp_poly_gpu(monkeypatch, poly, D, causal, dtype):
-    """cfg exp_poly (one exponential in `poly` on the FMA pipe) against the reference, with the tolerances of the
-    all-MUFU kernel (the polynomial's 7.5e-5 relative error is far below P's rounding to bf16 / fp16): GQA, a
+    """cfg exp_poly (one exponential in `poly` on the FMA pipe; 0: none) against the reference, with the tolerances
+    of the all-MUFU kernel (the polynomial's 7.5e-5 relative error is far below P's rounding to bf16 / fp16): GQA, a
     partial last tile, an offset causal diagonal; the skip kernel at D64 with the lists it writes."""
     from sparsepatch.kernels.skip import gluon as skip_gluon
     for table in (skip.CONFIGS, skip.SKIP_CONFIGS):
@@ -814,8 +814,12 @@ def test_gluon_exp_poly_gpu(monkeypatch, poly, D, causal, dtype):
     rout, rlse = reference.attention(q, k, v, causal=causal, return_lse=True)
     assert_close(out, rout, dtype)
     torch.testing.assert_close(lse, rlse, atol=2e-3, rtol=1e-4)
-    plain = skip_gluon.dense_fwd(q, k, v, D ** -0.5, False, causal=causal)[0]
-    assert (out.float() - plain.float()).abs().max().item() > 0   # the option changed the arithmetic
+    mufu = skip_gluon.dense_fwd(q, k, v, D ** -0.5, False, cfg=dict(exp_poly=0), causal=causal)[0]
+    # the option changes the arithmetic (and only it: exp_poly 0 is the all-MUFU kernel bit for bit)
+    assert torch.equal(out, mufu) == (poly == 0)
+    shipped = skip_gluon.dense_fwd(q, k, v, D ** -0.5, False, causal=causal)[0]
+    assert torch.equal(shipped, out) == (poly == skip_gluon.GLUON_D64_DENSE_CONFIG["exp_poly"] if D == 64 else
+                                         poly == skip_gluon.GLUON_SKIP_CONFIG["exp_poly"])
     if not causal and D == 64:
         tile, thr = (128, 128), lattice_threshold(D)
         qs, ks, vs, assign = structured_qkv(1, 4000, 4000, 2, 1, D, dtype, tile, seed=23, device="cuda", clusters=8)
