@@ -20,6 +20,8 @@ Four kernels per call (plus mean/weighted pooling of k/v in PyTorch, `nsa_refere
    its token did not select (the same function; faster where the per-token kernel pads G to 16 rows, or where the
    union is nearly every visible block).
 4. `_swa_kernel`  sliding-window attention on the same tiles as (1); adds g_swa * o_swa and stores the output.
+   selection="tile" with FUSED_BRANCHES: `_tile_branches_kernel` replaces (3) and (4) by one launch (both
+   branches and the gate combine per program; a block in both is loaded and multiplied by q once).
 
 Supported (else `supports` is False and the dispatcher uses the reference): causal=True, head dim 16..256 power
 of two, block_size % compress_stride == 0 with block_size / compress_stride a power of two <= 64, compress_block
