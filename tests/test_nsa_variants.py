@@ -129,9 +129,9 @@ def _fused_loops_covered(idx, bs, window):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype, G, gated", [(torch.float32, 3, True), (torch.float16, 2, False),
-                                             (torch.float32, 16, False)])
-def test_fused_branches_equal_two_launches_and_reference(dtype, G, gated, monkeypatch):
+@pytest.mark.parametrize("dtype, G, gated, tma", [(torch.float32, 3, True, True), (torch.float16, 2, False, True),
+                                                  (torch.float32, 16, False, True), (torch.float32, 3, True, False)])
+def test_fused_branches_equal_two_launches_and_reference(dtype, G, gated, tma, monkeypatch):
     """FUSED_BRANCHES (selection="tile"): `_tile_branches_kernel` (selected + window branches and the gate
     combine in one launch) selects the same blocks and computes the two-launch path's function: the selected
     branch is the same fp32 operations, the window sums its blocks in another order (rounding only). fp32: within
@@ -141,6 +141,7 @@ def test_fused_branches_equal_two_launches_and_reference(dtype, G, gated, monkey
     T = 100
     cfg = NSAConfig(**FUSED_CFG, selection="tile")
     monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
+    monkeypatch.setattr(nsa, "NSA_TMA", tma)             # False: pointer loads (loop 1 unmasked)
     q, k, v = rand(1, T, G, 1, 16, dtype=dtype, seed=80 + G)
     gates = torch.rand(1, T, G, 3, generator=torch.Generator().manual_seed(G)) if gated else None
     base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
@@ -161,6 +162,7 @@ def test_fused_branches_equal_two_launches_and_reference(dtype, G, gated, monkey
         _, _, lse_f, bo_f = nsa._forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save=True)
         monkeypatch.undo()
         monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
+        monkeypatch.setattr(nsa, "NSA_TMA", tma)
         _, _, lse_b, bo_b = nsa._forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save=True)
         check_bound(max_err(bo_f, bo_b), nsa_tol(q, k, v), "saved branch outputs")
         assert torch.equal(lse_f[0], lse_b[0])   # the compressed branch: the same launch (+inf rows included)
