@@ -26,6 +26,7 @@ head layout, with index equality and output differences against the first value 
 --phases (issue 27): HQ64/H4 per-phase forward times and ratios vs cuDNN at 4K..64K for token and tile
 selection, with --variants (PHASE_VARIANTS: nsa.SLC_TILE_ROWS = the rule / union / per token; top-k serial /
 parallel at every T / parallel on 2 warps) in one process, and fwd+bwd at 16K; JSON <out>/<gpu>-nsa-phases.json.
+With --selection tile only tile selection (e.g. --variants base,fused: the fused selected + window launch).
 --selection both (default) also times NSAConfig(selection="tile") on the same inputs: prefill rows tile_ms (and
 tile_* ratios), decode rows tile_graph_us (a step continuing a tile: the cached blocks, no ranking) and
 tile_avg_graph_us (block_size - 1 such steps + one ranking step); --selection tile makes every section tile.
@@ -425,8 +426,14 @@ PHASE_VARIANTS = {
     # session 15 defaults turned off: pointer loads instead of TMA descriptors; tile mode's compressed launch masked
     "ptr": dict(sel=("token", "tile"), attrs=dict(NSA_TMA=False)),
     "no_split": dict(sel=("tile",), attrs=dict(CMP_MASK_SPLIT=False)),
+    # session 16: selected + window branches in one launch (`_tile_branches_kernel`), 2 / 3 K-V stages; the window
+    # kernel on 32-key tiles with 3 stages (64 KB shared, 166 registers: 3 CTAs per SM instead of 2)
+    "fused": dict(sel=("tile",), attrs=dict(FUSED_BRANCHES=True)),
+    "fused_s3": dict(sel=("tile",), attrs=dict(FUSED_BRANCHES=True, NUM_STAGES="fused=3")),
+    "swa_n32_s3": dict(sel=("tile",), attrs=dict(SWA_BLOCK_N=32, NUM_STAGES="swa=3")),
 }
-PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel"]
+PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel",
+                 "_tile_branches_kernel"]
 
 
 def phase_breakdown(nsa, q, k, v, cfg, calls=3):
@@ -479,7 +486,7 @@ def union_sizes(idx, n_b, groups=(8, 16)):
     return res
 
 
-def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
+def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384, sels=("token", "tile")):
     """Issue 27: HQ64/H4 D128 bf16 B=1, NSAConfig() token and tile: per variant (PHASE_VARIANTS) forward ms, its
     ratio to cuDNN causal (same process, same inputs), per-phase ms, indices equal to base and max |out - base|;
     union sizes of 8 / 16 consecutive tokens (token mode). Then fwd+bwd at fwd_bwd_t for base and the variants."""
@@ -487,7 +494,8 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
     rows = []
     saved = {kk: getattr(nsa, kk) for kk in ("SLC_TILE_ROWS", "PARALLEL_TOPK", "TOPK_PARALLEL_MIN_BLOCKS",
                                             "NUM_WARPS", "NUM_STAGES", "CMP_TILE_ROWS", "SWA_TILE_ROWS",
-                                            "CMP_BLOCK_N", "SWA_BLOCK_N", "CMP_MASK_SPLIT", "NSA_TMA")}
+                                            "CMP_BLOCK_N", "SWA_BLOCK_N", "CMP_MASK_SPLIT", "NSA_TMA",
+                                            "FUSED_BRANCHES")}
 
     def attrs(spec):
         """A variant's overrides; NUM_WARPS / NUM_STAGES "kernel=n[,kernel=n]" -> a copy of the saved dict with
@@ -506,7 +514,7 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
             row = dict(T=T, ms={}, x_cudnn={}, phases={}, same_idx={}, max_diff={})
             with torch.no_grad():
                 row["cudnn_ms"] = _bench(cudnn_causal(q, k, v), rep=rep)
-                for sel in ("token", "tile"):
+                for sel in sels:
                     cfg = NSAConfig(selection=sel)
                     base = None
                     for name in variants:
@@ -551,7 +559,7 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
             v = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
             dout = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
             cud = _bench_n(cudnn_causal_fwd_bwd(q, k, v, dout))
-            for sel in ("token", "tile"):
+            for sel in sels:
                 cfg = NSAConfig(selection=sel)
                 for name in variants:
                     spec = PHASE_VARIANTS[name]
@@ -571,7 +579,7 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384):
             torch.cuda.empty_cache()
     finally:
         nsa.__dict__.update(saved)
-    keys = [f"{sel}:{n}" for sel in ("token", "tile") for n in variants if sel in PHASE_VARIANTS[n]["sel"]]
+    keys = [f"{sel}:{n}" for sel in sels for n in variants if sel in PHASE_VARIANTS[n]["sel"]]
     print(f"\n{'forward x cuDNN':16} " + " ".join(f"{r['T'] // 1024:>6}K" for r in rows))
     print(f"{'cudnn ms':16} " + " ".join(f"{r['cudnn_ms']:7.3f}" for r in rows))
     for kk in keys:
@@ -661,7 +669,8 @@ def main(argv=None):
             if fb is not None:
                 res["phases_fwd_bwd"] = fb
             write()
-        rows, fb = phases(nsa, pts, variants, write=wr, fwd_bwd_t=args.phase_bwd_t)
+        rows, fb = phases(nsa, pts, variants, write=wr, fwd_bwd_t=args.phase_bwd_t,
+                          sels=("tile",) if args.selection == "tile" else ("token", "tile"))
         wr(rows, fb)
         return _write(res, args.out, gpu, args.tag if args.tag != "nsa" else "nsa-phases")
     if args.slc_ab:

@@ -5,6 +5,7 @@ exactly, and the outputs equal the default's (interpreter: bit for bit; GPU bf16
 rounding of the default)."""
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -105,3 +106,104 @@ def test_gpu_switches_equal_default_bf16(G, Hk, T, selection, slc_rows, monkeypa
             out, idx = nsa.nsa_attention(q, kk, v, cfg, gates=gates, return_indices=True)
         assert torch.equal(idx, ref_idx)
         assert _bf16_err(out, ref_out) < 2e-2
+
+
+# selection="tile" with block 16 and window 40: a program's window spans 3-4 blocks with its lower edge inside a
+# block, so tiles from the 4th on have selected blocks before the window (the fused kernel's loop 1), inside it
+# (loop 2) and unselected window blocks (loop 3); T = 100 ends mid-tile (a partial last program)
+FUSED_CFG = dict(block_size=16, num_selected=3, window=40, compress_block=8, compress_stride=4)
+
+
+def _fused_loops_covered(idx, bs, window):
+    """(before, inside, window_only): some tile has a selected block before its window, one inside it, and an
+    unselected window block (the three loops of `_tile_branches_kernel`)."""
+    sel = idx[0, ::bs, 0].long().cpu()
+    seen = [False, False, False]
+    for j, s in enumerate(sel.tolist()):
+        wlo = max(j * bs - window + 1, 0) // bs
+        s = [b for b in s if b >= 0]
+        seen[0] |= any(b < wlo for b in s)
+        seen[1] |= any(b >= wlo for b in s)
+        seen[2] |= any(b not in s for b in range(wlo, j + 1))
+    return seen
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, G, gated, tma", [(torch.float32, 3, True, True), (torch.float16, 2, False, True),
+                                                  (torch.float32, 16, False, True), (torch.float32, 3, True, False)])
+def test_fused_branches_equal_two_launches_and_reference(dtype, G, gated, tma, monkeypatch):
+    """FUSED_BRANCHES (selection="tile"): `_tile_branches_kernel` (selected + window branches and the gate
+    combine in one launch) selects the same blocks and computes the two-launch path's function: the selected
+    branch is the same fp32 operations, the window sums its blocks in another order (rounding only). fp32: within
+    the reference bound; fp16: within 4e-3 (P and the output rounded to fp16 in the kernel, ~4 ulps), as
+    test_nsa.test_triton_matches_reference. The saved branch outputs / LSEs (the backward's inputs) agree too."""
+    from sparsepatch.kernels.nsa import forward as nsa
+    T = 100
+    cfg = NSAConfig(**FUSED_CFG, selection="tile")
+    monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
+    monkeypatch.setattr(nsa, "NSA_TMA", tma)             # False: pointer loads (loop 1 unmasked)
+    q, k, v = rand(1, T, G, 1, 16, dtype=dtype, seed=80 + G)
+    gates = torch.rand(1, T, G, 3, generator=torch.Generator().manual_seed(G)) if gated else None
+    base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    assert all(_fused_loops_covered(bidx, cfg.block_size, cfg.window))
+    want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    assert torch.equal(bidx.long(), widx)
+    tol = nsa_tol(q.float(), k.float(), v.float()) if dtype == torch.float32 else 4e-3
+    monkeypatch.setattr(nsa, "FUSED_BRANCHES", True)
+    monkeypatch.setattr(nsa, "_slc_tile_kernel", None)    # the fused launch replaces both
+    monkeypatch.setattr(nsa, "_swa_kernel", None)
+    out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    assert torch.equal(idx, bidx)
+    check_bound(max_err(out, base), tol, "fused vs two launches")
+    check_bound(max_err(out, want), tol, "fused vs reference")
+    if dtype == torch.float32:   # save=True: per-branch LSE (log2) and ungated outputs, as the backward reads them
+        k_cmp, v_cmp = ref.compress_kv(k, v, cfg)
+        scale = q.shape[-1] ** -0.5
+        _, _, lse_f, bo_f = nsa._forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save=True)
+        monkeypatch.undo()
+        monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
+        monkeypatch.setattr(nsa, "NSA_TMA", tma)
+        _, _, lse_b, bo_b = nsa._forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save=True)
+        check_bound(max_err(bo_f, bo_b), nsa_tol(q, k, v), "saved branch outputs")
+        assert torch.equal(lse_f[0], lse_b[0])   # the compressed branch: the same launch (+inf rows included)
+        # selected / window LSE = m + log2(l): l a sum of <= T terms in [0, 1] summed in another order (each sum
+        # within T fp32 ulps relative), so |d log2 l| <= T * 2^-24 / ln 2; margin x2 and one ulp of m
+        lb = lse_b[1:]
+        check_bound(max_err(lse_f[1:], lb), 2 * T * 2.0 ** -24 / math.log(2) + 2.0 ** -23 * lb.abs().max().item(),
+                    "saved LSE")
+    assert nsa.fused_applies(64, 4, 0, 128) and nsa.fused_applies(16, 16, 32, 64)
+    assert not nsa.fused_applies(64, 4, 3000, 128)            # a prefill starting mid-tile: the two launches
+    assert not nsa.fused_applies(24, 4, 0, 128) and not nsa.fused_applies(128, 4, 0, 128)
+    assert not nsa.fused_applies(16, 32, 0, 128) and not nsa.fused_applies(64, 4, 0, 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G, Hk, T", [(16, 4, 4096), (16, 2, 3000), (4, 4, 4000), (1, 8, 1000)])
+def test_gpu_fused_branches_equal_two_launches_bf16(G, Hk, T, monkeypatch):
+    """bf16, NSAConfig(selection="tile") sizes (block 64, window 512), CUDA: FUSED_BRANCHES selects exactly the
+    two-launch path's blocks, gives its outputs to bf16 rounding and the reference's where the selections agree,
+    with gates and with the gradient path (save=True: the saved branch outputs feed the backward)."""
+    from sparsepatch.kernels.nsa import forward as nsa
+    cfg = NSAConfig(selection="tile")
+    q, k, v = rand(1, T, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=T + G, device="cuda")
+    gates = torch.rand(1, T, G * Hk, 3, generator=torch.Generator().manual_seed(G)).cuda()
+    base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    with monkeypatch.context() as m:
+        m.setattr(nsa, "FUSED_BRANCHES", True)
+        m.setattr(nsa, "_swa_kernel", None)     # the fused launch runs (it replaces the window launch)
+        out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    assert torch.equal(idx, bidx)
+    assert _bf16_err(out, base) < 2e-2
+    rows = (idx.long() == widx).all(-1).all(-1)[0]
+    assert rows.float().mean().item() > 0.99
+    assert _bf16_err(out[0, rows], want[0, rows]) < 2e-2
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    dout = torch.randn_like(q)
+    grads = []
+    for fused in (True, False):
+        monkeypatch.setattr(nsa, "FUSED_BRANCHES", fused)
+        o = nsa.nsa_attention(qg, kg, vg, cfg, gates=gates)
+        grads.append(torch.autograd.grad(o, (qg, kg, vg), dout))
+    for a, b in zip(*grads):
+        assert _bf16_err(a, b) < 2e-2 * max(1.0, b.float().abs().max().item())

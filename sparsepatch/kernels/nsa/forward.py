@@ -20,6 +20,8 @@ Four kernels per call (plus mean/weighted pooling of k/v in PyTorch, `nsa_refere
    its token did not select (the same function; faster where the per-token kernel pads G to 16 rows, or where the
    union is nearly every visible block).
 4. `_swa_kernel`  sliding-window attention on the same tiles as (1); adds g_swa * o_swa and stores the output.
+   selection="tile" with FUSED_BRANCHES: `_tile_branches_kernel` replaces (3) and (4) by one launch (both
+   branches and the gate combine per program; a block in both is loaded and multiplied by q once).
 
 Supported (else `supports` is False and the dispatcher uses the reference): causal=True, head dim 16..256 power
 of two, block_size % compress_stride == 0 with block_size / compress_stride a power of two <= 64, compress_block
@@ -494,6 +496,113 @@ def _swa_kernel(Q, K, V, PART, GATES, OUT, BO_W, LSE, KD, VD,
              mask=row_ok[:, None])
 
 
+@triton.jit
+def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE_W, KD, VD,
+                          sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, scb, scs, sch, s_ib, s_it, s_ih,
+                          sgb, sgs, sgh, sgc, sob, sos, soh,
+                          T, S, q_off, Hk, G, qk_scale, window,
+                          BS: tl.constexpr, NSEL: tl.constexpr, NSELP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          GP: tl.constexpr, BT: tl.constexpr, HAS_GATES: tl.constexpr, SAVE: tl.constexpr,
+                          WB: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr = False):
+    """selection="tile": the selected and window branches of BT tokens x the group's heads (rows = BT * GP, all
+    tokens inside one selection tile, BS a power of two) in one program, with the gate combine -> OUT.
+
+    The window's key tiles are selection blocks wlo .. whi (the tile's own block). Three loops, each K / V block
+    loaded once: (1) the tile's selected blocks before wlo: every key visible to every row, so no mask; selected
+    state only. (2) the selected blocks inside the window: Q K^T once, both online-softmax states (masks differ
+    only at the window's lower edge). (3) the window's unselected blocks: window state only. The selected state
+    visits its blocks in ascending order, as `_slc_tile_kernel` (same fp32 operations); the window state visits
+    the same tiles as `_swa_kernel` with BLOCK_N = BS, selected ones first (a different summation order: rounding
+    differences only). WB: a power of two >= the most window blocks of a program (window // BS + 2).
+    OC: o_cmp (fp32); OUT, BO_W: OUT's strides; BO_C, BO_S: OC's (as the two-launch path)."""
+    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP, 0, 1)
+    b32 = tl.program_id(1) // Hk
+    M: tl.constexpr = BT * GP
+    tok64 = tok.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BS)
+    offs_s = tl.arange(0, NSELP)
+    q = tl.load(Q + b64 * sqb + (tok64 * sqs + head * sqh)[:, None] + offs_d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    lbase = IDX + b64 * s_ib + hk * s_ih + t0.to(tl.int64) * s_it    # the first token's selection is the tile's
+    selv = tl.load(lbase + offs_s, mask=offs_s < NSEL, other=-1)      # ascending, -1 padding last
+    minpos = t0 + q_off
+    maxpos = tl.minimum(t0 + BT, T) - 1 + q_off
+    wlo = tl.maximum(minpos - window + 1, 0) // BS
+    whi = maxpos // BS
+    n1 = tl.sum(((selv >= 0) & (selv < wlo)).to(tl.int32), 0)
+    kbase = K + b64 * skb + hk * skh
+    vbase = V + b64 * svb + hk * svh
+
+    m_s = tl.full([M], float("-inf"), tl.float32)
+    l_s = tl.zeros([M], tl.float32)
+    acc_s = tl.zeros([M, HEAD_DIM], tl.float32)
+    for i in tl.range(0, n1, num_stages=STAGES):
+        j0 = tl.load(lbase + i) * BS
+        key = j0 + offs_n
+        k = _kv_tile(KD, kbase, b32, hk, j0, key, key < S, sks, offs_d, BS, HEAD_DIM, USE_TMA, False)
+        v = _kv_tile(VD, vbase, b32, hk, j0, key, key < S, svs, offs_d, BS, HEAD_DIM, USE_TMA, False)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        acc_s, l_s, m_s = _online(acc_s, l_s, m_s, s, v)
+
+    m_w = tl.full([M], float("-inf"), tl.float32)
+    l_w = tl.zeros([M], tl.float32)
+    acc_w = tl.zeros([M, HEAD_DIM], tl.float32)
+    # Loop 2: the selected blocks inside the window (list entries n1 .. n_u - 1: every selected block is <= whi),
+    # one K / V load and one Q K^T for both states
+    n_u = tl.sum((selv >= 0).to(tl.int32), 0)
+    for i in tl.range(n1, n_u, num_stages=STAGES):
+        j0 = tl.load(lbase + i) * BS
+        key = j0 + offs_n
+        kv_ok = key < S
+        k = _kv_tile(KD, kbase, b32, hk, j0, key, kv_ok, sks, offs_d, BS, HEAD_DIM, USE_TMA, True)
+        v = _kv_tile(VD, vbase, b32, hk, j0, key, kv_ok, svs, offs_d, BS, HEAD_DIM, USE_TMA, True)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        causal = key[None, :] <= qpos[:, None]
+        acc_s, l_s, m_s = _online(acc_s, l_s, m_s, tl.where(causal & kv_ok[None, :], s, float("-inf")), v)
+        acc_w, l_w, m_w = _online(acc_w, l_w, m_w,
+                                  tl.where(causal & (key[None, :] > qpos[:, None] - window), s, float("-inf")), v)
+    # Loop 3: the window's other blocks (wlo .. whi, not selected), ascending: the i-th is picked from WB
+    # candidates by rank, not by a branch (a branch around the second update serialises every wgmma: ptxas C7513)
+    cand = wlo + tl.arange(0, WB)
+    hit = tl.max((cand[:, None] == selv[None, :]).to(tl.int32), 1)
+    wonly = ((cand <= whi) & (hit == 0)).to(tl.int32)
+    rank = tl.cumsum(wonly, 0) - 1
+    for i in tl.range(0, tl.sum(wonly, 0), num_stages=STAGES):
+        j0 = tl.sum(tl.where((wonly != 0) & (rank == i), cand, 0), 0) * BS
+        key = j0 + offs_n
+        kv_ok = key < S
+        k = _kv_tile(KD, kbase, b32, hk, j0, key, kv_ok, sks, offs_d, BS, HEAD_DIM, USE_TMA, True)
+        v = _kv_tile(VD, vbase, b32, hk, j0, key, kv_ok, svs, offs_d, BS, HEAD_DIM, USE_TMA, True)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        ok = (key[None, :] <= qpos[:, None]) & (key[None, :] > qpos[:, None] - window)
+        acc_w, l_w, m_w = _online(acc_w, l_w, m_w, tl.where(ok, s, float("-inf")), v)
+
+    l_s1 = tl.where(l_s == 0.0, 1.0, l_s)
+    l_w1 = tl.where(l_w == 0.0, 1.0, l_w)
+    o_s = acc_s / l_s1[:, None]
+    o_w = acc_w / l_w1[:, None]
+    crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
+    orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
+    oc = tl.load(OC + crow, mask=row_ok[:, None], other=0.0)
+    if SAVE:   # for the backward, as the two-launch path: o_cmp, o_slc, o_swa in q's dtype and the two LSEs
+        lrow = (b64 * T + tok64) * (Hk * G) + head
+        tl.store(BO_C + crow, oc.to(BO_C.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(BO_S + crow, o_s.to(BO_S.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE_S + lrow, m_s + tl.math.log2(l_s1), mask=row_ok)
+        tl.store(BO_W + orow, o_w.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE_W + lrow, m_w + tl.math.log2(l_w1), mask=row_ok)
+    if HAS_GATES:
+        gb = GATES + b64 * sgb + tok64 * sgs + head * sgh
+        g0 = tl.load(gb, mask=row_ok, other=0.0).to(tl.float32)
+        g1 = tl.load(gb + sgc, mask=row_ok, other=0.0).to(tl.float32)
+        g2 = tl.load(gb + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)
+        res = (g0[:, None] * oc + g1[:, None] * o_s) + g2[:, None] * o_w
+    else:
+        res = (oc + o_s) * (1.0 / 3.0) + o_w * (1.0 / 3.0)
+    tl.store(OUT + orow, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
 FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
 
 # ---------------------------------------------------------------------------------------------------------- host
@@ -508,8 +617,8 @@ SWA_BLOCK_N = 64
 # -3 to -9% at 16K-64K (same selections), per-token slc 2 warps -1 to -2%; 128-row programs or 128-key tiles for cmp
 # and swa were 5-50% slower at every length. Head dim 256 keeps cmp at 2 stages (3 K/V stages of 64 x 256 plus q
 # exceed shared memory).
-NUM_WARPS = dict(cmp=4, swa=4, slc=2, topk=4, topk_small=2, slc_tile=8, slc_tile_64=4)
-NUM_STAGES = dict(cmp=3, swa=2, slc=3, slc_tile=3)
+NUM_WARPS = dict(cmp=4, swa=4, slc=2, topk=4, topk_small=2, slc_tile=8, slc_tile_64=4, fused=4)
+NUM_STAGES = dict(cmp=3, swa=2, slc=3, slc_tile=3, fused=2)
 # Selected branch: `_slc_kernel` (one program per token: rows = the G heads padded to 16, K/V loaded per token) or
 # `_slc_tile_kernel` (R rows per program: R // next_pow2(G) tokens visit the union of their selected blocks; the
 # same function). SLC_TILE_ROWS: None = choose by `slc_tile_rows` (measured rule), 0 = always per token, R = always
@@ -540,6 +649,12 @@ TOPK_PARALLEL_MIN_BLOCKS = 0
 # pass split too: tile 64K cmp -8 to -9%, 4K +7%; per-token calls slower (their importance pass), so there it is off.
 NSA_TMA = True
 CMP_MASK_SPLIT = True
+# FUSED_BRANCHES (selection="tile", issue 27): `_tile_branches_kernel` runs the selected and window branches of
+# FUSED_ROWS-row programs in one pass (K / V of a block in both loaded and multiplied by q once, the gate combine in
+# registers, no fp32 partial through memory) instead of `_slc_tile_kernel` + `_swa_kernel`; the same function
+# (`fused_applies`: otherwise the two launches). Off until measured (benchmarks/NOTES.md, session 16).
+FUSED_BRANCHES = False
+FUSED_ROWS = 64
 
 
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
@@ -556,6 +671,14 @@ def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
     if tile_block:
         return min(64, max(16, tile_block * triton.next_power_of_2(G)))
     return 128 if G == 1 or (G <= 4 and n_b <= 256) or n_b <= 64 else 0
+
+
+def fused_applies(bs: int, bt: int, q_off: int, D: int) -> bool:
+    """`_tile_branches_kernel` runs this call (with FUSED_BRANCHES): selection blocks of a power-of-two size
+    16..64 (the window's key tiles are the selection blocks), bt-token programs that each lie inside one selection
+    tile (bs % bt == 0 and the first query starts a tile), head dim <= 128 (two fp32 accumulators of 64 x D rows
+    per program stay in registers)."""
+    return 16 <= bs <= 64 and bs & (bs - 1) == 0 and bs % bt == 0 and q_off % bs == 0 and D <= 128
 
 
 def supports_config(config) -> bool:
@@ -728,6 +851,19 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
                gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0)
     common = dict(BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D,
                   HAS_GATES=gates is not None, SAVE=save)
+    bt_f = max(1, min(FUSED_ROWS // GP, bs))   # tokens per fused program: inside one selection tile
+    if tile and FUSED_BRANCHES and fused_applies(bs, bt_f, q_off, D):
+        out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
+        fkd, fvd = _descs(q, (k, bs), (v, bs))
+        _tile_branches_kernel[(triton.cdiv(T, bt_f), B * Hk)](
+            q, k, v, idx, o_cmp, gt, out, bo_c, bo_s, bo_w, lse_s, lse_w,
+            *((fkd, fvd) if fkd is not None else (out, out)), *strides,
+            out.stride(0), out.stride(1), out.stride(2), T, S, q_off, Hk, G, qk_scale, config.window,
+            BS=bs, NSEL=nsel, NSELP=triton.next_power_of_2(nsel), HEAD_DIM=D, GP=GP, BT=bt_f,
+            WB=triton.next_power_of_2(config.window // bs + 2),
+            HAS_GATES=gates is not None, SAVE=save, STAGES=NUM_STAGES["fused"], USE_TMA=fkd is not None,
+            num_warps=NUM_WARPS["fused"], num_stages=NUM_STAGES["fused"])
+        return out, idx, lse, bo
     rows = slc_tile_rows(G, n_b, bs if tile else 0)
     bsp = common["BSP"]
     skd, svd = _descs(q, (k, bsp), (v, bsp))     # selected blocks: boxes of BSP keys
