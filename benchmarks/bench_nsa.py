@@ -26,7 +26,8 @@ head layout, with index equality and output differences against the first value 
 --phases (issue 27): HQ64/H4 per-phase forward times and ratios vs cuDNN at 4K..64K for token and tile
 selection, with --variants (PHASE_VARIANTS: nsa.SLC_TILE_ROWS = the rule / union / per token; top-k serial /
 parallel at every T / parallel on 2 warps) in one process, and fwd+bwd at 16K; JSON <out>/<gpu>-nsa-phases.json.
-With --selection tile only tile selection (e.g. --variants base,fused: the fused selected + window launch).
+With --selection tile only tile selection (e.g. --variants base,two_launch: the selected and window branches in
+two launches instead of the fused one).
 --selection both (default) also times NSAConfig(selection="tile") on the same inputs: prefill rows tile_ms (and
 tile_* ratios), decode rows tile_graph_us (a step continuing a tile: the cached blocks, no ranking) and
 tile_avg_graph_us (block_size - 1 such steps + one ranking step); --selection tile makes every section tile.
@@ -426,11 +427,10 @@ PHASE_VARIANTS = {
     # session 15 defaults turned off: pointer loads instead of TMA descriptors; tile mode's compressed launch masked
     "ptr": dict(sel=("token", "tile"), attrs=dict(NSA_TMA=False)),
     "no_split": dict(sel=("tile",), attrs=dict(CMP_MASK_SPLIT=False)),
-    # session 16: selected + window branches in one launch (`_tile_branches_kernel`), 2 / 3 K-V stages; the window
-    # kernel on 32-key tiles with 3 stages (64 KB shared, 166 registers: 3 CTAs per SM instead of 2)
-    "fused": dict(sel=("tile",), attrs=dict(FUSED_BRANCHES=True)),
-    "fused_s3": dict(sel=("tile",), attrs=dict(FUSED_BRANCHES=True, NUM_STAGES="fused=3")),
-    "swa_n32_s3": dict(sel=("tile",), attrs=dict(SWA_BLOCK_N=32, NUM_STAGES="swa=3")),
+    # session 16: the selected and window branches in two launches (the fused `_tile_branches_kernel` is the default
+    # since), and the fused launch with 3 K/V stages
+    "two_launch": dict(sel=("tile",), attrs=dict(FUSED_BRANCHES=False)),
+    "fused_s3": dict(sel=("tile",), attrs=dict(NUM_STAGES="fused=3")),
 }
 PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel",
                  "_tile_branches_kernel"]

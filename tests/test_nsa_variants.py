@@ -84,6 +84,7 @@ def test_gpu_switches_equal_default_bf16(G, Hk, T, selection, slc_rows, monkeypa
     monkeypatch.setattr(nsa, "SLC_TILE_ROWS", slc_rows)
     q, k, v = rand(1, T, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=T + G, device="cuda")
     gates = torch.rand(1, T, G * Hk, 3, generator=torch.Generator().manual_seed(G)).cuda()
+    monkeypatch.setattr(nsa, "FUSED_BRANCHES", False)
     base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
     want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
     for name, sw in SWITCHES.items():
@@ -144,6 +145,7 @@ def test_fused_branches_equal_two_launches_and_reference(dtype, G, gated, tma, m
     monkeypatch.setattr(nsa, "NSA_TMA", tma)             # False: pointer loads (loop 1 unmasked)
     q, k, v = rand(1, T, G, 1, 16, dtype=dtype, seed=80 + G)
     gates = torch.rand(1, T, G, 3, generator=torch.Generator().manual_seed(G)) if gated else None
+    monkeypatch.setattr(nsa, "FUSED_BRANCHES", False)
     base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
     assert all(_fused_loops_covered(bidx, cfg.block_size, cfg.window))
     want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
@@ -163,6 +165,7 @@ def test_fused_branches_equal_two_launches_and_reference(dtype, G, gated, tma, m
         monkeypatch.undo()
         monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
         monkeypatch.setattr(nsa, "NSA_TMA", tma)
+        monkeypatch.setattr(nsa, "FUSED_BRANCHES", False)
         _, _, lse_b, bo_b = nsa._forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save=True)
         check_bound(max_err(bo_f, bo_b), nsa_tol(q, k, v), "saved branch outputs")
         assert torch.equal(lse_f[0], lse_b[0])   # the compressed branch: the same launch (+inf rows included)
@@ -187,6 +190,7 @@ def test_gpu_fused_branches_equal_two_launches_bf16(G, Hk, T, monkeypatch):
     cfg = NSAConfig(selection="tile")
     q, k, v = rand(1, T, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=T + G, device="cuda")
     gates = torch.rand(1, T, G * Hk, 3, generator=torch.Generator().manual_seed(G)).cuda()
+    monkeypatch.setattr(nsa, "FUSED_BRANCHES", False)
     base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
     want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
     with monkeypatch.context() as m:

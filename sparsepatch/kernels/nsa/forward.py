@@ -652,8 +652,9 @@ CMP_MASK_SPLIT = True
 # FUSED_BRANCHES (selection="tile", issue 27): `_tile_branches_kernel` runs the selected and window branches of
 # FUSED_ROWS-row programs in one pass (K / V of a block in both loaded and multiplied by q once, the gate combine in
 # registers, no fp32 partial through memory) instead of `_slc_tile_kernel` + `_swa_kernel`; the same function
-# (`fused_applies`: otherwise the two launches). Off until measured (benchmarks/NOTES.md, session 16).
-FUSED_BRANCHES = False
+# (`fused_applies`: otherwise the two launches). H200, HQ64 H4 D128 bf16, tile-mode forward 4K / 8K / 16K / 64K:
+# 0.729 -> 0.637, 1.526 -> 1.381, 3.274 -> 3.063, 19.63 -> 19.03 ms (benchmarks/NOTES.md, session 16).
+FUSED_BRANCHES = True
 FUSED_ROWS = 64
 
 
