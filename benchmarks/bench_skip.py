@@ -173,9 +173,9 @@ VARIANTS = {
 }
 
 # probe layout (skip.py PROBE builds): clock64 c0 entry, c1 list head known, c2 loop end (incl. partial tile),
-# c3 keep words reduced, c4 compaction done, c5 count stored, c6 out stored; g0 / g1 globaltimer entry / exit; smid
-PHASES = [("head", 0, 1), ("loop", 1, 2), ("words", 2, 3), ("compact", 3, 4), ("cnt", 4, 5), ("out", 5, 6),
-          ("total", 0, 6)]
+# c3 keep words reduced, c4 = c5 next list written (indices and count), c6 out stored; g0 / g1 globaltimer entry /
+# exit; smid
+PHASES = [("head", 0, 1), ("loop", 1, 2), ("words", 2, 3), ("compact", 3, 4), ("out", 5, 6), ("total", 0, 6)]
 
 
 def probe(log, shape=(1, 12, 32760, 128), names=("default",), lists=("seq1", "seq13", "rand0.05")):

@@ -35,13 +35,12 @@ from ..dense.fp8 import _QINV, FP8_BLOCK, FP8_LOG2_P_SCALE, QK_FORMATS, _qk_scor
     quantize_fp8_reference
 from ..dense.reference import LOG2E, check_qkv
 from . import reference
+from .nextlist import CHUNK, write_next_list
 from .reference import check_threshold
 from .skiplist import DEFAULT_TILE, SkipList, check_tile, num_tiles
 
 LN2 = 0.6931471805599453
 LN2_C = tl.constexpr(LN2)
-CHUNK = 32  # visited tiles per keep-bit word
-CHUNK_C = tl.constexpr(CHUNK)
 
 # Launch settings: 64-row programs of one warpgroup (two per SM: one's softmax overlaps the other's wgmma, as in
 # attention_fp8), 3 stages; host_desc: K8 / V^T8 TMA descriptors built on the host (no per-program descriptor
@@ -294,38 +293,8 @@ def _skip_fp8_kernel(Q, K8, VT8, KS, VS, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OU
         if HAS_FORCED and LAST_PARTIAL:
             keep1 = keep1 | ((cnt > n_plain) & ((frow | (tl.load(FCOL + Tk - 1) != 0).to(tl.int32)) != 0)).to(
                 tl.int32)
-        out_cnt = tl.full([], 0, tl.int32)
-        offs_c = tl.arange(0, CHUNK_C)
-        for c0 in range(0, n_plain, CHUNK_C):
-            c1 = tl.minimum(c0 + CHUNK_C, n_plain)
-            word = tl.sum(tl.where(widx == (c0 >> 5), words, 0), 0)
-            inb = offs_c < (c1 - c0)
-            jv = tl.load(idx_in + c0 + offs_c, mask=inb, other=0)
-            if STATEFUL:
-                jv = tl.where(warm, c0 + offs_c, jv)
-            keep = (((word >> offs_c) & 1) != 0) & inb
-            if HAS_FORCED:
-                fc = (tl.load(FCOL + jv, mask=inb, other=0) != 0).to(tl.int32)
-                keep = ((keep.to(tl.int32) | fc | frow) != 0) & inb
-            ki = keep.to(tl.int32)
-            pos = out_cnt + tl.cumsum(ki, 0) - ki
-            if STATEFUL:
-                keep_w = (ki & write_ok) != 0
-            else:
-                keep_w = keep
-            tl.store(idx_out + pos, jv, mask=keep_w)
-            out_cnt += tl.sum(ki, 0)
-        # the partial last k-tile (index Tk - 1) is the largest index: it appends in order
-        if STATEFUL:
-            keep1_w = (keep1 & write_ok) != 0
-        else:
-            keep1_w = keep1 != 0
-        tl.store(idx_out + out_cnt, Tk - 1, mask=keep1_w)
-        out_cnt += keep1
-        if STATEFUL:
-            tl.store(cnt_out, out_cnt, mask=write_ok != 0)
-        else:
-            tl.store(cnt_out, out_cnt)
+        write_next_list(words, keep1, widx, idx_in, idx_out, cnt_out, FCOL, n_plain, Tk, warm, write_ok, frow,
+                        NWORDS, STATEFUL, HAS_FORCED, False, False, True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -44,20 +44,19 @@ import triton
 import triton.language as tl
 
 from .._common import DescriptorArgs, bit_or, current_stream, direct_launcher, empty_out_lse, head_major_desc, \
-    num_sms, popc32, relaunch_or_stop
+    num_sms, relaunch_or_stop
 from .._common import interpret as _interpret
 from .._common import list_slots, set_tma_allocator
 from . import backward as skip_backward
 from . import reference
 from ..dense.reference import LOG2E, check_qkv
+from .nextlist import CHUNK, CHUNK_C, write_next_list
 from .reference import check_threshold
 from .skiplist import DEFAULT_TILE, SkipList, check_tile, num_tiles
 
 __all__ = ["supports", "supports_tile", "attention", "skip_attention", "skip_step", "CONFIGS", "SKIP_CONFIGS"]
 
 LN2 = 0.6931471805599453
-CHUNK = 32  # visited tiles per keep-bit word
-CHUNK_N = CHUNK
 
 # Launch configs, keyed by (head_dim, BLOCK_M): BLOCK_N, num_warps, num_stages, use_tma.
 # Chosen from benchmarks/bench_skip.py sweeps on an H100 (see benchmarks/NOTES.md).
@@ -250,9 +249,11 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         row = (b64 * Hq + h) * Tq + pid_m
         cnt_in, idx_in, cnt_out, idx_out, warm, write_ok = list_slots(
             CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, row, Tk, STEP, warmup, slot_stride_cnt, slot_stride_idx, STATEFUL)
-        offs_c = tl.arange(0, CHUNK)
+        offs_c = tl.arange(0, CHUNK_C)
         if HEAD_CHUNK:
             head = tl.load(idx_in + offs_c, mask=offs_c < Tk, other=0)
+        else:
+            head = offs_c
         j_next = tl.load(idx_in)
         cnt = tl.load(cnt_in)
         if PF_NEXT:
@@ -277,7 +278,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         n_plain = cnt
         if LAST_PARTIAL:
             if HEAD_CHUNK:          # the last index is in the head unless the list is longer than it
-                far = cnt > CHUNK
+                far = cnt > CHUNK_C
                 last = tl.where(far, tl.load(idx_in + tl.maximum(cnt - 1, 0), mask=far, other=0),
                                 tl.sum(tl.where(offs_c == cnt - 1, head, 0), 0))
             else:
@@ -285,12 +286,12 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
             if STATEFUL:
                 last = tl.where(warm, Tk - 1, last)
             n_plain = tl.where((cnt > 0) & (last == Tk - 1), cnt - 1, cnt)
+        frow = tl.full([], 0, tl.int32)
         if HAS_FORCED:
             frow = (tl.load(FROW + pid_m) != 0).to(tl.int32)
         if PROBE:
             pr_c1 = _clk(n_plain)
         widx = tl.arange(0, NWORDS)
-        out_cnt = tl.full([], 0, tl.int32)
         # One flat, software-pipelined loop over the listed tiles; per-row keep bits go into word it // 32.
         bits = tl.zeros([BLOCK_M, NWORDS], tl.int32)
         for it in tl.range(0, n_plain, warp_specialize=WARP_SPEC):
@@ -325,51 +326,10 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         words = tl.reduce(bits, 0, bit_or)
         if PROBE:
             pr_c3 = _clk(tl.sum(words, 0))
-        for c0 in range(0, n_plain, CHUNK):
-            c1 = tl.minimum(c0 + CHUNK, n_plain)
-            word = tl.sum(tl.where(widx == (c0 >> 5), words, 0), 0)
-            inb = offs_c < (c1 - c0)
-            if HEAD_CHUNK:  # the first chunk is already in registers
-                jv = tl.where(c0 == 0, head, tl.load(idx_in + c0 + offs_c, mask=inb & (c0 > 0), other=0))
-            else:
-                jv = tl.load(idx_in + c0 + offs_c, mask=inb, other=0)
-            if STATEFUL:
-                jv = tl.where(warm, c0 + offs_c, jv)
-            keep = (((word >> offs_c) & 1) != 0) & inb
-            if HAS_FORCED:
-                fc = (tl.load(FCOL + jv, mask=inb, other=0) != 0).to(tl.int32)
-                keep = ((keep.to(tl.int32) | fc | frow) != 0) & inb
-            if POPC and not HAS_FORCED:
-                # kept bits of this chunk; lane i goes to out_cnt + (kept bits below i)
-                wv = word & tl.where(c1 - c0 >= 32, -1, (1 << (c1 - c0)) - 1)
-                pos = out_cnt + popc32(wv & ((1 << offs_c) - 1))
-                nk = popc32(wv)
-            else:
-                ki = keep.to(tl.int32)
-                pos = out_cnt + tl.cumsum(ki, 0) - ki
-                nk = tl.sum(ki, 0)
-            if STATEFUL:
-                keep_w = (keep.to(tl.int32) & write_ok) != 0
-            else:
-                keep_w = keep
-            tl.store(idx_out + pos, jv, mask=keep_w)
-            out_cnt += nk
+        out_cnt = write_next_list(words, keep1, head, idx_in, idx_out, cnt_out, FCOL, n_plain, Tk, warm, write_ok,
+                                  frow, NWORDS, STATEFUL, HAS_FORCED, HEAD_CHUNK, POPC, False)
         if PROBE:
             pr_c4 = _clk(out_cnt)
-        # The partial last k-tile (index Tk - 1) was visited before the compaction; it is the largest index, so it
-        # appends in order.
-        if STATEFUL:
-            keep1_w = (keep1 & write_ok) != 0
-        else:
-            keep1_w = keep1 != 0
-        tl.store(idx_out + out_cnt, Tk - 1, mask=keep1_w)
-        out_cnt += keep1
-        if STATEFUL:
-            tl.store(cnt_out, out_cnt, mask=write_ok != 0)
-        else:
-            tl.store(cnt_out, out_cnt)
-        if PROBE:
-            pr_c5 = _clk(out_cnt)
     else:
         if CAUSAL:
             hi = tl.minimum(Sk, pid_m * TILE_M + BLOCK_M + causal_off)
@@ -396,7 +356,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
         vals = tl.where(offs_p == 2, pr_c2, vals)
         vals = tl.where(offs_p == 3, pr_c3, vals)
         vals = tl.where(offs_p == 4, pr_c4, vals)
-        vals = tl.where(offs_p == 5, pr_c5, vals)
+        vals = tl.where(offs_p == 5, pr_c4, vals)
         vals = tl.where(offs_p == 6, pr_c6, vals)
         vals = tl.where(offs_p == 7, pr_g0, vals)
         vals = tl.where(offs_p == 8, pr_g1, vals)
@@ -405,7 +365,6 @@ def _fwd_kernel(Q, K, V, O, LSE, CNT_IN, IDX_IN, CNT_OUT, IDX_OUT, FROW, FCOL, S
 
 
 LN2_C = tl.constexpr(LN2)
-CHUNK = tl.constexpr(CHUNK)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Host side
@@ -517,7 +476,7 @@ def _launch(q, k, v, out, lse, *, cnt_in, idx_in, cnt_out, idx_out, frow, fcol, 
             qd = head_major_desc(q, block_m)
         if cfg.get("o_desc"):
             od = head_major_desc(out, block_m)
-    nwords = max(1, triton.next_power_of_2(num_tiles(Tk, CHUNK_N))) if skip else 1
+    nwords = max(1, triton.next_power_of_2(num_tiles(Tk, CHUNK))) if skip else 1
     # pf_next: inline PTX prefetch, so CUDA only (the interpreter runs the same kernel without it)
     pf_next = bool(cfg.get("pf_next")) and skip and not _interpret()
     n_pf = num_sms(q.device) if pf_next else 0
