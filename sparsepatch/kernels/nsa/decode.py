@@ -65,7 +65,8 @@ FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
 
 # Launch settings (H100, bf16, D=128, HQ64/H4).
 CMP_BLOCK_N = 64          # compressed keys per tile (a multiple of block_size / compress_stride, which is <= 64)
-TARGET_PROGRAMS = 160     # compressed-branch programs aimed at (tiles per split = cdiv(tiles * B * Hk, this))
+TARGET_PROGRAMS = 320     # compressed-branch programs aimed at (tiles per split = cdiv(tiles * B * Hk, this)); 320:
+                          # one tile per split up to 64K at B=1, HQ64/H4 (H200, session 15: 22.0 vs 22.7 us with 160)
 NUM_WARPS = dict(cmp=4, sel=4)
 SCORE_CHUNK = 64          # selection blocks scored per program (the first top-k stage ranks within a chunk)
 NUM_STAGES = dict(cmp=2)  # 2: a split's second tile is loaded only after the first tile's wait (sm_90 SASS); 3 issues
@@ -84,6 +85,11 @@ SPIN_LIMIT = 1 << 22      # polls before a barrier wait gives up (a safety net a
                           # a wait that gives up makes the step's output NaN for that (b, kv head) (see _dec_sel_kernel)
 GIVEN_EARLY = True        # given indices: selected blocks before griddepcontrol.wait, one merge of all three branches
                           # (False: the normal step's structure without score and rank; NOTES session 7)
+GIVEN_ONE_ROUND = True    # with GIVEN_EARLY: the merge waits for the window + selected partials and loads them before
+                          # griddepcontrol.wait; after it only the compressed partials (one load round); False: the
+                          # session-7 merge (compressed merge, two counter waits, then a second load round)
+ONE_COUNT = True          # normal step (SLOT_POLL): the merge waits on one counter that every arrival it needs goes
+                          # to (False: three counters, three acquire waits in a row)
 _STALL = 0                # tests only: 1..4 makes one in-kernel wait unsatisfiable (rank, selected, merge, window)
 KEY_UNSET = -(1 << 63)    # candidate key not written yet (the key of score -0.0, which no block has)
 SLOT_UNSET = -2           # selected-block slot not written yet (-1 = written, no block)
@@ -139,20 +145,30 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia
                     CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
                     HEAD_DIM: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, CNTW: tl.constexpr,
                     NSELP: tl.constexpr, MP: tl.constexpr, KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr,
-                    MTB: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr, IMP: tl.constexpr):
+                    MTB: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr, IMP: tl.constexpr,
+                    ZFIRST: tl.constexpr):
     # IMP False (the step was given its selected blocks): no block importance, tile maxima, slots or candidate keys,
-    # only the compressed branch's partials and the counter reset
+    # only the compressed branch's partials and the counter reset.
+    # ZFIRST (with USE_PDL): program 0 zeroes the counters, fences (gpu scope) and only then lets the selection kernel
+    # launch, so that kernel may count on them before its griddepcontrol.wait (the given step's one-round merge)
     sp = tl.program_id(0)
     ts = TS + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + sp) * 4
     if PROBE:
         _gstamp(ts, 0)
         _stamp(ts, 1, sp)
-    if USE_PDL:        # the selection kernel may start now: it only loads q before its griddepcontrol.wait
-        gdc_launch_dependents()
+    if ZFIRST:
+        if sp == 0:
+            c8z = tl.arange(0, 8)
+            tl.store(CNT + tl.program_id(1).to(tl.int64) * CNTW + c8z, tl.zeros([8], tl.int32))
+            _fence_gpu()
+            tl.debug_barrier()   # every thread's store and fence before any thread's launch_dependents
+    if USE_PDL:        # the selection kernel may start now: it only loads q (and, given indices, its own partials)
+        gdc_launch_dependents()    # before its griddepcontrol.wait
     b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
     if sp == 0:        # the selection kernel's barrier counters, selected-block slots and candidate keys (it reads
         c8 = tl.arange(0, 8)   # them only after its griddepcontrol.wait, i.e. after this kernel): 8 counters (+5: the
-        tl.store(CNT + bh64 * CNTW + c8, tl.zeros([8], tl.int32))       # timeout flag), NSELP slots
+        if not ZFIRST:         # timeout flag), NSELP slots
+            tl.store(CNT + bh64 * CNTW + c8, tl.zeros([8], tl.int32))
         if IMP:
             sl = tl.arange(0, NSELP)
             if SLOT_POLL:  # ranks < MP are written by the final rank (SLOT_UNSET until then), the others stay empty
@@ -239,6 +255,13 @@ def _gstamp(TS, slot):
 
 
 @triton.jit
+def _fence_gpu():
+    """fence.acq_rel.gpu: this thread's earlier global stores are performed at gpu scope before its later
+    instructions (here: before griddepcontrol.launch_dependents)."""
+    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _arrive(ptr):
     """Grid barrier, arrival: every thread's earlier global stores are ordered before the release add (bar.sync,
     then one thread's atomic at gpu scope)."""
@@ -283,17 +306,22 @@ def _wait_slot(ptr, flag, STALL: tl.constexpr, SPIN: tl.constexpr):
 
 
 @triton.jit
-def _merge(WS, o_m, o_l, o_acc, row0, lo, hi, g, offs_d, NP: tl.constexpr, GP: tl.constexpr,
-           HEAD_DIM: tl.constexpr):
-    """LSE merge of partials lo..hi-1 of one head (rows (row0 + i) * GP + g): the normalised output (0 if empty).
+def _load_parts(WS, o_m, o_l, o_acc, row0, ok, g, offs_d, NP: tl.constexpr, GP: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """Partials i < NP of head g where ok (rows (row0 + i) * GP + g): (m, l, acc), m = -inf / l = acc = 0 elsewhere.
     Loads bypass L1 (.cg): the partials may come from other programs of the same launch."""
     i = tl.arange(0, NP)
-    ok = (i >= lo) & (i < hi)
     prow = (row0 + i) * GP + g
     m = tl.load(WS + o_m + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
     l_ = tl.load(WS + o_l + prow, mask=ok, other=0.0, cache_modifier=".cg")
     acc = tl.load(WS + o_acc + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0,
                   cache_modifier=".cg")
+    return m, l_, acc
+
+
+@triton.jit
+def _merge_loaded(m, l_, acc, ok):
+    """LSE merge of the loaded partials where ok: the normalised output (0 if none)."""
     mx = tl.max(m, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.where(ok, tl.math.exp2(m - mx), 0.0)
@@ -303,18 +331,8 @@ def _merge(WS, o_m, o_l, o_acc, row0, lo, hi, g, offs_d, NP: tl.constexpr, GP: t
 
 
 @triton.jit
-def _merge_two(WS, o_m, o_l, o_acc, row0, n1, n, g, offs_d, NP: tl.constexpr, GP: tl.constexpr,
-               HEAD_DIM: tl.constexpr):
-    """Two LSE merges from one load of partials 0..n-1 of head g: (output of 0..n1-1, output of n1..n-1), each
-    normalised (0 if empty), as two `_merge` calls but in one round of loads."""
-    i = tl.arange(0, NP)
-    ok = i < n
-    first = i < n1
-    prow = (row0 + i) * GP + g
-    m = tl.load(WS + o_m + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l_ = tl.load(WS + o_l + prow, mask=ok, other=0.0, cache_modifier=".cg")
-    acc = tl.load(WS + o_acc + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0,
-                  cache_modifier=".cg")
+def _merge_two_loaded(m, l_, acc, ok, first):
+    """Two LSE merges of the loaded partials (rows ok & first, rows ok & ~first), each normalised (0 if empty)."""
     m1 = tl.max(tl.where(first, m, float("-inf")), 0)
     m2 = tl.max(tl.where(first, float("-inf"), m), 0)
     m1 = tl.where(m1 == float("-inf"), 0.0, m1)
@@ -330,6 +348,27 @@ def _merge_two(WS, o_m, o_l, o_acc, row0, n1, n, g, offs_d, NP: tl.constexpr, GP
 
 
 @triton.jit
+def _merge(WS, o_m, o_l, o_acc, row0, lo, hi, g, offs_d, NP: tl.constexpr, GP: tl.constexpr,
+           HEAD_DIM: tl.constexpr):
+    """LSE merge of partials lo..hi-1 of one head (rows (row0 + i) * GP + g): the normalised output (0 if empty)."""
+    i = tl.arange(0, NP)
+    ok = (i >= lo) & (i < hi)
+    m, l_, acc = _load_parts(WS, o_m, o_l, o_acc, row0, ok, g, offs_d, NP, GP, HEAD_DIM)
+    return _merge_loaded(m, l_, acc, ok)
+
+
+@triton.jit
+def _merge_two(WS, o_m, o_l, o_acc, row0, n1, n, g, offs_d, NP: tl.constexpr, GP: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
+    """Two LSE merges from one load of partials 0..n-1 of head g: (output of 0..n1-1, output of n1..n-1), each
+    normalised (0 if empty), as two `_merge` calls but in one round of loads."""
+    i = tl.arange(0, NP)
+    ok = i < n
+    m, l_, acc = _load_parts(WS, o_m, o_l, o_acc, row0, ok, g, offs_d, NP, GP, HEAD_DIM)
+    return _merge_two_loaded(m, l_, acc, ok, i < n1)
+
+
+@triton.jit
 def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc, o_pre,
                     sqb, sqh, skb, sks, skh, svb, svs, svh, sgb, sgh, sgc, sob, soh,
@@ -342,11 +381,17 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     DO_MERGE: tl.constexpr, SYNC: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr,
                     KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr, MTB: tl.constexpr, SPIN: tl.constexpr,
                     STALL_R: tl.constexpr, STALL_A: tl.constexpr, STALL_M: tl.constexpr, STALL_W: tl.constexpr,
-                    GIVEN: tl.constexpr, EARLY: tl.constexpr):
+                    GIVEN: tl.constexpr, EARLY: tl.constexpr, ONE_ROUND: tl.constexpr, ONE_CNT: tl.constexpr):
     # GIVEN: the selected blocks come from IDX (B, Hk, NSEL) instead of the score + rank phases (compiled out).
     # EARLY (with GIVEN): program p < NSEL attends to its block before griddepcontrol.wait (it needs only q, k, v and
     # IDX, like the window chunks), and the merge programs merge all three branches themselves (host: DO_RANK and
     # DO_ATTN off); else the selected programs read IDX where they polled their slot.
+    # ONE_ROUND (with EARLY): the window and selected programs arrive on one counter before griddepcontrol.wait (the
+    # compressed kernel zeroed it before letting this kernel launch: ZFIRST); each merge program waits for it and
+    # issues the loads of those partials before its griddepcontrol.wait, so after the wait only the compressed
+    # partials are loaded (one round) and all three branches merged.
+    # ONE_CNT (normal step, SLOT_POLL): every arrival the merge needs (selected partials, chunk programs' final ranks,
+    # window programs' compressed + window merges) goes to one counter: one acquire wait instead of three.
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
@@ -371,6 +416,9 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                                          offs_d, BLK)
             _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + NSEL + w) * GP + g, m, l_w, acc_w, g_ok,
                            offs_d, HEAD_DIM)
+            if ONE_ROUND:
+                if SYNC:
+                    _arrive(cnt + 2)
         if EARLY:
             if pid < NSEL:     # ---- given selected block, before the wait: overlaps the compressed kernel
                 jb = tl.load(IDX + bh64 * NSEL + pid)
@@ -382,11 +430,59 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                                HEAD_DIM)
                 if PROBE:
                     _stamp(ts, 8, tl.sum(l_s, 0).to(tl.int32, bitcast=True))
-    if USE_PDL:        # everything below reads what _dec_cmp_kernel wrote (or the counters it zeroed)
-        gdc_wait()
-    if PROBE:
+                if ONE_ROUND:
+                    if SYNC:
+                        _arrive(cnt + 2)
+    if ONE_ROUND:
+        if DO_MERGE:
+            if pid < G:
+                # ---- given selection, all three branches merged by program h < G for head h; the window and
+                # selected partials are waited for and loaded before griddepcontrol.wait (they overlap the compressed
+                # kernel), the compressed ones after it, in one round
+                h1 = hk * G + pid
+                if HAS_GATES:     # inputs: loaded before the waits
+                    gbp1 = GATES + b.to(tl.int64) * sgb + h1 * sgh
+                    g_cmp1 = tl.load(gbp1).to(tl.float32)
+                    g_slc1 = tl.load(gbp1 + sgc).to(tl.float32)
+                    g_swa1 = tl.load(gbp1 + 2 * sgc).to(tl.float32)
+                else:
+                    g_cmp1 = 1.0 / 3.0
+                    g_slc1 = 1.0 / 3.0
+                    g_swa1 = 1.0 / 3.0
+                ip = tl.arange(0, NPARTP)
+                ok_p = ip < n_part
+                bad1 = pid < 0
+                if SYNC:
+                    n_arr1 = NSEL + tl.num_programs(0) - n_prog + STALL_M + STALL_W
+                    c21 = _wait_count(cnt + 2, n_arr1, flag, SPIN)
+                    bad1 = (c21 < n_arr1) | (tl.load(flag, volatile=True) != 0)
+                    if PROBE:
+                        _stamp(ts, 10, c21)
+                elif USE_PDL:   # a launch of its own: the partials come from the previous launch
+                    gdc_wait()
+                sm1, sl1, sacc1 = _load_parts(WS, o_sm, o_sl, o_sacc, bh64 * n_part, ok_p, pid, offs_d, NPARTP, GP,
+                                              HEAD_DIM)
+                if SYNC:
+                    if USE_PDL:
+                        gdc_wait()
+                if PROBE:
+                    _stamp(ts, 2, pid)
+                ic = tl.arange(0, NSPLITP)
+                ok_c = ic < n_split
+                cm1, cl1, cacc1 = _load_parts(WS, o_pm, o_pl, o_pacc, bh64 * n_split, ok_c, pid, offs_d, NSPLITP, GP,
+                                              HEAD_DIM)
+                o_slc1, o_swa1 = _merge_two_loaded(sm1, sl1, sacc1, ok_p, ip < NSEL)
+                o_cmp1 = _merge_loaded(cm1, cl1, cacc1, ok_c)
+                o1 = g_cmp1 * o_cmp1 + g_slc1 * o_slc1 + g_swa1 * o_swa1
+                o1 = tl.where(bad1, float("nan"), o1)
+                tl.store(OUT + b.to(tl.int64) * sob + h1 * soh + offs_d, o1.to(OUT.dtype.element_ty))
+                if PROBE:
+                    _stamp(ts, 11, tl.sum(o1, 0).to(tl.int32, bitcast=True))
+    if USE_PDL and not (ONE_ROUND and SYNC):   # everything below reads what _dec_cmp_kernel wrote (or the counters
+        gdc_wait()                              # it zeroed)
+    if PROBE and not (ONE_ROUND and SYNC):
         _stamp(ts, 2, pid)
-    if DO_SCORE:
+    if DO_SCORE and not ONE_ROUND:
         if SYNC:
             if (w >= 0) & (w < n_win):
                 _arrive(cnt + 3)
@@ -487,7 +583,10 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                 if SYNC:
                     if SLOT_POLL:
                         if pid >= NSEL:       # the others arrive after their selected block (off their critical path)
-                            _arrive(cnt + 1)
+                            if ONE_CNT:
+                                _arrive(cnt + 6)
+                            else:
+                                _arrive(cnt + 1)
                     else:
                         _arrive(cnt + 1)
         if w >= 0:
@@ -509,7 +608,10 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
             if PROBE:
                 _stamp(ts, 5, w)
             if SYNC:
-                _arrive(cnt + 4)
+                if ONE_CNT:
+                    _arrive(cnt + 6)
+                else:
+                    _arrive(cnt + 4)
     if DO_ATTN:
         if pid < NSEL:
             if GIVEN:
@@ -553,11 +655,14 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
             if PROBE:
                 _stamp(ts, 8, tl.sum(l_s, 0).to(tl.int32, bitcast=True))
             if SYNC:
-                _arrive(cnt + 2)
-                if SLOT_POLL and not GIVEN:
-                    if pid < n_chunks:    # its chunk's final rank (and any timeout flag it set) is done too
-                        tl.atomic_add(cnt + 1, 1, sem="release", scope="gpu")
-    if DO_MERGE:
+                if ONE_CNT:          # (after its chunk's final rank, if it has one)
+                    _arrive(cnt + 6)
+                else:
+                    _arrive(cnt + 2)
+                    if SLOT_POLL and not GIVEN:
+                        if pid < n_chunks:    # its chunk's final rank (and any timeout flag it set) is done too
+                            tl.atomic_add(cnt + 1, 1, sem="release", scope="gpu")
+    if DO_MERGE and not ONE_ROUND:
         if pid < G:
             h = hk * G + pid
             bad = pid < 0
@@ -589,6 +694,14 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     pre = g_cmp * o_cmp + g_swa * o_swa
                 else:
                     pre = (o_cmp + o_swa) * (1.0 / 3.0)
+            elif SYNC and ONE_CNT:
+                # selected partials, final ranks and window merges: one counter
+                n_arr = NSEL + tl.maximum(n_chunks - NSEL, 0) + tl.num_programs(0) - n_prog + STALL_M
+                c6 = _wait_count(cnt + 6, n_arr, flag, SPIN)
+                pre = tl.load(prow, cache_modifier=".cg")
+                bad = (c6 < n_arr) | (tl.load(flag, volatile=True) != 0)
+                if PROBE:
+                    _stamp(ts, 10, c6)
             elif SYNC:
                 if MTB:   # the window programs' merges are long done: their part is loaded before the last wait
                     c4 = _wait_count(cnt + 4, tl.num_programs(0) - n_prog, flag, SPIN)
@@ -683,6 +796,8 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     if given:
         indices = _check_indices(indices, B, Hk, nsel, q.device)
     early = given and GIVEN_EARLY
+    one_round = early and GIVEN_ONE_ROUND
+    one_cnt = (not given) and ONE_COUNT and SLOT_POLL
     n_c = k_cmp.shape[1]
     dev = q.device
     R, NB, n_tiles, tps, n_split, GP, BLK, n_win = _plan(B, Hk, G, S, n_c, config)
@@ -728,6 +843,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     on_gpu = dev.type == "cuda"
     sync = FUSE and on_gpu and n_prog_b * BH <= num_sms(dev)
     pdl = PDL and on_gpu
+    zfirst = one_round and sync and pdl     # the selection kernel counts before its griddepcontrol.wait
     probe = isinstance(PROBE, dict) and on_gpu
     if probe:
         PROBE["a"] = tsa = torch.zeros(BH * n_split * 4, dtype=torch.int64, device=dev)
@@ -744,7 +860,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
         n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
         CB=config.compress_block, CS=config.compress_stride, BS=bs, R=R, HEAD_DIM=D, GP=GP, BLOCK_N=CMP_BLOCK_N,
         CNTW=CNTW, NSELP=NSELP, MP=MP, KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, USE_PDL=pdl,
-        PROBE=probe, IMP=not given, num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
+        PROBE=probe, IMP=not given, ZFIRST=zfirst, num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
     out = torch.empty((B, 1, Hq, D), dtype=q.dtype, device=dev)
     gt = gates if gates is not None else out
     args = (q, k, v, idx, ws, cand, cnt, gt, out, tsb, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
@@ -757,6 +873,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
                 CNTW=CNTW, RET_IDX=return_indices and not given, HAS_GATES=gates is not None, USE_PDL=pdl, PROBE=probe,
                 KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, SPIN=SPIN_LIMIT, STALL_R=int(_STALL == 1),
                 STALL_A=int(_STALL == 2), STALL_M=int(_STALL == 3), STALL_W=int(_STALL == 4), GIVEN=given, EARLY=early,
+                ONE_ROUND=one_round, ONE_CNT=one_cnt,
                 num_warps=NUM_WARPS["sel"], **(dict(launch_pdl=True) if pdl else {}))
     if early:      # window + selected partials, then the merge
         phases = [(1, 0, 0, 1)] if sync else [(1, 0, 0, 0), (0, 0, 0, 1)]
