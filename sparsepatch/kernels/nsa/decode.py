@@ -67,7 +67,7 @@ FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
 CMP_BLOCK_N = 64          # compressed keys per tile (a multiple of block_size / compress_stride, which is <= 64)
 TARGET_PROGRAMS = 320     # compressed-branch programs aimed at (tiles per split = cdiv(tiles * B * Hk, this)); 320:
                           # one tile per split up to 64K at B=1, HQ64/H4 (H200, session 15: 22.0 vs 22.7 us with 160)
-NUM_WARPS = dict(cmp=4, sel=4)
+NUM_WARPS = dict(cmp=4, sel=4, merge=4)
 SCORE_CHUNK = 64          # selection blocks scored per program (the first top-k stage ranks within a chunk)
 NUM_STAGES = dict(cmp=2)  # 2: a split's second tile is loaded only after the first tile's wait (sm_90 SASS); 3 issues
                           # both before it (one cold HBM round trip instead of two; not yet timed: NOTES session 5)
@@ -85,6 +85,10 @@ SPIN_LIMIT = 1 << 22      # polls before a barrier wait gives up (a safety net a
                           # a wait that gives up makes the step's output NaN for that (b, kv head) (see _dec_sel_kernel)
 GIVEN_EARLY = True        # given indices: selected blocks before griddepcontrol.wait, one merge of all three branches
                           # (False: the normal step's structure without score and rank; NOTES session 7)
+GIVEN_IN_CMP = True       # given indices: the compressed kernel also attends to the given blocks and the window chunks
+                          # (programs n_split.. of its grid, which start ~1.5-3 us before the PDL-launched kernel's),
+                          # then a merge-only kernel (one load round after griddepcontrol.wait, no in-kernel
+                          # barriers); False: GIVEN_EARLY / GIVEN_ONE_ROUND below pick the selection kernel's structure
 GIVEN_ONE_ROUND = True    # with GIVEN_EARLY: the merge waits for the window + selected partials and loads them before
                           # griddepcontrol.wait; after it only the compressed partials (one load round); False: the
                           # session-7 merge (compressed merge, two counter waits, then a second load round)
@@ -142,13 +146,18 @@ def _store_partial(WS, o_m, o_l, o_acc, prow, m, l_i, acc, g_ok, offs_d, HEAD_DI
 def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
                     sqb, sqh, skb, sks, skh, svb, svs, svh,
                     n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
+                    K, V, IDX, o_sm, o_sl, o_sacc, kb, ks, kh, vb, vs, vh, S, n_part, window,
                     CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
                     HEAD_DIM: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, CNTW: tl.constexpr,
                     NSELP: tl.constexpr, MP: tl.constexpr, KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr,
                     MTB: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr, IMP: tl.constexpr,
-                    ZFIRST: tl.constexpr):
+                    ZFIRST: tl.constexpr, PARTS: tl.constexpr, NSEL: tl.constexpr, BLK: tl.constexpr):
     # IMP False (the step was given its selected blocks): no block importance, tile maxima, slots or candidate keys,
     # only the compressed branch's partials and the counter reset.
+    # PARTS (given selection, GIVEN_IN_CMP): programs sp >= n_split (no compressed tile: their tile range is empty)
+    # attend instead to given block sp - n_split (< NSEL) or to window chunk sp - n_split - NSEL, and store their
+    # partial where the selection kernel's window / selected programs would (K, V, IDX, o_s*, kb.., S, n_part,
+    # window: unused otherwise); no counters (the merge kernel that follows only waits for this kernel).
     # ZFIRST (with USE_PDL): program 0 zeroes the counters, fences (gpu scope) and only then lets the selection kernel
     # launch, so that kernel may count on them before its griddepcontrol.wait (the given step's one-round merge)
     sp = tl.program_id(0)
@@ -167,7 +176,7 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia
     b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
     if sp == 0:        # the selection kernel's barrier counters, selected-block slots and candidate keys (it reads
         c8 = tl.arange(0, 8)   # them only after its griddepcontrol.wait, i.e. after this kernel): 8 counters (+5: the
-        if not ZFIRST:         # timeout flag), NSELP slots
+        if not (ZFIRST or PARTS):   # timeout flag), NSELP slots
             tl.store(CNT + bh64 * CNTW + c8, tl.zeros([8], tl.int32))
         if IMP:
             sl = tl.arange(0, NSELP)
@@ -219,11 +228,76 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-    _store_partial(WS, o_pm, o_pl, o_pacc, (bh64 * n_split + sp) * GP + g, m_i, l_i, acc, g_ok, offs_d,
-                   HEAD_DIM)
+    if PARTS:
+        if sp >= n_split:
+            pp = sp - n_split
+            if pp < NSEL:      # given block pp: keys <= S - 1 of it; a negative entry: nothing
+                jb = tl.load(IDX + bh64 * NSEL + pp)
+                start = tl.maximum(jb, 0) * BS
+                hi = tl.where(jb >= 0, start + BS, 0)
+            else:              # window chunk pp - NSEL
+                start = tl.maximum(S - window, 0) + (pp - NSEL) * BLK
+                hi = S + start * 0
+            m_s, l_s, acc_s = _attend_keys(q, K, V, b64, hk, start, hi, S, kb, ks, kh, vb, vs, vh, qk_scale,
+                                           offs_d, BLK)
+            _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + pp) * GP + g, m_s, l_s, acc_s, g_ok, offs_d,
+                           HEAD_DIM)
+            l_i = l_s
+        else:
+            _store_partial(WS, o_pm, o_pl, o_pacc, (bh64 * n_split + sp) * GP + g, m_i, l_i, acc, g_ok, offs_d,
+                           HEAD_DIM)
+    else:
+        _store_partial(WS, o_pm, o_pl, o_pacc, (bh64 * n_split + sp) * GP + g, m_i, l_i, acc, g_ok, offs_d,
+                       HEAD_DIM)
     if PROBE:
         _stamp(ts, 2, tl.sum(l_i, 0).to(tl.int32, bitcast=True))
         _gstamp(ts, 3)
+
+
+@triton.jit
+def _dec_merge_kernel(WS, GATES, OUT, TS, o_pm, o_pl, o_pacc, o_sm, o_sl, o_sacc, sgb, sgh, sgc, sob, soh,
+                      Hk, G, n_split, n_part, NSEL: tl.constexpr, NSPLITP: tl.constexpr, NPARTP: tl.constexpr,
+                      GP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_GATES: tl.constexpr, USE_PDL: tl.constexpr,
+                      PROBE: tl.constexpr):
+    """Given selection with GIVEN_IN_CMP: grid (G, B * Hk), program h merges head h's compressed (n_split), selected
+    (NSEL) and window partials, all written by _dec_cmp_kernel, in one round of loads after griddepcontrol.wait;
+    gates (B, 1, Hq, 3) or 1/3 each; output (B, 1, Hq, D)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    bh64 = bh.to(tl.int64)
+    b = bh // Hk
+    h = (bh % Hk) * G + pid
+    offs_d = tl.arange(0, HEAD_DIM)
+    ts = TS + (bh64 * tl.num_programs(0) + pid) * 16
+    if PROBE:
+        _gstamp(ts, 0)
+        _stamp(ts, 1, pid)
+    if HAS_GATES:     # inputs: loaded before the wait
+        gbp = GATES + b.to(tl.int64) * sgb + h * sgh
+        g_cmp = tl.load(gbp).to(tl.float32)
+        g_slc = tl.load(gbp + sgc).to(tl.float32)
+        g_swa = tl.load(gbp + 2 * sgc).to(tl.float32)
+    else:
+        g_cmp = 1.0 / 3.0
+        g_slc = 1.0 / 3.0
+        g_swa = 1.0 / 3.0
+    if USE_PDL:
+        gdc_wait()
+    if PROBE:
+        _stamp(ts, 2, pid)
+    ic = tl.arange(0, NSPLITP)
+    ok_c = ic < n_split
+    ip = tl.arange(0, NPARTP)
+    ok_p = ip < n_part
+    cm, cl, cacc = _load_parts(WS, o_pm, o_pl, o_pacc, bh64 * n_split, ok_c, pid, offs_d, NSPLITP, GP, HEAD_DIM)
+    sm, sl, sacc = _load_parts(WS, o_sm, o_sl, o_sacc, bh64 * n_part, ok_p, pid, offs_d, NPARTP, GP, HEAD_DIM)
+    o_slc, o_swa = _merge_two_loaded(sm, sl, sacc, ok_p, ip < NSEL)
+    o_cmp = _merge_loaded(cm, cl, cacc, ok_c)
+    o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa
+    tl.store(OUT + b.to(tl.int64) * sob + h * soh + offs_d, o.to(OUT.dtype.element_ty))
+    if PROBE:
+        _stamp(ts, 11, tl.sum(o, 0).to(tl.int32, bitcast=True))
+        _gstamp(ts, 12)
 
 
 @triton.jit
@@ -795,7 +869,8 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     given = indices is not None
     if given:
         indices = _check_indices(indices, B, Hk, nsel, q.device)
-    early = given and GIVEN_EARLY
+    in_cmp = given and GIVEN_IN_CMP
+    early = given and GIVEN_EARLY and not in_cmp
     one_round = early and GIVEN_ONE_ROUND
     one_cnt = (not given) and ONE_COUNT and SLOT_POLL
     n_c = k_cmp.shape[1]
@@ -840,29 +915,45 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     # phase, same code.
     n_prog = max(nsel, G) if given else max(n_chunks, nsel, G)
     n_prog_b = n_prog + n_win
+    n_prog_a = n_split + (n_part if in_cmp else 0)     # GIVEN_IN_CMP: + the selected and window programs
     on_gpu = dev.type == "cuda"
     sync = FUSE and on_gpu and n_prog_b * BH <= num_sms(dev)
     pdl = PDL and on_gpu
     zfirst = one_round and sync and pdl     # the selection kernel counts before its griddepcontrol.wait
     probe = isinstance(PROBE, dict) and on_gpu
     if probe:
-        PROBE["a"] = tsa = torch.zeros(BH * n_split * 4, dtype=torch.int64, device=dev)
-        PROBE["b"] = tsb = torch.zeros(BH * n_prog_b * 16, dtype=torch.int64, device=dev)
-        PROBE["plan"] = dict(BH=BH, n_split=n_split, n_win=n_win, n_prog=n_prog, n_chunks=n_chunks, sync=sync)
+        n_b_probe = G if in_cmp else n_prog_b
+        PROBE["a"] = tsa = torch.zeros(BH * n_prog_a * 4, dtype=torch.int64, device=dev)
+        PROBE["b"] = tsb = torch.zeros(BH * n_b_probe * 16, dtype=torch.int64, device=dev)
+        PROBE["plan"] = dict(BH=BH, n_split=n_split, n_win=0 if in_cmp else n_win, n_prog=G if in_cmp else n_prog,
+                             n_chunks=n_chunks, sync=sync, in_cmp=in_cmp)
     else:
         tsa = tsb = ws
     MP = n_chunks * CW
     cand = ws if given else _workspace(BH * MP, torch.int64, dev)
-    _dec_cmp_kernel[(n_split, BH)](
+    # (without GIVEN_IN_CMP the arguments after qk_scale are unused: the compressed tensors stand in)
+    ka, va, ia = (k, v, indices) if in_cmp else (k_cmp, v_cmp, ws)
+    _dec_cmp_kernel[(n_prog_a, BH)](
         q, k_cmp, v_cmp, ws, cnt, cand, tsa, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
         q.stride(0), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
         n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
+        ka, va, ia, o_sm, o_sl, o_sacc, ka.stride(0), ka.stride(1), ka.stride(2), va.stride(0), va.stride(1),
+        va.stride(2), S, n_part, config.window,
         CB=config.compress_block, CS=config.compress_stride, BS=bs, R=R, HEAD_DIM=D, GP=GP, BLOCK_N=CMP_BLOCK_N,
         CNTW=CNTW, NSELP=NSELP, MP=MP, KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, USE_PDL=pdl,
-        PROBE=probe, IMP=not given, ZFIRST=zfirst, num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
+        PROBE=probe, IMP=not given, ZFIRST=zfirst, PARTS=in_cmp, NSEL=nsel, BLK=BLK, num_warps=NUM_WARPS["cmp"],
+        num_stages=NUM_STAGES["cmp"])
     out = torch.empty((B, 1, Hq, D), dtype=q.dtype, device=dev)
     gt = gates if gates is not None else out
+    if in_cmp:     # every partial is written: the merge kernel only waits for the compressed kernel
+        _dec_merge_kernel[(G, BH)](
+            ws, gt, out, tsb, o_pm, o_pl, o_pacc, o_sm, o_sl, o_sacc, gt.stride(0), gt.stride(2),
+            gt.stride(3) if gates is not None else 0, out.stride(0), out.stride(2), Hk, G, n_split, n_part,
+            NSEL=nsel, NSPLITP=max(2, triton.next_power_of_2(n_split)), NPARTP=triton.next_power_of_2(n_part), GP=GP,
+            HEAD_DIM=D, HAS_GATES=gates is not None, USE_PDL=pdl, PROBE=probe, num_warps=NUM_WARPS["merge"],
+            **(dict(launch_pdl=True) if pdl else {}))
+        return out, (indices.view(B, 1, Hk, nsel) if return_indices else None)
     args = (q, k, v, idx, ws, cand, cnt, gt, out, tsb, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
             o_pre, q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), gt.stride(0), gt.stride(2), gt.stride(3) if gates is not None else 0, out.stride(0),
