@@ -25,7 +25,7 @@ query heads of one KV head (padded to GP >= 16 for tl.dot). Work per (b, kv head
    In one launch the phases wait on each other by spinning, which needs every program resident at once: taken when
    the grid fits on the SMs (n_prog = max(n_chunks, num_selected, G); 96 programs at B=1, HQ64/H4), else the same
    kernel runs once per phase (4 launches; always so under TRITON_INTERPRET=1, which runs programs one after
-   another). Waits: (b) spins on a per-(b, kv head) counter of the chunk programs (KEY_POLL, off by default: polls
+   another). (d) waits on one counter that every arrival it needs goes to (ONE_COUNT; off: three counters). Waits: (b) spins on a per-(b, kv head) counter of the chunk programs (KEY_POLL, off by default: polls
    the candidate keys themselves, reset to a sentinel by (1)), (c) polls its own slot (SLOT_POLL: reset to -2 by
    (1)), the window merges and (d) spin on per-(b, kv head) counters (acquire
    loads; arrivals are a bar.sync then a release add). Every wait is bounded (SPIN_LIMIT polls); one that gives up
@@ -34,12 +34,17 @@ query heads of one KV head (padded to GP >= 16 for tl.dot). Work per (b, kv head
 
 Given selection (`indices=`, selection="tile": a step whose tile started earlier reuses the tile's selection, 63 of
 64 steps at block 64): the compressed kernel is built without the importance work (IMP off: no tile maxima, IMP_A/B,
-slots or candidate keys), the selection kernel without the score and rank phases (GIVEN), and by default (GIVEN_EARLY)
-program p < num_selected attends to the given block p before griddepcontrol.wait, as the window programs do, so the
-selected branch overlaps the compressed kernel; after the wait the merge programs wait for the window and selected
-partials (two counters, the same bounded waits and NaN poison) and merge all three branches themselves: one launch
-when co-resident, else two (partials, then the merge). GIVEN_EARLY off: the normal structure minus score and rank (the
-selected programs read their block after the wait; the window programs pre-merge as before).
+slots or candidate keys). By default (GIVEN_IN_CMP) its grid grows by num_selected + n_win programs per (b, kv head)
+that attend to the given blocks and the window chunks (they start with the compressed programs, ~1.5-3 us before
+the programs of a PDL-launched second kernel would), and `_dec_merge_kernel` (grid (G, B * Hk), PDL) merges each
+head's compressed, selected and window partials in one round of loads after griddepcontrol.wait: no in-kernel
+barrier, no co-residency assumption. The other structures (switches, measured against it): GIVEN_IN_CMP off and
+GIVEN_EARLY on, the selection kernel without score and rank phases (GIVEN): program p < num_selected attends to given
+block p before griddepcontrol.wait, as the window programs do; with GIVEN_ONE_ROUND those programs arrive on one
+counter before the wait (the compressed kernel's program 0 zeroes the counters and fences before its PDL trigger,
+ZFIRST) and each merge program waits for it and loads their partials before its griddepcontrol.wait, then the
+compressed ones after it; without GIVEN_ONE_ROUND (session 7) the merge programs merge the compressed partials, wait
+for two counters and load the others in a second round. GIVEN_EARLY off: the normal structure minus score and rank.
 
 Host work: no sync, no .item(); a step allocates its fp32 scratch and its output from PyTorch's caching allocator
 (no process-wide buffer, so concurrent streams and several captured graphs are safe). The step is CUDA-graph
