@@ -515,7 +515,8 @@ def _within_ulp(a, b):
 @pytest.mark.parametrize("S", [8192 + 17, 65536 - 3])
 def test_gpu_decode_structures_agree(monkeypatch, S):
     """HQ64/H4 bf16 B=1 at 8K and 64K (64K: 64 compressed splits at TARGET_PROGRAMS 320, 32 at 160). Normal step: the
-    one-counter merge (ONE_COUNT) equals the three-counter one bit for bit (same arithmetic); 160 target programs give
+    one-counter merge (ONE_COUNT) and the candidates' L2 prefetch (PREFETCH_X) leave it bit for bit equal (same
+    arithmetic); 160 target programs give
     the same indices and outputs within one bf16 ulp; heads whose indices equal the reference's are within 2e-2 of it
     (the other decode tests' bound). Given step, every structure, with the normal step's indices: the indices back
     and the normal step's output within one bf16 ulp."""
@@ -530,6 +531,10 @@ def test_gpu_decode_structures_agree(monkeypatch, S):
     o3, i3 = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
     assert torch.equal(i3, idx) and torch.equal(o3, out)
     monkeypatch.setattr(dec, "ONE_COUNT", True)
+    monkeypatch.setattr(dec, "PREFETCH_X", 4)            # L2 prefetches change no arithmetic
+    opf, ipf = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
+    assert torch.equal(ipf, idx) and torch.equal(opf, out)
+    monkeypatch.setattr(dec, "PREFETCH_X", 0)
     monkeypatch.setattr(dec, "TARGET_PROGRAMS", 160)
     o16, i16 = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
     monkeypatch.setattr(dec, "TARGET_PROGRAMS", 320)

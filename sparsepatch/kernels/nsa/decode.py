@@ -25,9 +25,10 @@ query heads of one KV head (padded to GP >= 16 for tl.dot). Work per (b, kv head
    In one launch the phases wait on each other by spinning, which needs every program resident at once: taken when
    the grid fits on the SMs (n_prog = max(n_chunks, num_selected, G); 96 programs at B=1, HQ64/H4), else the same
    kernel runs once per phase (4 launches; always so under TRITON_INTERPRET=1, which runs programs one after
-   another). (d) waits on one counter that every arrival it needs goes to (ONE_COUNT; off: three counters). Waits: (b) spins on a per-(b, kv head) counter of the chunk programs (KEY_POLL, off by default: polls
+   another). Waits: (b) spins on a per-(b, kv head) counter of the chunk programs (KEY_POLL, off by default: polls
    the candidate keys themselves, reset to a sentinel by (1)), (c) polls its own slot (SLOT_POLL: reset to -2 by
-   (1)), the window merges and (d) spin on per-(b, kv head) counters (acquire
+   (1)), the window merges and (d) spin on per-(b, kv head) counters ((d): one counter that every arrival it needs
+   goes to, ONE_COUNT; off: three in a row) (acquire
    loads; arrivals are a bar.sync then a release add). Every wait is bounded (SPIN_LIMIT polls); one that gives up
    sets a per-(b, kv head) flag that reaches the merge through the later arrivals, and the merge then writes NaN
    for that (b, kv head): a broken co-residency assumption shows as NaN output, never as a hang or a wrong number.
@@ -97,6 +98,10 @@ GIVEN_IN_CMP = True       # given indices: the compressed kernel also attends to
 GIVEN_ONE_ROUND = True    # with GIVEN_EARLY: the merge waits for the window + selected partials and loads them before
                           # griddepcontrol.wait; after it only the compressed partials (one load round); False: the
                           # session-7 merge (compressed merge, two counter waits, then a second load round)
+PREFETCH_X = 0            # normal step: > 0 -> each chunk program prefetches into L2 the K/V rows of its best
+                          # min(CW, next_pow2(PREFETCH_X * cdiv(num_selected, n_chunks))) blocks right after its rank
+                          # (~PREFETCH_X times the selected bytes; 0 = off: the session-5 prefetch from the final rank
+                          # measured neutral, an unpredicated one +3.6 us; this one is ~2 us earlier; to be measured)
 ONE_COUNT = True          # normal step (SLOT_POLL): the merge waits on one counter that every arrival it needs goes
                           # to (False: three counters, three acquire waits in a row)
 _STALL = 0                # tests only: 1..4 makes one in-kernel wait unsatisfiable (rank, selected, merge, window)
@@ -334,6 +339,14 @@ def _gstamp(TS, slot):
 
 
 @triton.jit
+def _prefetch_l2(ptrs, on):
+    """CUDA only: prefetch.global.L2 of the line at each address where `on` (int32) is nonzero (no result, no wait)."""
+    return tl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;\n\t}",
+        "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _fence_gpu():
     """fence.acq_rel.gpu: this thread's earlier global stores are performed at gpu scope before its later
     instructions (here: before griddepcontrol.launch_dependents)."""
@@ -460,7 +473,8 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     DO_MERGE: tl.constexpr, SYNC: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr,
                     KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr, MTB: tl.constexpr, SPIN: tl.constexpr,
                     STALL_R: tl.constexpr, STALL_A: tl.constexpr, STALL_M: tl.constexpr, STALL_W: tl.constexpr,
-                    GIVEN: tl.constexpr, EARLY: tl.constexpr, ONE_ROUND: tl.constexpr, ONE_CNT: tl.constexpr):
+                    GIVEN: tl.constexpr, EARLY: tl.constexpr, ONE_ROUND: tl.constexpr, ONE_CNT: tl.constexpr,
+                    PF_TOP: tl.constexpr, LINE: tl.constexpr, NLINE: tl.constexpr):
     # GIVEN: the selected blocks come from IDX (B, Hk, NSEL) instead of the score + rank phases (compiled out).
     # EARLY (with GIVEN): program p < NSEL attends to its block before griddepcontrol.wait (it needs only q, k, v and
     # IDX, like the window chunks), and the merge programs merge all three branches themselves (host: DO_RANK and
@@ -469,6 +483,8 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
     # compressed kernel zeroed it before letting this kernel launch: ZFIRST); each merge program waits for it and
     # issues the loads of those partials before its griddepcontrol.wait, so after the wait only the compressed
     # partials are loaded (one round) and all three branches merged.
+    # PF_TOP > 0 (normal step, CUDA): each chunk program prefetches into L2 the K/V rows of its best PF_TOP blocks,
+    # (LINE elements per 128-byte line, NLINE lines per row).
     # ONE_CNT (normal step, SLOT_POLL): every arrival the merge needs (selected partials, chunk programs' final ranks,
     # window programs' compressed + window merges) goes to one counter: one acquire wait instead of three.
     pid = tl.program_id(0)
@@ -617,6 +633,22 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                         tl.debug_barrier()   # program's own keys visible to all its threads before it reads them back
                     else:
                         _arrive(cnt)
+                if PF_TOP > 0:
+                    # L2 prefetch of the K/V rows of the chunk's best PF_TOP visible blocks, ~2 us before the selected
+                    # programs load the ones that win the final rank (cold after a cache flush). After the arrival:
+                    # a release (MEMBAR.ALL.GPU) would wait for them; the next one follows the selected block's loads
+                    cpf = tl.arange(0, PF_TOP)
+                    hit = (rank[None, :] == cpf[:, None]) & (score > float("-inf"))[None, :]       # [PF_TOP, CH]
+                    okb = tl.sum(hit.to(tl.int32), 1) > 0
+                    blk = tl.sum(tl.where(hit, j[None, :], 0), 1)
+                    rows = tl.arange(0, BLK)
+                    ln = tl.arange(0, NLINE)
+                    kk = blk[:, None] * BS + rows[None, :]
+                    on = (okb[:, None] & (rows[None, :] < BS) & (kk < S))[:, :, None] & (ln >= 0)[None, None, :]
+                    off = tl.minimum(kk, S - 1)[:, :, None].to(tl.int64)
+                    lo = (ln * LINE)[None, None, :]
+                    _prefetch_l2(K + b64 * skb + hk * skh + off * sks + lo, on.to(tl.int32))
+                    _prefetch_l2(V + b64 * svb + hk * svh + off * svs + lo, on.to(tl.int32))
     if DO_RANK:
         if not GIVEN:
             if pid < n_chunks:
@@ -925,6 +957,10 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     sync = FUSE and on_gpu and n_prog_b * BH <= num_sms(dev)
     pdl = PDL and on_gpu
     zfirst = one_round and sync and pdl     # the selection kernel counts before its griddepcontrol.wait
+    # candidates prefetched per chunk: PREFETCH_X times the chunk's share of the selected blocks (at most its CW)
+    pf_top = (min(CW, triton.next_power_of_2(PREFETCH_X * -(-nsel // n_chunks)))
+              if PREFETCH_X and on_gpu and not given else 0)
+    line = max(1, 128 // k.element_size())     # elements per 128-byte line (the L2 prefetch granularity)
     probe = isinstance(PROBE, dict) and on_gpu
     if probe:
         n_b_probe = G if in_cmp else n_prog_b
@@ -969,7 +1005,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
                 CNTW=CNTW, RET_IDX=return_indices and not given, HAS_GATES=gates is not None, USE_PDL=pdl, PROBE=probe,
                 KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, SPIN=SPIN_LIMIT, STALL_R=int(_STALL == 1),
                 STALL_A=int(_STALL == 2), STALL_M=int(_STALL == 3), STALL_W=int(_STALL == 4), GIVEN=given, EARLY=early,
-                ONE_ROUND=one_round, ONE_CNT=one_cnt,
+                ONE_ROUND=one_round, ONE_CNT=one_cnt, PF_TOP=pf_top, LINE=line, NLINE=max(1, D // line),
                 num_warps=NUM_WARPS["sel"], **(dict(launch_pdl=True) if pdl else {}))
     if early:      # window + selected partials, then the merge
         phases = [(1, 0, 0, 1)] if sync else [(1, 0, 0, 0), (0, 0, 0, 1)]
