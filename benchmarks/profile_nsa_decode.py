@@ -186,7 +186,8 @@ S4 = {"KEY_POLL": False, "SLOT_POLL": False, "EARLY_LOADS": False}   # session-4
 # stages3: the compressed kernel with 3 pipeline stages (session 5).
 OLD = {"GIVEN_IN_CMP": False, "GIVEN_ONE_ROUND": False, "ONE_COUNT": False, "TARGET_PROGRAMS": 160}
 AB_VARIANTS = {"old": OLD, "new": {}, "one_round": {"GIVEN_IN_CMP": False}, "three": {"ONE_COUNT": False},
-               "t160": {"TARGET_PROGRAMS": 160}, "pf4": {"PREFETCH_X": 4}, "s4": S4, "noearly": {"EARLY_LOADS": False},
+               "t160": {"TARGET_PROGRAMS": 160}, "pf4": {"PREFETCH_X": 4}, "s4": S4,
+               "noearly": {"EARLY_LOADS": False},
                "nopoll": {"KEY_POLL": False, "SLOT_POLL": False}, "stages3": {"NUM_STAGES": {"cmp": 3}}}
 
 
