@@ -383,10 +383,10 @@ def test_gpu_decode_cache_steps_and_graph():
 
 
 @gpu
-@pytest.mark.parametrize("stall, old", [(1, ""), (2, ""), (3, ""), (4, ""), (1, "s4"), (2, "s4"), (1, "three"),
-                                        (3, "three"), (4, "three")],
-                         ids=["rank", "slot", "merge", "window", "rank-counters", "attn-counters", "rank-three",
-                              "merge-three", "window-three"])
+@pytest.mark.parametrize("stall, old", [(1, ""), (2, ""), (3, ""), (4, ""), (1, "s4"), (2, "s4"), (3, "three"),
+                                        (4, "three")],
+                         ids=["rank", "slot", "merge", "window", "rank-counters", "attn-counters", "merge-three",
+                              "window-three"])
 def test_gpu_decode_barrier_timeout_poisons(monkeypatch, stall, old):
     """An in-kernel wait that gives up (made unsatisfiable here through the test hook, with a short SPIN_LIMIT) makes
     the step's output NaN instead of silently wrong; the next step is unaffected (flags are reset per step). `old`:
