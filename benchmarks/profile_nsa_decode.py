@@ -182,11 +182,13 @@ S4 = {"KEY_POLL": False, "SLOT_POLL": False, "EARLY_LOADS": False}   # session-4
 # counters; 160 compressed programs). new: the module defaults. The others switch one thing off the defaults:
 # one_round (given: selected + window partials in the selection kernel, waited for and loaded before
 # griddepcontrol.wait), three (normal: the merge's three counters), t160 (160 compressed programs: 32 splits at 64K),
-# pf4 (normal: each chunk program prefetches its best candidates' K/V into L2, ~4x the selected bytes).
+# pf4 (normal: each chunk program prefetches its best candidates' K/V into L2, ~4x the selected bytes), sel_last
+# (given: the given blocks' programs after the splits in the compressed grid).
 # stages3: the compressed kernel with 3 pipeline stages (session 5).
 OLD = {"GIVEN_IN_CMP": False, "GIVEN_ONE_ROUND": False, "ONE_COUNT": False, "TARGET_PROGRAMS": 160}
 AB_VARIANTS = {"old": OLD, "new": {}, "one_round": {"GIVEN_IN_CMP": False}, "three": {"ONE_COUNT": False},
-               "t160": {"TARGET_PROGRAMS": 160}, "pf4": {"PREFETCH_X": 4}, "s4": S4,
+               "t160": {"TARGET_PROGRAMS": 160}, "pf4": {"PREFETCH_X": 4}, "sel_last": {"GIVEN_SEL_FIRST": False},
+               "s4": S4,
                "noearly": {"EARLY_LOADS": False},
                "nopoll": {"KEY_POLL": False, "SLOT_POLL": False}, "stages3": {"NUM_STAGES": {"cmp": 3}}}
 

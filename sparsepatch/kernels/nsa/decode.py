@@ -95,6 +95,8 @@ GIVEN_IN_CMP = True       # given indices: the compressed kernel also attends to
                           # (programs n_split.. of its grid, which start ~1.5-3 us before the PDL-launched kernel's),
                           # then a merge-only kernel (one load round after griddepcontrol.wait, no in-kernel
                           # barriers); False: GIVEN_EARLY / GIVEN_ONE_ROUND below pick the selection kernel's structure
+GIVEN_SEL_FIRST = True    # with GIVEN_IN_CMP: the given-block programs first in the compressed grid (their index load
+                          # and then their K/V loads leave before the splits' flood of loads; False: after the splits)
 GIVEN_ONE_ROUND = True    # with GIVEN_EARLY: the merge waits for the window + selected partials and loads them before
                           # griddepcontrol.wait; after it only the compressed partials (one load round); False: the
                           # session-7 merge (compressed merge, two counter waits, then a second load round)
@@ -161,13 +163,16 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia
                     HEAD_DIM: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, CNTW: tl.constexpr,
                     NSELP: tl.constexpr, MP: tl.constexpr, KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr,
                     MTB: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr, IMP: tl.constexpr,
-                    ZFIRST: tl.constexpr, PARTS: tl.constexpr, NSEL: tl.constexpr, BLK: tl.constexpr):
+                    ZFIRST: tl.constexpr, PARTS: tl.constexpr, NSEL: tl.constexpr, BLK: tl.constexpr,
+                    PARTS_FIRST: tl.constexpr):
     # IMP False (the step was given its selected blocks): no block importance, tile maxima, slots or candidate keys,
     # only the compressed branch's partials and the counter reset.
     # PARTS (given selection, GIVEN_IN_CMP): programs sp >= n_split (no compressed tile: their tile range is empty)
     # attend instead to given block sp - n_split (< NSEL) or to window chunk sp - n_split - NSEL, and store their
     # partial where the selection kernel's window / selected programs would (K, V, IDX, o_s*, kb.., S, n_part,
     # window: unused otherwise); no counters (the merge kernel that follows only waits for this kernel).
+    # PARTS_FIRST (with PARTS): the grid is ordered given blocks (0..NSEL-1), splits, window chunks instead, so the
+    # given blocks' dependent loads (index, then K/V) are dispatched before the splits' loads.
     # ZFIRST (with USE_PDL): program 0 zeroes the counters, fences (gpu scope) and only then lets the selection kernel
     # launch, so that kernel may count on them before its griddepcontrol.wait (the given step's one-round merge)
     sp = tl.program_id(0)
@@ -209,8 +214,14 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, HEAD_DIM], tl.float32)
-    t_lo = sp * tps
-    t_hi = tl.minimum(t_lo + tps, n_tiles)
+    if PARTS_FIRST:    # (PARTS) programs 0..NSEL-1: given blocks, then the n_split splits, then the window chunks
+        csp = sp - NSEL
+        is_cmp = (csp >= 0) & (csp < n_split)
+        t_lo = csp * tps
+        t_hi = tl.where(is_cmp, tl.minimum(t_lo + tps, n_tiles), t_lo)
+    else:
+        t_lo = sp * tps
+        t_hi = tl.minimum(t_lo + tps, n_tiles)
     for t in range(t_lo, t_hi):
         c = t * BLOCK_N + offs_n
         ok = c < n_c
@@ -238,7 +249,25 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-    if PARTS:
+    if PARTS_FIRST:
+        if is_cmp:
+            _store_partial(WS, o_pm, o_pl, o_pacc, (bh64 * n_split + csp) * GP + g, m_i, l_i, acc, g_ok, offs_d,
+                           HEAD_DIM)
+        else:
+            pp = tl.where(sp < NSEL, sp, sp - n_split)     # partial pp: given block pp or window chunk pp - NSEL
+            if pp < NSEL:
+                jb = tl.load(IDX + bh64 * NSEL + pp)
+                start = tl.maximum(jb, 0) * BS
+                hi = tl.where(jb >= 0, start + BS, 0)
+            else:
+                start = tl.maximum(S - window, 0) + (pp - NSEL) * BLK
+                hi = S + start * 0
+            m_s, l_s, acc_s = _attend_keys(q, K, V, b64, hk, start, hi, S, kb, ks, kh, vb, vs, vh, qk_scale,
+                                           offs_d, BLK)
+            _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + pp) * GP + g, m_s, l_s, acc_s, g_ok, offs_d,
+                           HEAD_DIM)
+            l_i = l_s
+    elif PARTS:
         if sp >= n_split:
             pp = sp - n_split
             if pp < NSEL:      # given block pp: keys <= S - 1 of it; a negative entry: nothing
@@ -983,7 +1012,8 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
         va.stride(2), S, n_part, config.window,
         CB=config.compress_block, CS=config.compress_stride, BS=bs, R=R, HEAD_DIM=D, GP=GP, BLOCK_N=CMP_BLOCK_N,
         CNTW=CNTW, NSELP=NSELP, MP=MP, KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, USE_PDL=pdl,
-        PROBE=probe, IMP=not given, ZFIRST=zfirst, PARTS=in_cmp, NSEL=nsel, BLK=BLK, num_warps=NUM_WARPS["cmp"],
+        PROBE=probe, IMP=not given, ZFIRST=zfirst, PARTS=in_cmp, NSEL=nsel, BLK=BLK,
+        PARTS_FIRST=in_cmp and GIVEN_SEL_FIRST, num_warps=NUM_WARPS["cmp"],
         num_stages=NUM_STAGES["cmp"])
     out = torch.empty((B, 1, Hq, D), dtype=q.dtype, device=dev)
     gt = gates if gates is not None else out
