@@ -232,8 +232,9 @@ def _given_case(case, seed_gates=1):
 
 GIVEN_CASES = [CASES[1], CASES[2], CASES[5]]          # G 4 fp32 gates, MHA fp16, num_selected > visible blocks
 # given-step structures (module switches): the selected + window partials in the compressed kernel and a merge-only
-# kernel (default; the given blocks' programs first in its grid, or after the splits); in the selection kernel before griddepcontrol.wait with the one-round merge, or with the session-7
-# merge; the normal structure without score and rank
+# kernel (default; the given blocks' programs first in its grid, or after the splits); in the selection kernel
+# before griddepcontrol.wait with the one-round merge, or with the session-7 merge; the normal structure without
+# score and rank
 GIVEN_MODES = {"in_cmp": dict(GIVEN_IN_CMP=True, GIVEN_SEL_FIRST=True),
                "in_cmp_last": dict(GIVEN_IN_CMP=True, GIVEN_SEL_FIRST=False),
                "one_round": dict(GIVEN_IN_CMP=False, GIVEN_EARLY=True, GIVEN_ONE_ROUND=True),
