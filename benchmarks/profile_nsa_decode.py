@@ -4,7 +4,8 @@ replay time of the whole step, HQ64/H4 D128 bf16 B=1, at a few context lengths.
     python benchmarks/profile_nsa_decode.py [--out DIR] [--s 65536] [--sweep]   # CUDA only; JSON
                                                                    # <gpu>-nsa-decode-profile.json
     python benchmarks/profile_nsa_decode.py --s 65536 8192 16384 32768 --ab new old [--ab-full 1]
-        # old/new A/B (AB_VARIANTS) timed as bench_nsa.py's graph row, timelines warm and L2-flushed;
+        # old/new A/B (AB_VARIANTS) of the normal and the tile-continuing step, timed as bench_nsa.py's graph rows
+        # (ours_graph_us, tile_graph_us), then timelines of both steps warm and L2-flushed;
         # JSON <gpu>-nsa-decode-ab.json
     python benchmarks/profile_nsa_decode.py --s 8192 16384 32768 65536 --given
         # the step with a given selection (selection="tile": the 63 of 64 steps that reuse the tile's selection;
@@ -176,10 +177,19 @@ def probe(S, var=None, reps=20, cold=False, given=False):
                 raw_b=buf["b"].tolist())
 
 
-OLD = {"KEY_POLL": False, "SLOT_POLL": False, "EARLY_LOADS": False}   # session-4 structure (counter barriers)
-# stages3: the compressed kernel with 3 pipeline stages, so that both of its 2 tiles are loaded before the first
-# wait (2 stages: the second tile's loads leave only after the first tile's wait; offline sm_90 SASS, session 5)
-AB_VARIANTS = {"old": OLD, "new": {}, "noearly": {"EARLY_LOADS": False},
+S4 = {"KEY_POLL": False, "SLOT_POLL": False, "EARLY_LOADS": False}   # session-4 structure (counter barriers)
+# old: the session-15 defaults (given step: session-7 merge in the selection kernel; normal step: three merge
+# counters; 160 compressed programs). new: the module defaults. The others switch one thing off the defaults:
+# one_round (given: selected + window partials in the selection kernel, waited for and loaded before
+# griddepcontrol.wait), three (normal: the merge's three counters), t160 (160 compressed programs: 32 splits at 64K),
+# pf4 (normal: each chunk program prefetches its best candidates' K/V into L2, ~4x the selected bytes), sel_last
+# (given: the given blocks' programs after the splits in the compressed grid).
+# stages3: the compressed kernel with 3 pipeline stages (session 5).
+OLD = {"GIVEN_IN_CMP": False, "GIVEN_ONE_ROUND": False, "ONE_COUNT": False, "TARGET_PROGRAMS": 160}
+AB_VARIANTS = {"old": OLD, "new": {}, "one_round": {"GIVEN_IN_CMP": False}, "three": {"ONE_COUNT": False},
+               "t160": {"TARGET_PROGRAMS": 160}, "pf4": {"PREFETCH_X": 4}, "sel_last": {"GIVEN_SEL_FIRST": False},
+               "s4": S4,
+               "noearly": {"EARLY_LOADS": False},
                "nopoll": {"KEY_POLL": False, "SLOT_POLL": False}, "stages3": {"NUM_STAGES": {"cmp": 3}}}
 
 
@@ -191,19 +201,25 @@ def _set(var):
 
 
 def ab(ss, names, rounds=2, full=2, save=None):
-    """Old vs new decode structure in one process, timed as bench_nsa.py --decode-only times its graph row: one
+    """Old vs new decode structure in one process, timed as bench_nsa.py --decode-only times its graph rows: one
     captured nsa_attention step (NSACache(store_kv=False) prefilled to S) replayed under triton do_bench (median,
-    L2 flushed before each replay); variants alternate `rounds` times. Also SDPA decode (graph) and, at the largest S,
-    'code warm' (a flush, then a replay of the same step on other inputs, then the timed replay: data cold, kernel
-    code and launch state warm) and 'warm' (no flush). Variants after the first `full` run only at the largest S."""
+    L2 flushed before each replay), per variant the normal step (`{name}_us`, ranks its blocks) and the tile step
+    (`{name}_tile_us`: selection="tile", a step continuing a tile, i.e. nsa_decode(..., indices=) with the normal
+    step's blocks, as bench_nsa's tile_graph_us); variants alternate `rounds` times. Also SDPA decode (graph) and, at
+    the largest S, 'code warm' (a flush, then a replay of the same step on other inputs, then the timed replay: data
+    cold, kernel code and launch state warm) and 'warm' (no flush) of the normal step. Variants after the first
+    `full` run only at the largest S."""
     import torch.nn.functional as F
     from sparsepatch.kernels.nsa import forward as nsa
     rows = []
     for S in ss:
         q, k, v, kc, vc, scale, cfg = inputs(S)
         cache = ref.NSACache(store_kv=False)
+        tcfg = NSAConfig(**{**vars(cfg), "selection": "tile"})
+        tcache = ref.NSACache(store_kv=False)
         with torch.no_grad():
             cache.update(k, v, cfg)
+            tcache.update(k, v, tcfg)
         row = {"S": S}
         graphs = {}
         with torch.no_grad():
@@ -215,6 +231,13 @@ def ab(ss, names, rounds=2, full=2, save=None):
                     row[f"{name}_same_idx_as_prefill"] = bool(torch.equal(idx, i_p))
                     row[f"{name}_max_diff_vs_prefill"] = (o.float() - o_p.float()).abs().max().item()
                     graphs[name] = common.graph_replay(lambda: nsa.nsa_attention(q, k, v, cfg, cache=cache))
+                    # the tile step continues the tile whose first step selected i_p (the prefill kernels' blocks)
+                    tcache.tile_selection = ((S - 1) // tcfg.block_size, i_p[:, 0].contiguous())
+                    o_t = nsa.nsa_attention(q, k, v, tcfg, cache=tcache)
+                    row[f"{name}_tile_max_diff_vs_prefill"] = (o_t.float() - o_p.float()).abs().max().item()
+                    row[f"{name}_tile_finite"] = bool(torch.isfinite(o_t).all())
+                    graphs[name + "_tile"] = common.graph_replay(lambda: nsa.nsa_attention(q, k, v, tcfg,
+                                                                                           cache=tcache))
                 finally:
                     _set(saved)
             qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -228,7 +251,7 @@ def ab(ss, names, rounds=2, full=2, save=None):
                 cache2 = ref.NSACache(store_kv=False)
                 cache2.update(k2, v2, cfg)
                 flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-                for name in names[:2]:
+                for name in names[:2]:      # (normal step only)
                     saved = _set(AB_VARIANTS[name])
                     try:
                         other = common.graph_replay(lambda: nsa.nsa_attention(q2, k2, v2, cfg, cache=cache2))
@@ -241,8 +264,9 @@ def ab(ss, names, rounds=2, full=2, save=None):
             if isinstance(row[kk], list):
                 row[kk] = min(row[kk])          # best of the alternating rounds (each a do_bench median)
         for name in names:
-            if f"{name}_us" in row:
-                row[f"{name}_x_sdpa"] = row["sdpa_graph_us"] / row[f"{name}_us"]
+            for mode in ("", "_tile"):
+                if f"{name}{mode}_us" in row:
+                    row[f"{name}{mode}_x_sdpa"] = row["sdpa_graph_us"] / row[f"{name}{mode}_us"]
         rows.append(row)
         if save is not None:
             save(rows)
@@ -254,7 +278,9 @@ def ab(ss, names, rounds=2, full=2, save=None):
 
 # given-selection step variants (module flags): the default and GIVEN_EARLY off (session 7 run 2 also timed run 1's
 # merge, three `_merge` calls after the waits, as given_r1: within 0.1-0.25 us of the default, since deleted)
-GIVEN_VARIANTS = {"given": {}, "given_late": {"GIVEN_EARLY": False}}
+GIVEN_VARIANTS = {"given": {}, "given_one_round": {"GIVEN_IN_CMP": False},
+                  "given_s7": {"GIVEN_IN_CMP": False, "GIVEN_ONE_ROUND": False},
+                  "given_late": {"GIVEN_IN_CMP": False, "GIVEN_EARLY": False}}
 
 
 def given_ab(ss, variants=("given", "given_late"), rounds=3, save=None):
@@ -262,9 +288,11 @@ def given_ab(ss, variants=("given", "given_late"), rounds=3, save=None):
     selection for its other block_size - 1 steps) against the normal step (which scores and ranks) and SDPA decode
     (enable_gqa, default backend), in one process, each one captured call timed as the rows above: triton do_bench
     median of a graph replay, L2 flushed; the variants alternate `rounds` times, best round kept. Variants of
-    GIVEN_VARIANTS: given = the default structure (GIVEN_EARLY: selected blocks before griddepcontrol.wait, one merge
-    of the three branches), given_late = GIVEN_EARLY off. The given steps get the normal
-    step's own selection, so their outputs must equal it up to rounding (max_diff) and return the same indices."""
+    GIVEN_VARIANTS: given = the default structure (GIVEN_IN_CMP: the compressed kernel also computes the selected and
+    window partials, a merge-only kernel follows), given_one_round / given_s7 = those partials in the selection kernel
+    before griddepcontrol.wait with the one-round / session-7 merge, given_late = GIVEN_EARLY off. The given steps get
+    the normal step's own selection, so their outputs must equal it up to rounding (max_diff) and return the same
+    indices."""
     import torch.nn.functional as F
     names = ("normal",) + tuple(variants)
     rows = []
@@ -399,17 +427,22 @@ def main(argv=None):
             common.save_results(res, fname, args.out)
         res["ab"] = ab(args.s, names, full=args.ab_full, save=save)
         res["probe"] = []
-        for cold in (True, False):       # timelines of the first variant
-            res["probe"].append(probe(max(args.s), AB_VARIANTS[names[0]], cold=cold))
-            common.save_results(res, fname, args.out)
-        print(f"{'S':>6} " + " ".join(f"{n + ' us':>12}" for n in names) + f" {'sdpa us':>9} "
+        for given in (False, True):      # timelines of the first variant, both steps
+            for cold in (True, False):
+                res["probe"].append(probe(max(args.s), AB_VARIANTS[names[0]], cold=cold, given=given))
+                common.save_results(res, fname, args.out)
+        print(f"{'S':>6} {'step':>6} " + " ".join(f"{n + ' us':>12}" for n in names) + f" {'sdpa us':>9} "
               + " ".join(f"{n + ' x':>9}" for n in names) + "  (graph replay, do_bench median, L2 flushed)")
         for r in res["ab"]:
-            print(f"{r['S']:>6} " + " ".join(f"{r.get(n + '_us', float('nan')):12.2f}" for n in names)
-                  + f" {r['sdpa_graph_us']:9.2f} " + " ".join(f"{r.get(n + '_x_sdpa', float('nan')):9.2f}"
-                                                            for n in names)
-                  + " idx " + " ".join(str(r.get(n + "_same_idx_as_prefill")) for n in names)
-                  + " diff " + " ".join(f"{r.get(n + '_max_diff_vs_prefill', float('nan')):.1e}" for n in names))
+            for mode, step in (("", "token"), ("_tile", "tile")):
+                print(f"{r['S']:>6} {step:>6} " + " ".join(f"{r.get(n + mode + '_us', float('nan')):12.2f}"
+                                                          for n in names)
+                      + f" {r['sdpa_graph_us']:9.2f} " + " ".join(f"{r.get(n + mode + '_x_sdpa', float('nan')):9.2f}"
+                                                                for n in names)
+                      + (" idx " + " ".join(str(r.get(n + "_same_idx_as_prefill")) for n in names) if not mode else
+                         " finite " + " ".join(str(r.get(n + "_tile_finite")) for n in names))
+                      + " diff " + " ".join(f"{r.get(n + mode + '_max_diff_vs_prefill', float('nan')):.1e}"
+                                            for n in names))
         big = res["ab"][-1]
         print("largest S, code warm / warm us:", {kk: round(vv, 2) for kk, vv in big.items()
                                                   if kk.endswith("warm_us")})
