@@ -13,7 +13,8 @@ models patched vs unpatched, in one process.
    and 16 after a warm-up of the same batch), and a Wan2.1-1.3B-shaped transformer step (4 layers, 32760 tokens)
    with DenseConfig and with the default recipe (skip lists; random weights keep every tile); a CogVideoX-5B-shaped
    step (4 layers, 48 x 64 heads, 17550 + 226 tokens) the same way; both steps also with the default recipe at
-   forced list densities 0.5 / 0.25. `--models` picks rows.
+   forced list densities 0.5 / 0.25; and a Llama-shaped LLM (2 layers, 64 x 128 heads, 4 KV heads) patched with
+   NSAConfig (per-token and tile selection) at prefill 8K / 32K (`llama_nsa`). `--models` picks rows.
 Results: benchmarks/results/<gpu>-never-slower.json; a table printed last.
 """
 from __future__ import annotations
@@ -88,6 +89,10 @@ def _llm(kind, layers=4):
         cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                           head_dim=128, **common)
         cls = Qwen3ForCausalLM
+    elif kind == "llama_nsa":   # issue 27's NSA row: 64 x 128 query heads, 4 KV heads (a 70B-like attention)
+        cfg = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=4,
+                          **dict(common, num_hidden_layers=min(layers, 2)))
+        cls = LlamaForCausalLM
     else:   # D256-shaped (Gemma-like heads on a Llama body)
         cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=4,
                           head_dim=256, **common)
@@ -248,7 +253,27 @@ def cogvideox_rows(log, layers=4):
     return rows
 
 
-MODEL_ROWS = ("llama", "qwen3", "d256", "wan", "cogvideox")
+MODEL_ROWS = ("llama", "qwen3", "d256", "wan", "cogvideox", "llama_nsa")
+
+
+def nsa_rows(log, seqs=None):
+    """Llama-shaped prefill (2 layers, 64 x 128 query heads, 4 KV heads) patched with NSAConfig (per-token and tile
+    selection, uniform gates) vs unpatched SDPA: issue 27's whole-model line (>= 1.5x at 32K)."""
+    model = _llm("llama_nsa")
+    rows = []
+    for S in seqs or (8192, 32768):
+        base = _time_prefill(model, S)
+        for sel in ("token", "tile"):
+            sp.patch(model, sp.NSAConfig(selection=sel))
+            ours = _time_prefill(model, S)
+            sp.unpatch(model)
+            rows.append(dict(model="llama_nsa", what=f"prefill {S} {sel}", unpatched_ms=base, patched_ms=ours,
+                             ratio=base / ours))
+            log(f"  llama_nsa prefill {S} NSA {sel}: {base:.2f} vs {ours:.2f} ms ({base / ours:.3f}x)")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
 
 
 def main(argv=None):
@@ -287,6 +312,7 @@ def main(argv=None):
                           seqs=seqs, decode=not args.no_decode)
         models += wan_rows(log) if "wan" in chosen else []
         models += cogvideox_rows(log) if "cogvideox" in chosen else []
+        models += nsa_rows(log, seqs) if "llama_nsa" in chosen else []
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, grid=grid, models=models)
     save_results(res, f"{gpu_name()}-never-slower{'-models' if args.models_only else ''}.json", args.out)
     log("\n| causal | D | Hq/Hk | dtype | B x Sq x Sk | backend | ms | best SDPA | ratio | own kernel / best SDPA |")
