@@ -49,23 +49,24 @@ SETTINGS = {
 }
 
 
-def cells_for(dtypes, dims):
+def cells_for(dtypes, dims, every=False):
+    """Prefill cells: causal ones and non-causal D 64 / 256 (every: non-causal D128 too)."""
     out = []
     for cell in tuning.default_cells(dtypes=dtypes, head_dims=dims):
         B, Sq, Sk, Hq, Hk, D, causal, dtype = cell
-        if Sq > 1 and (causal or D in (64, 256)):
+        if Sq > 1 and (causal or D in (64, 256) or every):
             out.append(cell)
     return out
 
 
-def run(dtypes, dims, settings, log=print):
+def run(dtypes, dims, settings, log=print, layout="seq", every=False):
     """Per cell (interleaved, so that clock drift over the run does not favour one setting: the session-14 run that
     timed each setting over all cells in turn read non-causal cells, which no setting changes, up to 25% apart):
     the SDPA peers, then flash_triton under each setting."""
     shipped = {key: dict(cfg) for key, cfg in skip_triton.CONFIGS.items()}
     rows, entries = [], {name: [] for name in settings}
-    for i, cell in enumerate(cells_for(dtypes, dims)):
-        peer = tuning.measure([cell], backends=SDPA, log=log)[0]
+    for i, cell in enumerate(cells_for(dtypes, dims, every)):
+        peer = tuning.measure([cell], backends=SDPA, log=log, layout=layout)[0]
         best = min(peer["ms"].values()) if peer["ms"] else float("nan")
         row = {k: peer[k] for k in ("causal", "D", "group", "dtype", "B", "Sq", "Hq")}
         row["best_sdpa_ms"] = best
@@ -75,7 +76,7 @@ def run(dtypes, dims, settings, log=print):
             for key, cfg in shipped.items():
                 skip_triton.CONFIGS[key] = dict(cfg, **SETTINGS[name].get(key, {}))
             try:
-                ours = tuning.measure([cell], backends=["flash_triton"], log=log)[0]
+                ours = tuning.measure([cell], backends=["flash_triton"], log=log, layout=layout)[0]
             finally:
                 skip_triton.CONFIGS.update({key: dict(cfg) for key, cfg in shipped.items()})
             t = ours["ms"].get("flash_triton")
@@ -140,6 +141,9 @@ def main(argv=None):
     ap.add_argument("--no-grid", action="store_true", help="skip the dense grid")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--settings", default="shipped,static", help=f"comma-separated, of {sorted(SETTINGS)}")
+    ap.add_argument("--layout", default="seq", choices=("seq", "head"),
+                    help="inputs: contiguous (B, S, H, D), or views of contiguous (B, H, S, D) (SDPA callers)")
+    ap.add_argument("--every", action="store_true", help="also the non-causal head-dim-128 cells")
     args = ap.parse_args(argv)
     settings = args.settings.split(",")
     unknown = sorted(set(settings) - set(SETTINGS))
@@ -149,7 +153,7 @@ def main(argv=None):
     dims = tuple(int(d) for d in args.dims.split(","))
     polys = tuple(int(n) for n in args.skip64_polys.split(",") if n)
     skip_rows = skip64(polys=polys) if args.skip64 else []
-    rows, entries = run(dtypes, dims, settings) if not args.no_grid else ([], {})
+    rows, entries = run(dtypes, dims, settings, layout=args.layout, every=args.every) if not args.no_grid else ([], {})
     print(f"\n{'causal':>6} {'D':>4} {'G':>2} {'dtype':>9} {'B':>3} {'S':>6} {'sdpa ms':>8} "
           + " ".join(f"{n + ' x':>9}" for n in settings))
     for r in rows:

@@ -20,13 +20,16 @@ CELL = ("op", "causal", "D", "group", "dtype", "B", "Sq", "Sk", "Hq")
 
 def merge(table: dict, entries: list) -> list:
     """Merge `entries` into `table` in place -> [(cell, old fastest, new fastest)] where the fastest changed."""
-    index = {tuple(e[k] for k in CELL): e for e in table["entries"]}
+    def cell_of(e):   # (layout: "seq" unless the entry says "head")
+        return tuple(e[k] for k in CELL) + (e.get("layout", "seq"),)
+
+    index = {cell_of(e): e for e in table["entries"]}
     changed = []
     for new in entries:
-        cell = tuple(new[k] for k in CELL)
+        cell = cell_of(new)
         old = index.get(cell)
         if old is None:
-            old = {k: new[k] for k in CELL} | {"ms": {}}
+            old = {k: new[k] for k in CELL} | ({"layout": "head"} if cell[-1] == "head" else {}) | {"ms": {}}
             table["entries"].append(old)
             index[cell] = old
         before = min(old["ms"], key=old["ms"].get) if old["ms"] else None

@@ -20,3 +20,14 @@ def test_merge_replaces_measured_backends_keeps_the_rest_and_adds_new_cells():
     assert [(c[5], b, a) for c, b, a in changed] == [(1, "sdpa_cudnn", "flash_triton"), (1, None, "sdpa")]
     assert len(cells) == 2
     assert merge(table, [_entry(4096, {"flash_triton": 0.7})]) == []        # fastest unchanged: nothing reported
+
+
+def test_merge_keeps_head_major_cells_apart():
+    """An entry's layout ("seq" when absent, "head") is part of its cell: a head-major measurement never overwrites
+    the sequence-major one of the same shape, and a new head-major cell keeps its layout."""
+    table = {"entries": [_entry(4096, {"flash_triton": 1.0, "sdpa_cudnn": 0.9})]}
+    merge(table, [dict(_entry(4096, {"flash_triton": 0.8, "sdpa_cudnn": 0.95}), layout="head")])
+    assert table["entries"][0]["ms"] == {"flash_triton": 1.0, "sdpa_cudnn": 0.9}
+    assert table["entries"][1]["layout"] == "head" and table["entries"][1]["ms"]["flash_triton"] == 0.8
+    merge(table, [dict(_entry(4096, {"sdpa": 0.5}), layout="head")])
+    assert len(table["entries"]) == 2 and table["entries"][1]["ms"]["sdpa"] == 0.5

@@ -45,23 +45,31 @@ def _bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
-def cell_inputs(cell, seed=0):
+def cell_inputs(cell, seed=0, layout="seq"):
+    """Random (B, S, H, D) q, k, v of a cell: contiguous ("seq"), or ("head") the (B, S, H, D) views of contiguous
+    (B, H, S, D) tensors, as SDPA callers (diffusers, transformers) hand them over."""
     B, Sq, Sk, Hq, Hk, D, causal, dtype = cell
     g = torch.Generator(device="cuda").manual_seed(seed)
+    if layout not in ("seq", "head"):
+        raise ValueError(f"layout must be 'seq' or 'head', got {layout!r}")
+    if layout == "head":
+        return tuple(torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+                     for S, H in ((Sq, Hq), (Sk, Hk), (Sk, Hk)))
     q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(B, Sk, Hk, D, device="cuda", dtype=dtype, generator=g)
     v = torch.randn(B, Sk, Hk, D, device="cuda", dtype=dtype, generator=g)
     return q, k, v
 
 
-def measure(cells, backends=None, log=print) -> list:
-    """Time every backend of `attention` that supports each cell -> table entries (dispatch.CostTable JSON).
+def measure(cells, backends=None, log=print, layout="seq") -> list:
+    """Time every backend of `attention` that supports each cell -> table entries (dispatch.CostTable JSON), on
+    inputs of `layout` (`cell_inputs`; "head" entries carry "layout": "head").
     A backend that raises is recorded as unavailable (no entry), with the error logged."""
     names = backends or [b.name for b in dense_op.BACKENDS if b.name != "reference"]
     entries = []
     for cell in cells:
         B, Sq, Sk, Hq, Hk, D, causal, dtype = cell
-        q, k, v = cell_inputs(cell)
+        q, k, v = cell_inputs(cell, layout=layout)
         call = dispatch.Call.of("attention", q, k, v, causal=causal)
         ms = {}
         for name in names:
@@ -76,7 +84,7 @@ def measure(cells, backends=None, log=print) -> list:
             except Exception as exc:  # noqa: BLE001  (a kernel that cannot run this shape here)
                 log(f"  {name} failed at {cell[:7]}: {type(exc).__name__}: {str(exc)[:120]}")
         entries.append(dict(op="attention", causal=causal, D=D, group=Hq // Hk, dtype=str(dtype).replace("torch.", ""),
-                            B=B, Sq=Sq, Sk=Sk, Hq=Hq, ms=ms))
+                            B=B, Sq=Sq, Sk=Sk, Hq=Hq, ms=ms, **({"layout": "head"} if layout == "head" else {})))
         del q, k, v
     return entries
 
