@@ -137,9 +137,10 @@ class CostTable:
     """Measured milliseconds per backend at grid points. JSON: {"device": str, "entries": [{"op", "causal", "D",
     "group", "dtype", "B", "Sq", "Sk", "Hq", "ms": {backend: ms}, optional "layout": "seq" (default) or "head"}]}. A
     call is costed at the nearest point of its (op, causal, D, GQA or not, dtype, layout) class in log2 (Sq, Sk,
-    B * Hq) space (a call whose q, k, v are all head-major views uses head-major points where there are any). A call that needs gradients is costed
-    by entries of op "<op>+backward" (forward plus backward times) only: a forward that wins says nothing about its
-    backward, so without such entries training calls take the default order (SDPA, what an unpatched model runs)."""
+    B * Hq) space (a call whose q, k, v are all head-major views uses head-major points where there are any). A call
+    that needs gradients is costed by entries of op "<op>+backward" (forward plus backward times) only: a forward that
+    wins says nothing about its backward, so without such entries training calls take the default order (SDPA, what an
+    unpatched model runs)."""
 
     def __init__(self, data: dict | None = None, source: str = "empty"):
         self.source = source
