@@ -108,9 +108,9 @@ def test_baseline_kept_unless_another_backend_measured_clearly_faster():
 
 
 def test_head_major_calls_are_costed_by_head_major_entries():
-    """Inputs that are all (B, S, H, D) views of contiguous (B, H, S, D) tensors (what SDPA callers pass) are costed
-    by "layout": "head" entries where the table has some for their class, else by the sequence-major ones;
-    sequence-major calls never read head-major entries."""
+    """A q that is a (B, S, H, D) view of a contiguous (B, H, S, D) tensor (what SDPA callers pass; CogVideoX's v is
+    sequence-major) is costed by "layout": "head" entries where the table has some for its class, else by the
+    sequence-major ones; sequence-major calls never read head-major entries."""
     cell = dict(op="attention", causal=False, D=64, group=1, dtype="float32", B=1, Sq=64, Sk=64, Hq=2)
     table = dispatch.CostTable({"entries": [dict(cell, ms={"sdpa": 2.0, "ours": 1.0}),
                                             dict(cell, ms={"sdpa": 1.0, "ours": 2.0}, layout="head")]})
@@ -119,8 +119,8 @@ def test_head_major_calls_are_costed_by_head_major_entries():
     assert all(dispatch.memory_layout(t) == "head" for t in head)
     assert table.costs(dispatch.Call.of("attention", *seq)) == {"sdpa": 2.0, "ours": 1.0}
     assert table.costs(dispatch.Call.of("attention", *head)) == {"sdpa": 1.0, "ours": 2.0}
-    mixed = (head[0], seq[1], seq[2])
-    assert table.costs(dispatch.Call.of("attention", *mixed)) == {"sdpa": 2.0, "ours": 1.0}
+    assert table.costs(dispatch.Call.of("attention", head[0], head[1], seq[2])) == {"sdpa": 1.0, "ours": 2.0}
+    assert table.costs(dispatch.Call.of("attention", seq[0], head[1], head[2])) == {"sdpa": 2.0, "ours": 1.0}
     seq_only = dispatch.CostTable({"entries": [dict(cell, ms={"sdpa": 2.0, "ours": 1.0})]})
     assert seq_only.costs(dispatch.Call.of("attention", *head)) == {"sdpa": 2.0, "ours": 1.0}
 

@@ -137,7 +137,7 @@ class CostTable:
     """Measured milliseconds per backend at grid points. JSON: {"device": str, "entries": [{"op", "causal", "D",
     "group", "dtype", "B", "Sq", "Sk", "Hq", "ms": {backend: ms}, optional "layout": "seq" (default) or "head"}]}. A
     call is costed at the nearest point of its (op, causal, D, GQA or not, dtype, layout) class in log2 (Sq, Sk,
-    B * Hq) space (a call whose q, k, v are all head-major views uses head-major points where there are any). A call
+    B * Hq) space (a call whose q is a head-major view uses head-major points where there are any). A call
     that needs gradients is costed by entries of op "<op>+backward" (forward plus backward times) only: a forward that
     wins says nothing about its backward, so without such entries training calls take the default order (SDPA, what an
     unpatched model runs)."""
@@ -159,10 +159,10 @@ class CostTable:
         dtype = _dtype_name(call.dtype)
         alt = {"bfloat16": "float16", "float16": "bfloat16"}.get(dtype, dtype)
         op = call.op + "+backward" if call.needs_grad else call.op
-        # head-major inputs (what SDPA callers hand over) are costed by head-major entries where the table has them:
-        # SDPA's kernels and ours do not rank the same on both layouts (a CogVideoX-shaped step lost 2% to cuDNN
-        # chosen from sequence-major cells, session 16)
-        layouts = ("head", "seq") if call.layouts and all(x == "head" for x in call.layouts) else ("seq",)
+        # a head-major q (what SDPA callers hand over; k / v may differ, e.g. CogVideoX's v) is costed by head-major
+        # entries where the table has them: SDPA's kernels and ours do not rank the same on both layouts (a
+        # CogVideoX-shaped step lost 2% to cuDNN chosen from sequence-major cells, session 16)
+        layouts = ("head", "seq") if call.layouts and call.layouts[0] == "head" else ("seq",)
         for lay, dt in ((lay, dt) for lay in layouts for dt in (dtype, alt)):
             points = self._points.get((op, call.causal, call.head_dim, call.group > 1, dt, lay))
             if points:
