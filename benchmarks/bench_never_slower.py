@@ -14,7 +14,8 @@ models patched vs unpatched, in one process.
    with DenseConfig and with the default recipe (skip lists; random weights keep every tile); a CogVideoX-5B-shaped
    step (4 layers, 48 x 64 heads, 17550 + 226 tokens) the same way; both steps also with the default recipe at
    forced list densities 0.5 / 0.25; and a Llama-shaped LLM (2 layers, 64 x 128 heads, 4 KV heads) patched with
-   NSAConfig (per-token and tile selection) at prefill 8K / 32K (`llama_nsa`). `--models` picks rows.
+   NSAConfig (per-token and tile selection) at prefill 8K / 32K (`llama_nsa`). `--models` picks rows. Each
+   unpatched / patched pair is timed in the order unpatched, patched, patched, unpatched (`_abba`).
 Results: benchmarks/results/<gpu>-never-slower.json; a table printed last.
 """
 from __future__ import annotations
@@ -102,10 +103,9 @@ def _llm(kind, layers=4):
     return model.to(torch.bfloat16).eval()
 
 
-def _time_prefill(model, S):
-    ids = torch.randint(0, 32000, (1, S), device="cuda")
+def _prefill(model, ids):
     with torch.no_grad():
-        return _bench(lambda: model(ids, use_cache=False, logits_to_keep=1))
+        return model(ids, use_cache=False, logits_to_keep=1)
 
 
 def _time_decode(model, B, prompt=512, new=32):
@@ -129,9 +129,8 @@ def llm_rows(log, quick, kinds=("llama", "qwen3", "d256"), seqs=None, decode=Tru
         model = _llm(kind)
         seqs = seqs or ((1024, 8192) if quick else (1024, 8192, 32768))
         for S in seqs:
-            base = _time_prefill(model, S)
-            h = sp.patch(model, sp.DenseConfig())
-            ours = _time_prefill(model, S)
+            ids = torch.randint(0, 32000, (1, S), device="cuda")
+            base, ours, h = _abba(lambda: _prefill(model, ids), model, sp.DenseConfig())
             backends = h.stats().get("backends", {})
             sp.unpatch(model)
             rows.append(dict(model=kind, what=f"prefill {S}", unpatched_ms=base, patched_ms=ours,
@@ -211,14 +210,25 @@ def _forced_density_rows(label, handle, step, base, log):
     return rows
 
 
+def _abba(fn, model, cfg):
+    """(unpatched ms, patched ms) of fn() in the order unpatched, patched, patched, unpatched (each the mean of its
+    two), so that a clock drift linear in time (a 75-ms DiT step heats the card: the same kernels read 2-3% slower a
+    minute later, session 16) enters both alike -> (base, ours, the handle, patched again for the caller)."""
+    b1 = _bench(fn)
+    h = sp.patch(model, cfg)
+    o1, o2 = _bench(fn), _bench(fn)
+    sp.unpatch(model)
+    b2 = _bench(fn)
+    h = sp.patch(model, cfg)
+    return (b1 + b2) / 2, (o1 + o2) / 2, h
+
+
 def _step_rows(label, model, step, log):
     """One denoising step timed unpatched, with DenseConfig and with the default recipe (skip lists), then the
     default recipe at forced densities (`_forced_density_rows`)."""
     rows = []
-    base = _bench(step)
     for name, cfg in (("DenseConfig", sp.DenseConfig()), ("default recipe", None)):
-        h = sp.patch(model, cfg)
-        ours = _bench(step)
+        base, ours, h = _abba(step, model, cfg)
         stats = h.stats()
         forced = _forced_density_rows(label, h, step, base, log) if cfg is None else []
         sp.unpatch(model)
@@ -262,10 +272,9 @@ def nsa_rows(log, seqs=None):
     model = _llm("llama_nsa")
     rows = []
     for S in seqs or (8192, 32768):
-        base = _time_prefill(model, S)
+        ids = torch.randint(0, 32000, (1, S), device="cuda")
         for sel in ("token", "tile"):
-            sp.patch(model, sp.NSAConfig(selection=sel))
-            ours = _time_prefill(model, S)
+            base, ours, _ = _abba(lambda: _prefill(model, ids), model, sp.NSAConfig(selection=sel))
             sp.unpatch(model)
             rows.append(dict(model="llama_nsa", what=f"prefill {S} {sel}", unpatched_ms=base, patched_ms=ours,
                              ratio=base / ours))
