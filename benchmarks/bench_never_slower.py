@@ -130,8 +130,8 @@ def llm_rows(log, quick, kinds=("llama", "qwen3", "d256"), seqs=None, decode=Tru
         seqs = seqs or ((1024, 8192) if quick else (1024, 8192, 32768))
         for S in seqs:
             ids = torch.randint(0, 32000, (1, S), device="cuda")
-            base, ours, h = _abba(lambda: _prefill(model, ids), model, sp.DenseConfig())
-            backends = h.stats().get("backends", {})
+            base, ours, stats, _ = _abba(lambda: _prefill(model, ids), model, sp.DenseConfig())
+            backends = stats.get("backends", {})
             sp.unpatch(model)
             rows.append(dict(model=kind, what=f"prefill {S}", unpatched_ms=base, patched_ms=ours,
                              ratio=base / ours, backends=backends))
@@ -213,14 +213,16 @@ def _forced_density_rows(label, handle, step, base, log):
 def _abba(fn, model, cfg):
     """(unpatched ms, patched ms) of fn() in the order unpatched, patched, patched, unpatched (each the mean of its
     two), so that a clock drift linear in time (a 75-ms DiT step heats the card: the same kernels read 2-3% slower a
-    minute later, session 16) enters both alike -> (base, ours, the handle, patched again for the caller)."""
+    minute later, session 16) enters both alike -> (base, ours, the patched run's stats, a handle of the model
+    patched again for the caller)."""
     b1 = _bench(fn)
     h = sp.patch(model, cfg)
     o1, o2 = _bench(fn), _bench(fn)
+    stats = h.stats()
     sp.unpatch(model)
     b2 = _bench(fn)
     h = sp.patch(model, cfg)
-    return (b1 + b2) / 2, (o1 + o2) / 2, h
+    return (b1 + b2) / 2, (o1 + o2) / 2, stats, h
 
 
 def _step_rows(label, model, step, log):
@@ -228,8 +230,7 @@ def _step_rows(label, model, step, log):
     default recipe at forced densities (`_forced_density_rows`)."""
     rows = []
     for name, cfg in (("DenseConfig", sp.DenseConfig()), ("default recipe", None)):
-        base, ours, h = _abba(step, model, cfg)
-        stats = h.stats()
+        base, ours, stats, h = _abba(step, model, cfg)
         forced = _forced_density_rows(label, h, step, base, log) if cfg is None else []
         sp.unpatch(model)
         rows.append(dict(model=label, what=f"step {name}", unpatched_ms=base, patched_ms=ours, ratio=base / ours,
@@ -274,7 +275,7 @@ def nsa_rows(log, seqs=None):
     for S in seqs or (8192, 32768):
         ids = torch.randint(0, 32000, (1, S), device="cuda")
         for sel in ("token", "tile"):
-            base, ours, _ = _abba(lambda: _prefill(model, ids), model, sp.NSAConfig(selection=sel))
+            base, ours, _, _ = _abba(lambda: _prefill(model, ids), model, sp.NSAConfig(selection=sel))
             sp.unpatch(model)
             rows.append(dict(model="llama_nsa", what=f"prefill {S} {sel}", unpatched_ms=base, patched_ms=ours,
                              ratio=base / ours))
