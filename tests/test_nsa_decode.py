@@ -280,6 +280,25 @@ def test_decode_given_random_indices(monkeypatch, case, early):
     check_bound(max_err(got.float(), want.float()), _tol(q.dtype, q, k, v), "given random")
 
 
+@needs_triton
+@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
+def test_decode_given_huge_indices(monkeypatch, early):
+    """A given entry past the last block contributes nothing, up to 2^31 - 1 (entries >= 2^31 / block_size wrapped
+    the key offset negative before the clamp: loads outside K/V, NaN here, an illegal address on a GPU): the output
+    equals the one with those entries -1."""
+    _, dec = _mods()
+    monkeypatch.setattr(dec, "GIVEN_EARLY", early)
+    cfg, q, k, v, kc, vc, gates, scale = _given_case(CASES[0])      # B 2, Hk 2, 3 selected of 10 blocks
+    n_b = -(-k.shape[1] // cfg.block_size)
+    big = torch.tensor([[[1, 4, n_b], [0, n_b + 1, 1 << 25]], [[3, 1 << 30, 2 ** 31 - 1], [2 ** 31 - 1] * 3]],
+                       dtype=torch.int32)
+    clean = torch.where(big >= n_b, -1, big)
+    want = dec.nsa_decode(q, k, v, kc, vc, gates, scale, cfg, indices=clean.to(DEV))[0]
+    got, gidx = dec.nsa_decode(q, k, v, kc, vc, gates, scale, cfg, True, indices=big.to(DEV))
+    assert torch.equal(gidx[:, 0].cpu(), big)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("bad, msg", [
     (lambda i: i.long(), "int32"),
     (lambda i: i[..., :-1], "shape"),

@@ -379,7 +379,9 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                            offs_d, HEAD_DIM)
         if EARLY:
             if pid < NSEL:     # ---- given selected block, before the wait: overlaps the compressed kernel
-                jb = tl.load(IDX + bh64 * NSEL + pid)
+                # an entry past the last block reads nothing: clamped to n_b before * BS (which would wrap int32
+                # for entries >= 2^31 / BS and send the loads below K)
+                jb = tl.minimum(tl.load(IDX + bh64 * NSEL + pid), n_b)
                 start = tl.maximum(jb, 0) * BS
                 hi = tl.where(jb >= 0, start + BS, 0)      # exclusive; -1 (or any negative): nothing
                 m, l_s, acc_s = _attend_keys(q, K, V, b64, hk, start, hi, S, skb, sks, skh, svb, svs, svh, qk_scale,
@@ -522,7 +524,7 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
     if DO_ATTN:
         if pid < NSEL:
             if GIVEN:
-                jb = tl.load(IDX + bh64 * NSEL + pid)
+                jb = tl.minimum(tl.load(IDX + bh64 * NSEL + pid), n_b)     # (clamped as above)
             elif SYNC and SLOT_POLL:
                 jb = _wait_slot(slot + pid, flag, STALL_A, SPIN)
                 if PROBE:
@@ -685,8 +687,8 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     indices: None (the step ranks the blocks itself) or the selected blocks to use, int32 (B, Hk, num_selected) or
     (B, 1, Hk, num_selected) on q's device, ascending, -1 padded (the layout of the returned idx; selection="tile"
     reuses the tile's first selection). The step then scores and ranks nothing; inside each given block the causal
-    mask still applies (keys <= S - 1), and a negative entry or one past the last block contributes nothing (values
-    are not checked on the host: that would need a sync). With return_indices the given indices come back as
+    mask still applies (keys <= S - 1), and a negative entry or one past the last block (any int32) contributes nothing
+    (values are not checked on the host: that would need a sync). With return_indices the given indices come back as
     (B, 1, Hk, num_selected) (a view of them when they are contiguous)."""
     B, T, Hq, D = q.shape
     S, Hk = k.shape[1], k.shape[2]
