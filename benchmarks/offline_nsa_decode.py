@@ -4,7 +4,7 @@ kernel and prints registers, stack bytes, static shared memory and SASS instruct
 
     PYTHONPATH=/path/to/triton-3.6:$PWD python benchmarks/offline_nsa_decode.py OUTDIR [NAME=VALUE ...]
 
-NAME=VALUE sets a module switch of sparsepatch.kernels.nsa.decode first (e.g. GIVEN_IN_CMP=False TARGET_PROGRAMS=160).
+NAME=VALUE sets a module switch of sparsepatch.kernels.nsa.decode first (e.g. GIVEN_EARLY=False TARGET_PROGRAMS=160).
 Shapes: HQ64/H4 D128 bf16 B=1 at S 8192 and 65536, the per-token and the given-selection step (NSAConfig()).
 Integer arguments are specialised as on the device (1 / multiples of 16), pointers as 16-byte aligned.
 """
@@ -67,7 +67,7 @@ class Fake:
         return launch
 
 
-for _n in ("_dec_cmp_kernel", "_dec_sel_kernel", "_dec_merge_kernel"):
+for _n in ("_dec_cmp_kernel", "_dec_sel_kernel"):
     setattr(dec, _n, Fake(getattr(dec, _n)))
 
 
@@ -93,7 +93,7 @@ def main(out, settings):
             step(S, given)
             for name, grid, meta, k in COMPILED:
                 flags = "-".join(f"{a}{int(b)}" for a, b in sorted(meta.items()) if isinstance(b, bool) and a.isupper()
-                                 and (a.startswith("DO_") or a in ("ONE_ROUND", "ONE_CNT", "PARTS", "SYNC")))
+                                 and (a.startswith("DO_") or a in ("ONE_CNT", "SYNC")))
                 tag = f"{name}-S{S}-{'given' if given else 'token'}-{flags}"
                 with open(os.path.join(out, tag + ".ptx"), "w") as f:
                     f.write(k.asm["ptx"])

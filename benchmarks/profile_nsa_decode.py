@@ -3,9 +3,9 @@ replay time of the whole step, HQ64/H4 D128 bf16 B=1, at a few context lengths.
 
     python benchmarks/profile_nsa_decode.py [--out DIR] [--s 65536] [--sweep]   # CUDA only; JSON
                                                                    # <gpu>-nsa-decode-profile.json
-    python benchmarks/profile_nsa_decode.py --s 65536 8192 16384 32768 --ab new old [--ab-full 1]
-        # old/new A/B (AB_VARIANTS) of the normal and the tile-continuing step, timed as bench_nsa.py's graph rows
-        # (ours_graph_us, tile_graph_us), then timelines of both steps warm and L2-flushed;
+    python benchmarks/profile_nsa_decode.py --s 65536 8192 16384 32768 --ab new t160 [--ab-full 1]
+        # A/B of module-setting variants (AB_VARIANTS) of the normal and the tile-continuing step, timed as
+        # bench_nsa.py's graph rows (ours_graph_us, tile_graph_us), then timelines of both steps warm and L2-flushed;
         # JSON <gpu>-nsa-decode-ab.json
     python benchmarks/profile_nsa_decode.py --s 8192 16384 32768 65536 --given
         # the step with a given selection (selection="tile": the 63 of 64 steps that reuse the tile's selection;
@@ -178,18 +178,9 @@ def probe(S, var=None, reps=20, cold=False, given=False):
 
 
 S4 = {"KEY_POLL": False, "SLOT_POLL": False, "EARLY_LOADS": False}   # session-4 structure (counter barriers)
-# old: the session-15 defaults (given step: session-7 merge in the selection kernel; normal step: three merge
-# counters; 160 compressed programs). new: the module defaults. The others switch one thing off the defaults:
-# one_round (given: selected + window partials in the selection kernel, waited for and loaded before
-# griddepcontrol.wait), three (normal: the merge's three counters), t160 (160 compressed programs: 32 splits at 64K),
-# pf4 (normal: each chunk program prefetches its best candidates' K/V into L2, ~4x the selected bytes), sel_last
-# (given: the given blocks' programs after the splits in the compressed grid).
-# stages3: the compressed kernel with 3 pipeline stages (session 5).
-OLD = {"GIVEN_IN_CMP": False, "GIVEN_ONE_ROUND": False, "ONE_COUNT": False, "TARGET_PROGRAMS": 160}
-AB_VARIANTS = {"old": OLD, "new": {}, "one_round": {"GIVEN_IN_CMP": False}, "three": {"ONE_COUNT": False},
-               "t160": {"TARGET_PROGRAMS": 160}, "pf4": {"PREFETCH_X": 4}, "sel_last": {"GIVEN_SEL_FIRST": False},
-               "s4": S4,
-               "noearly": {"EARLY_LOADS": False},
+# new: the module defaults. The others switch something off the defaults: t160 (160 compressed programs: 32 splits
+# at 64K), s4, noearly, nopoll, stages3 (the compressed kernel with 3 pipeline stages, session 5).
+AB_VARIANTS = {"new": {}, "t160": {"TARGET_PROGRAMS": 160}, "s4": S4, "noearly": {"EARLY_LOADS": False},
                "nopoll": {"KEY_POLL": False, "SLOT_POLL": False}, "stages3": {"NUM_STAGES": {"cmp": 3}}}
 
 
@@ -201,14 +192,14 @@ def _set(var):
 
 
 def ab(ss, names, rounds=2, full=2, save=None):
-    """Old vs new decode structure in one process, timed as bench_nsa.py --decode-only times its graph rows: one
-    captured nsa_attention step (NSACache(store_kv=False) prefilled to S) replayed under triton do_bench (median,
-    L2 flushed before each replay), per variant the normal step (`{name}_us`, ranks its blocks) and the tile step
-    (`{name}_tile_us`: selection="tile", a step continuing a tile, i.e. nsa_decode(..., indices=) with the normal
-    step's blocks, as bench_nsa's tile_graph_us); variants alternate `rounds` times. Also SDPA decode (graph) and, at
-    the largest S, 'code warm' (a flush, then a replay of the same step on other inputs, then the timed replay: data
-    cold, kernel code and launch state warm) and 'warm' (no flush) of the normal step. Variants after the first
-    `full` run only at the largest S."""
+    """Variants of the decode step (AB_VARIANTS) in one process, timed as bench_nsa.py --decode-only times its graph
+    rows: one captured nsa_attention step (NSACache(store_kv=False) prefilled to S) replayed under triton do_bench
+    (median, L2 flushed before each replay), per variant the normal step (`{name}_us`, ranks its blocks) and the tile
+    step (`{name}_tile_us`: selection="tile", a step continuing a tile, i.e. nsa_decode(..., indices=) with the
+    normal step's blocks, as bench_nsa's tile_graph_us); variants alternate `rounds` times. Also SDPA decode (graph)
+    and, at the largest S, 'code warm' (a flush, then a replay of the same step on other inputs, then the timed
+    replay: data cold, kernel code and launch state warm) and 'warm' (no flush) of the normal step. Variants after
+    the first `full` run only at the largest S."""
     import torch.nn.functional as F
     from sparsepatch.kernels.nsa import forward as nsa
     rows = []
@@ -222,7 +213,8 @@ def ab(ss, names, rounds=2, full=2, save=None):
             tcache.update(k, v, tcfg)
         row = {"S": S}
         graphs = {}
-        with torch.no_grad():
+        sels = []      # each tile graph reads the selection tensor it was captured with: kept alive while it is
+        with torch.no_grad():   # replayed (a freed one is reused by later allocations: garbage block indices)
             for name in (names if S == max(ss) else names[:full]):
                 saved = _set(AB_VARIANTS[name])
                 try:
@@ -232,7 +224,8 @@ def ab(ss, names, rounds=2, full=2, save=None):
                     row[f"{name}_max_diff_vs_prefill"] = (o.float() - o_p.float()).abs().max().item()
                     graphs[name] = common.graph_replay(lambda: nsa.nsa_attention(q, k, v, cfg, cache=cache))
                     # the tile step continues the tile whose first step selected i_p (the prefill kernels' blocks)
-                    tcache.tile_selection = ((S - 1) // tcfg.block_size, i_p[:, 0].contiguous())
+                    sels.append(i_p[:, 0].contiguous())
+                    tcache.tile_selection = ((S - 1) // tcfg.block_size, sels[-1])
                     o_t = nsa.nsa_attention(q, k, v, tcfg, cache=tcache)
                     row[f"{name}_tile_max_diff_vs_prefill"] = (o_t.float() - o_p.float()).abs().max().item()
                     row[f"{name}_tile_finite"] = bool(torch.isfinite(o_t).all())
@@ -276,11 +269,8 @@ def ab(ss, names, rounds=2, full=2, save=None):
     return rows
 
 
-# given-selection step variants (module flags): the default and GIVEN_EARLY off (session 7 run 2 also timed run 1's
-# merge, three `_merge` calls after the waits, as given_r1: within 0.1-0.25 us of the default, since deleted)
-GIVEN_VARIANTS = {"given": {}, "given_one_round": {"GIVEN_IN_CMP": False},
-                  "given_s7": {"GIVEN_IN_CMP": False, "GIVEN_ONE_ROUND": False},
-                  "given_late": {"GIVEN_IN_CMP": False, "GIVEN_EARLY": False}}
+# given-selection step variants (module flags): the default and GIVEN_EARLY off
+GIVEN_VARIANTS = {"given": {}, "given_late": {"GIVEN_EARLY": False}}
 
 
 def given_ab(ss, variants=("given", "given_late"), rounds=3, save=None):
@@ -288,11 +278,9 @@ def given_ab(ss, variants=("given", "given_late"), rounds=3, save=None):
     selection for its other block_size - 1 steps) against the normal step (which scores and ranks) and SDPA decode
     (enable_gqa, default backend), in one process, each one captured call timed as the rows above: triton do_bench
     median of a graph replay, L2 flushed; the variants alternate `rounds` times, best round kept. Variants of
-    GIVEN_VARIANTS: given = the default structure (GIVEN_IN_CMP: the compressed kernel also computes the selected and
-    window partials, a merge-only kernel follows), given_one_round / given_s7 = those partials in the selection kernel
-    before griddepcontrol.wait with the one-round / session-7 merge, given_late = GIVEN_EARLY off. The given steps get
-    the normal step's own selection, so their outputs must equal it up to rounding (max_diff) and return the same
-    indices."""
+    GIVEN_VARIANTS: given = the default structure (GIVEN_EARLY: selected blocks before griddepcontrol.wait, one merge
+    of the three branches), given_late = GIVEN_EARLY off. The given steps get the normal step's own selection, so
+    their outputs must equal it up to rounding (max_diff) and return the same indices."""
     import torch.nn.functional as F
     names = ("normal",) + tuple(variants)
     rows = []
@@ -391,8 +379,8 @@ def main(argv=None):
                     f"GIVEN_VARIANTS: {', '.join(GIVEN_VARIANTS)}; default given given_late) vs the normal step and "
                     "SDPA at --s, then its timelines at the largest S; JSON <gpu>-nsa-decode-given.json")
     ap.add_argument("--ab", nargs="*", metavar="VARIANT",
-                    help=f"only the old/new A/B at --s (variants of AB_VARIANTS: {', '.join(AB_VARIANTS)}; default "
-                         "old new), then timelines (warm and L2-flushed) at the largest S; JSON "
+                    help=f"only the A/B at --s (variants of AB_VARIANTS: {', '.join(AB_VARIANTS)}; default "
+                         "new t160), then timelines (warm and L2-flushed) at the largest S; JSON "
                          "<gpu>-nsa-decode-ab.json")
     args = ap.parse_args(argv)
     rows = []
@@ -419,7 +407,7 @@ def main(argv=None):
                   + " diff " + " ".join(f"{r[n + '_max_diff_vs_normal']:.1e}" for n in names[1:]))
         return res
     if args.ab is not None:
-        names = args.ab or ["old", "new"]
+        names = args.ab or ["new", "t160"]
         fname = f"{common.gpu_name()}-nsa-decode-ab.json"
 
         def save(rows_):

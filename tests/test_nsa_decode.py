@@ -98,8 +98,7 @@ def test_decode_splits(monkeypatch, block_n, target):
     want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
     assert torch.equal(idx.long(), widx)
     check_bound(max_err(out, want), _tol(q.dtype, q, k, v), "splits")
-    # the given step (GIVEN_IN_CMP: programs n_split.. of the compressed grid, whose tile range is empty, attend to
-    # the given blocks and the window) with the reference's selection: the reference's output
+    # the given step (its merge over the same splits) with the reference's selection: the reference's output
     kc, vc = ref.compress_kv(k, v, cfg)
     got, _ = dec.nsa_decode(q, k, v, kc, vc, gates, 0.25, cfg, indices=idx)
     check_bound(max_err(got, want), _tol(q.dtype, q, k, v), "given, splits")
@@ -231,30 +230,16 @@ def _given_case(case, seed_gates=1):
 
 
 GIVEN_CASES = [CASES[1], CASES[2], CASES[5]]          # G 4 fp32 gates, MHA fp16, num_selected > visible blocks
-# given-step structures (module switches): the selected + window partials in the compressed kernel and a merge-only
-# kernel (default; the given blocks' programs first in its grid, or after the splits); in the selection kernel
-# before griddepcontrol.wait with the one-round merge, or with the session-7 merge; the normal structure without
-# score and rank
-GIVEN_MODES = {"in_cmp": dict(GIVEN_IN_CMP=True, GIVEN_SEL_FIRST=True),
-               "in_cmp_last": dict(GIVEN_IN_CMP=True, GIVEN_SEL_FIRST=False),
-               "one_round": dict(GIVEN_IN_CMP=False, GIVEN_EARLY=True, GIVEN_ONE_ROUND=True),
-               "s7": dict(GIVEN_IN_CMP=False, GIVEN_EARLY=True, GIVEN_ONE_ROUND=False),
-               "late": dict(GIVEN_IN_CMP=False, GIVEN_EARLY=False)}
-
-
-def _set_mode(monkeypatch, dec, mode):
-    for n, val in GIVEN_MODES[mode].items():
-        monkeypatch.setattr(dec, n, val)
 
 
 @needs_triton
-@pytest.mark.parametrize("mode", list(GIVEN_MODES))
+@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
 @pytest.mark.parametrize("case", GIVEN_CASES, ids=["G4-f32", "MHA-f16", "nsel40"])
-def test_decode_given_indices_equal_normal_step(monkeypatch, case, mode):
+def test_decode_given_indices_equal_normal_step(monkeypatch, case, early):
     """indices = the normal step's own selection -> the same output (the selected partials are merged in another
-    order: fp32 rounding) and the same indices back; every given-step structure (GIVEN_MODES)."""
+    order: fp32 rounding) and the same indices back; both given-step structures (GIVEN_EARLY)."""
     _, dec = _mods()
-    _set_mode(monkeypatch, dec, mode)
+    monkeypatch.setattr(dec, "GIVEN_EARLY", early)
     cfg, q, k, v, kc, vc, gates, scale = _given_case(case)
     out, idx = dec.nsa_decode(q, k, v, kc, vc, gates, scale, cfg, True)
     for form in (idx, idx[:, 0]):                     # (B, 1, Hk, nsel) and (B, Hk, nsel)
@@ -267,13 +252,13 @@ def test_decode_given_indices_equal_normal_step(monkeypatch, case, mode):
 
 
 @needs_triton
-@pytest.mark.parametrize("mode", ["in_cmp", "one_round", "late"])
+@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
 @pytest.mark.parametrize("case", GIVEN_CASES, ids=["G4-f32", "MHA-f16", "nsel40"])
-def test_decode_given_random_indices(monkeypatch, case, mode):
+def test_decode_given_random_indices(monkeypatch, case, early):
     """Arbitrary selections (random ascending blocks, -1 padded, one (b, kv head) with none) -> the PyTorch
     reference over exactly those blocks."""
     _, dec = _mods()
-    _set_mode(monkeypatch, dec, mode)
+    monkeypatch.setattr(dec, "GIVEN_EARLY", early)
     cfg, q, k, v, kc, vc, gates, scale = _given_case(case)
     B, S, Hk, nsel = q.shape[0], k.shape[1], k.shape[2], cfg.num_selected
     n_b = -(-S // cfg.block_size)
@@ -293,6 +278,25 @@ def test_decode_given_random_indices(monkeypatch, case, mode):
     assert torch.equal(gidx[:, 0], idx)
     want = _given_reference(q, k, v, kc, vc, gates, cfg, idx, scale)
     check_bound(max_err(got.float(), want.float()), _tol(q.dtype, q, k, v), "given random")
+
+
+@needs_triton
+@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
+def test_decode_given_huge_indices(monkeypatch, early):
+    """A given entry past the last block contributes nothing, up to 2^31 - 1 (entries >= 2^31 / block_size wrapped
+    the key offset negative before the clamp: loads outside K/V, NaN here, an illegal address on a GPU): the output
+    equals the one with those entries -1."""
+    _, dec = _mods()
+    monkeypatch.setattr(dec, "GIVEN_EARLY", early)
+    cfg, q, k, v, kc, vc, gates, scale = _given_case(CASES[0])      # B 2, Hk 2, 3 selected of 10 blocks
+    n_b = -(-k.shape[1] // cfg.block_size)
+    big = torch.tensor([[[1, 4, n_b], [0, n_b + 1, 1 << 25]], [[3, 1 << 30, 2 ** 31 - 1], [2 ** 31 - 1] * 3]],
+                       dtype=torch.int32)
+    clean = torch.where(big >= n_b, -1, big)
+    want = dec.nsa_decode(q, k, v, kc, vc, gates, scale, cfg, indices=clean.to(DEV))[0]
+    got, gidx = dec.nsa_decode(q, k, v, kc, vc, gates, scale, cfg, True, indices=big.to(DEV))
+    assert torch.equal(gidx[:, 0].cpu(), big)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("bad, msg", [
@@ -385,21 +389,17 @@ def test_gpu_decode_cache_steps_and_graph():
 
 
 @gpu
-@pytest.mark.parametrize("stall, old", [(1, ""), (2, ""), (3, ""), (4, ""), (1, "s4"), (2, "s4"), (3, "three"),
-                                        (4, "three")],
-                         ids=["rank", "slot", "merge", "window", "rank-counters", "attn-counters", "merge-three",
-                              "window-three"])
+@pytest.mark.parametrize("stall, old", [(1, False), (2, False), (3, False), (4, False), (1, True), (2, True)],
+                         ids=["rank", "slot", "merge", "window", "rank-counters", "attn-counters"])
 def test_gpu_decode_barrier_timeout_poisons(monkeypatch, stall, old):
     """An in-kernel wait that gives up (made unsatisfiable here through the test hook, with a short SPIN_LIMIT) makes
-    the step's output NaN instead of silently wrong; the next step is unaffected (flags are reset per step). `old`:
-    s4 = the session-4 counter-barrier structure (KEY_POLL / SLOT_POLL / EARLY_LOADS off), three = the merge's three
-    counters (ONE_COUNT off); default: one merge counter."""
+    the step's output NaN instead of silently wrong; the next step is unaffected (flags are reset per step). Default:
+    the merge waits on one counter (ONE_CNT); `old`: the session-4 counter-barrier structure (KEY_POLL / SLOT_POLL /
+    EARLY_LOADS off), whose merge waits on several."""
     _, dec = _mods()
-    if old == "s4":
+    if old:
         for n in ("KEY_POLL", "SLOT_POLL", "EARLY_LOADS"):
             monkeypatch.setattr(dec, n, False)
-    if old == "three":
-        monkeypatch.setattr(dec, "ONE_COUNT", False)
     cfg = NSAConfig()
     q, k, v, g = _gpu_case(1, 8192, 9)
     kc, vc = ref.compress_kv(k, v, cfg)
@@ -419,12 +419,12 @@ def test_gpu_decode_barrier_timeout_poisons(monkeypatch, stall, old):
 
 
 @gpu
-@pytest.mark.parametrize("mode", list(GIVEN_MODES))
-def test_gpu_decode_given_bf16_8k(monkeypatch, mode):
+@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
+def test_gpu_decode_given_bf16_8k(monkeypatch, early):
     """8K bf16 HQ64/H4, B=2: the given-selection step equals the normal step when given its selection, and the
-    PyTorch reference over random given blocks; every given-step structure."""
+    PyTorch reference over random given blocks."""
     _, dec = _mods()
-    _set_mode(monkeypatch, dec, mode)
+    monkeypatch.setattr(dec, "GIVEN_EARLY", early)
     cfg = NSAConfig()
     q, k, v, g = _gpu_case(2, 8192 - 5, 31)
     kc, vc = ref.compress_kv(k, v, cfg)
@@ -482,13 +482,10 @@ def test_gpu_decode_given_graph():
 
 
 @gpu
-@pytest.mark.parametrize("mode", ["one_round", "s7"])
 @pytest.mark.parametrize("stall", [3, 4], ids=["merge", "window"])
-def test_gpu_decode_given_timeout_poisons(monkeypatch, stall, mode):
-    """The given-selection structures with in-kernel waits keep the timeout poison: a merge or window wait that gives
-    up -> NaN output (GIVEN_IN_CMP has no in-kernel wait)."""
+def test_gpu_decode_given_timeout_poisons(monkeypatch, stall):
+    """The given-selection step keeps the timeout poison: a merge or window wait that gives up -> NaN output."""
     _, dec = _mods()
-    _set_mode(monkeypatch, dec, mode)
     cfg = NSAConfig()
     q, k, v, g = _gpu_case(1, 8192, 9)
     kc, vc = ref.compress_kv(k, v, cfg)
@@ -515,13 +512,11 @@ def _within_ulp(a, b):
 
 @gpu
 @pytest.mark.parametrize("S", [8192 + 17, 65536 - 3])
-def test_gpu_decode_structures_agree(monkeypatch, S):
-    """HQ64/H4 bf16 B=1 at 8K and 64K (64K: 64 compressed splits at TARGET_PROGRAMS 320, 32 at 160). Normal step: the
-    one-counter merge (ONE_COUNT) and the candidates' L2 prefetch (PREFETCH_X) leave it bit for bit equal (same
-    arithmetic); 160 target programs give
-    the same indices and outputs within one bf16 ulp; heads whose indices equal the reference's are within 2e-2 of it
-    (the other decode tests' bound). Given step, every structure, with the normal step's indices: the indices back
-    and the normal step's output within one bf16 ulp."""
+def test_gpu_decode_target_programs_and_given_agree(monkeypatch, S):
+    """HQ64/H4 bf16 B=1 at 8K and 64K (64K: 64 compressed splits at TARGET_PROGRAMS 320, 32 at 160): 160 target
+    programs give the same indices and outputs within one bf16 ulp; heads whose indices equal the reference's are
+    within 2e-2 of it (the other decode tests' bound). Given step (GIVEN_EARLY on and off) with the normal step's
+    indices: the indices back and the normal step's output within one bf16 ulp."""
     _, dec = _mods()
     cfg = NSAConfig()
     q, k, v, g = _gpu_case(1, S, 77)
@@ -529,14 +524,6 @@ def test_gpu_decode_structures_agree(monkeypatch, S):
     scale = 1.0 / math.sqrt(128)
     out, idx = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
     assert torch.isfinite(out).all()
-    monkeypatch.setattr(dec, "ONE_COUNT", False)
-    o3, i3 = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
-    assert torch.equal(i3, idx) and torch.equal(o3, out)
-    monkeypatch.setattr(dec, "ONE_COUNT", True)
-    monkeypatch.setattr(dec, "PREFETCH_X", 4)            # L2 prefetches change no arithmetic
-    opf, ipf = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
-    assert torch.equal(ipf, idx) and torch.equal(opf, out)
-    monkeypatch.setattr(dec, "PREFETCH_X", 0)
     monkeypatch.setattr(dec, "TARGET_PROGRAMS", 160)
     o16, i16 = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True)
     monkeypatch.setattr(dec, "TARGET_PROGRAMS", 320)
@@ -546,8 +533,8 @@ def test_gpu_decode_structures_agree(monkeypatch, S):
     assert int(same.sum()) >= 3, same
     rows = same.repeat_interleave(16)
     assert (out[0, 0][rows].float() - want[0, 0][rows].float()).abs().max().item() < 2e-2
-    for mode in GIVEN_MODES:
-        _set_mode(monkeypatch, dec, mode)
+    for early in (True, False):
+        monkeypatch.setattr(dec, "GIVEN_EARLY", early)
         got, gidx = dec.nsa_decode(q, k, v, kc, vc, g, scale, cfg, True, indices=idx)
-        assert torch.isfinite(got).all() and torch.equal(gidx, idx), mode
-        assert _within_ulp(got, out), (mode, (got.float() - out.float()).abs().max().item())
+        assert torch.isfinite(got).all() and torch.equal(gidx, idx), early
+        assert _within_ulp(got, out), (early, (got.float() - out.float()).abs().max().item())

@@ -28,24 +28,19 @@ query heads of one KV head (padded to GP >= 16 for tl.dot). Work per (b, kv head
    another). Waits: (b) spins on a per-(b, kv head) counter of the chunk programs (KEY_POLL, off by default: polls
    the candidate keys themselves, reset to a sentinel by (1)), (c) polls its own slot (SLOT_POLL: reset to -2 by
    (1)), the window merges and (d) spin on per-(b, kv head) counters ((d): one counter that every arrival it needs
-   goes to, ONE_COUNT; off: three in a row) (acquire
-   loads; arrivals are a bar.sync then a release add). Every wait is bounded (SPIN_LIMIT polls); one that gives up
-   sets a per-(b, kv head) flag that reaches the merge through the later arrivals, and the merge then writes NaN
-   for that (b, kv head): a broken co-residency assumption shows as NaN output, never as a hang or a wrong number.
+   goes to: selected partials, final ranks, window merges) (acquire loads; arrivals are a bar.sync then a release
+   add). Every wait is bounded (SPIN_LIMIT polls); one that gives up sets a per-(b, kv head) flag that reaches the
+   merge through the later arrivals, and the merge then writes NaN for that (b, kv head): a broken co-residency
+   assumption shows as NaN output, never as a hang or a wrong number.
 
 Given selection (`indices=`, selection="tile": a step whose tile started earlier reuses the tile's selection, 63 of
 64 steps at block 64): the compressed kernel is built without the importance work (IMP off: no tile maxima, IMP_A/B,
-slots or candidate keys). By default (GIVEN_IN_CMP) its grid grows by num_selected + n_win programs per (b, kv head)
-that attend to the given blocks and the window chunks (they start with the compressed programs, ~1.5-3 us before
-the programs of a PDL-launched second kernel would), and `_dec_merge_kernel` (grid (G, B * Hk), PDL) merges each
-head's compressed, selected and window partials in one round of loads after griddepcontrol.wait: no in-kernel
-barrier, no co-residency assumption. The other structures (switches, measured against it): GIVEN_IN_CMP off and
-GIVEN_EARLY on, the selection kernel without score and rank phases (GIVEN): program p < num_selected attends to given
-block p before griddepcontrol.wait, as the window programs do; with GIVEN_ONE_ROUND those programs arrive on one
-counter before the wait (the compressed kernel's program 0 zeroes the counters and fences before its PDL trigger,
-ZFIRST) and each merge program waits for it and loads their partials before its griddepcontrol.wait, then the
-compressed ones after it; without GIVEN_ONE_ROUND (session 7) the merge programs merge the compressed partials, wait
-for two counters and load the others in a second round. GIVEN_EARLY off: the normal structure minus score and rank.
+slots or candidate keys), the selection kernel without the score and rank phases (GIVEN), and by default (GIVEN_EARLY)
+program p < num_selected attends to the given block p before griddepcontrol.wait, as the window programs do, so the
+selected branch overlaps the compressed kernel; after the wait the merge programs wait for the window and selected
+partials (two counters, the same bounded waits and NaN poison) and merge all three branches themselves: one launch
+when co-resident, else two (partials, then the merge). GIVEN_EARLY off: the normal structure minus score and rank (the
+selected programs read their block after the wait; the window programs pre-merge as before).
 
 Host work: no sync, no .item(); a step allocates its fp32 scratch and its output from PyTorch's caching allocator
 (no process-wide buffer, so concurrent streams and several captured graphs are safe). The step is CUDA-graph
@@ -72,8 +67,9 @@ FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
 # Launch settings (H100, bf16, D=128, HQ64/H4).
 CMP_BLOCK_N = 64          # compressed keys per tile (a multiple of block_size / compress_stride, which is <= 64)
 TARGET_PROGRAMS = 320     # compressed-branch programs aimed at (tiles per split = cdiv(tiles * B * Hk, this)); 320:
-                          # one tile per split up to 64K at B=1, HQ64/H4 (H200, session 15: 22.0 vs 22.7 us with 160)
-NUM_WARPS = dict(cmp=4, sel=4, merge=4)
+                          # one tile per split up to 64K at B=1, HQ64/H4 (H200: 64K per-token step 0.65 us faster
+                          # than with 160, NOTES NSA decode session 16)
+NUM_WARPS = dict(cmp=4, sel=4)
 SCORE_CHUNK = 64          # selection blocks scored per program (the first top-k stage ranks within a chunk)
 NUM_STAGES = dict(cmp=2)  # 2: a split's second tile is loaded only after the first tile's wait (sm_90 SASS); 3 issues
                           # both before it (one cold HBM round trip instead of two; not yet timed: NOTES session 5)
@@ -91,21 +87,6 @@ SPIN_LIMIT = 1 << 22      # polls before a barrier wait gives up (a safety net a
                           # a wait that gives up makes the step's output NaN for that (b, kv head) (see _dec_sel_kernel)
 GIVEN_EARLY = True        # given indices: selected blocks before griddepcontrol.wait, one merge of all three branches
                           # (False: the normal step's structure without score and rank; NOTES session 7)
-GIVEN_IN_CMP = True       # given indices: the compressed kernel also attends to the given blocks and the window chunks
-                          # (programs n_split.. of its grid, which start ~1.5-3 us before the PDL-launched kernel's),
-                          # then a merge-only kernel (one load round after griddepcontrol.wait, no in-kernel
-                          # barriers); False: GIVEN_EARLY / GIVEN_ONE_ROUND below pick the selection kernel's structure
-GIVEN_SEL_FIRST = True    # with GIVEN_IN_CMP: the given-block programs first in the compressed grid (their index load
-                          # and then their K/V loads leave before the splits' flood of loads; False: after the splits)
-GIVEN_ONE_ROUND = True    # with GIVEN_EARLY: the merge waits for the window + selected partials and loads them before
-                          # griddepcontrol.wait; after it only the compressed partials (one load round); False: the
-                          # session-7 merge (compressed merge, two counter waits, then a second load round)
-PREFETCH_X = 0            # normal step: > 0 -> each chunk program prefetches into L2 the K/V rows of its best
-                          # min(CW, next_pow2(PREFETCH_X * cdiv(num_selected, n_chunks))) blocks right after its rank
-                          # (~PREFETCH_X times the selected bytes; 0 = off: the session-5 prefetch from the final rank
-                          # measured neutral, an unpredicated one +3.6 us; this one is ~2 us earlier; to be measured)
-ONE_COUNT = True          # normal step (SLOT_POLL): the merge waits on one counter that every arrival it needs goes
-                          # to (False: three counters, three acquire waits in a row)
 _STALL = 0                # tests only: 1..4 makes one in-kernel wait unsatisfiable (rank, selected, merge, window)
 KEY_UNSET = -(1 << 63)    # candidate key not written yet (the key of score -0.0, which no block has)
 SLOT_UNSET = -2           # selected-block slot not written yet (-1 = written, no block)
@@ -158,41 +139,23 @@ def _store_partial(WS, o_m, o_l, o_acc, prow, m, l_i, acc, g_ok, offs_d, HEAD_DI
 def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
                     sqb, sqh, skb, sks, skh, svb, svs, svh,
                     n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
-                    K, V, IDX, o_sm, o_sl, o_sacc, kb, ks, kh, vb, vs, vh, S, n_part, window,
                     CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
                     HEAD_DIM: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, CNTW: tl.constexpr,
                     NSELP: tl.constexpr, MP: tl.constexpr, KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr,
-                    MTB: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr, IMP: tl.constexpr,
-                    ZFIRST: tl.constexpr, PARTS: tl.constexpr, NSEL: tl.constexpr, BLK: tl.constexpr,
-                    PARTS_FIRST: tl.constexpr):
+                    MTB: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr, IMP: tl.constexpr):
     # IMP False (the step was given its selected blocks): no block importance, tile maxima, slots or candidate keys,
-    # only the compressed branch's partials and the counter reset.
-    # PARTS (given selection, GIVEN_IN_CMP): programs sp >= n_split (no compressed tile: their tile range is empty)
-    # attend instead to given block sp - n_split (< NSEL) or to window chunk sp - n_split - NSEL, and store their
-    # partial where the selection kernel's window / selected programs would (K, V, IDX, o_s*, kb.., S, n_part,
-    # window: unused otherwise); no counters (the merge kernel that follows only waits for this kernel).
-    # PARTS_FIRST (with PARTS): the grid is ordered given blocks (0..NSEL-1), splits, window chunks instead, so the
-    # given blocks' dependent loads (index, then K/V) are dispatched before the splits' loads.
-    # ZFIRST (with USE_PDL): program 0 zeroes the counters, fences (gpu scope) and only then lets the selection kernel
-    # launch, so that kernel may count on them before its griddepcontrol.wait (the given step's one-round merge)
+    # only the compressed branch's partials and the counter reset
     sp = tl.program_id(0)
     ts = TS + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + sp) * 4
     if PROBE:
         _gstamp(ts, 0)
         _stamp(ts, 1, sp)
-    if ZFIRST:
-        if sp == 0:
-            c8z = tl.arange(0, 8)
-            tl.store(CNT + tl.program_id(1).to(tl.int64) * CNTW + c8z, tl.zeros([8], tl.int32))
-            _fence_gpu()
-            tl.debug_barrier()   # every thread's store and fence before any thread's launch_dependents
-    if USE_PDL:        # the selection kernel may start now: it only loads q (and, given indices, its own partials)
-        gdc_launch_dependents()    # before its griddepcontrol.wait
+    if USE_PDL:        # the selection kernel may start now: it only loads q before its griddepcontrol.wait
+        gdc_launch_dependents()
     b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
     if sp == 0:        # the selection kernel's barrier counters, selected-block slots and candidate keys (it reads
         c8 = tl.arange(0, 8)   # them only after its griddepcontrol.wait, i.e. after this kernel): 8 counters (+5: the
-        if not (ZFIRST or PARTS):   # timeout flag), NSELP slots
-            tl.store(CNT + bh64 * CNTW + c8, tl.zeros([8], tl.int32))
+        tl.store(CNT + bh64 * CNTW + c8, tl.zeros([8], tl.int32))       # timeout flag), NSELP slots
         if IMP:
             sl = tl.arange(0, NSELP)
             if SLOT_POLL:  # ranks < MP are written by the final rank (SLOT_UNSET until then), the others stay empty
@@ -214,14 +177,8 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, HEAD_DIM], tl.float32)
-    if PARTS_FIRST:    # (PARTS) programs 0..NSEL-1: given blocks, then the n_split splits, then the window chunks
-        csp = sp - NSEL
-        is_cmp = (csp >= 0) & (csp < n_split)
-        t_lo = csp * tps
-        t_hi = tl.where(is_cmp, tl.minimum(t_lo + tps, n_tiles), t_lo)
-    else:
-        t_lo = sp * tps
-        t_hi = tl.minimum(t_lo + tps, n_tiles)
+    t_lo = sp * tps
+    t_hi = tl.minimum(t_lo + tps, n_tiles)
     for t in range(t_lo, t_hi):
         c = t * BLOCK_N + offs_n
         ok = c < n_c
@@ -249,94 +206,11 @@ def _dec_cmp_kernel(Q, KC, VC, WS, CNT, CAND, TS, o_pm, o_pl, o_pacc, o_mt, o_ia
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-    if PARTS_FIRST:
-        if is_cmp:
-            _store_partial(WS, o_pm, o_pl, o_pacc, (bh64 * n_split + csp) * GP + g, m_i, l_i, acc, g_ok, offs_d,
-                           HEAD_DIM)
-        else:
-            pp = tl.where(sp < NSEL, sp, sp - n_split)     # partial pp: given block pp or window chunk pp - NSEL
-            if pp < NSEL:
-                jb = tl.load(IDX + bh64 * NSEL + pp)
-                start = tl.maximum(jb, 0) * BS
-                hi = tl.where(jb >= 0, start + BS, 0)
-            else:
-                start = tl.maximum(S - window, 0) + (pp - NSEL) * BLK
-                hi = S + start * 0
-            m_s, l_s, acc_s = _attend_keys(q, K, V, b64, hk, start, hi, S, kb, ks, kh, vb, vs, vh, qk_scale,
-                                           offs_d, BLK)
-            _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + pp) * GP + g, m_s, l_s, acc_s, g_ok, offs_d,
-                           HEAD_DIM)
-            l_i = l_s
-    elif PARTS:
-        if sp >= n_split:
-            pp = sp - n_split
-            if pp < NSEL:      # given block pp: keys <= S - 1 of it; a negative entry: nothing
-                jb = tl.load(IDX + bh64 * NSEL + pp)
-                start = tl.maximum(jb, 0) * BS
-                hi = tl.where(jb >= 0, start + BS, 0)
-            else:              # window chunk pp - NSEL
-                start = tl.maximum(S - window, 0) + (pp - NSEL) * BLK
-                hi = S + start * 0
-            m_s, l_s, acc_s = _attend_keys(q, K, V, b64, hk, start, hi, S, kb, ks, kh, vb, vs, vh, qk_scale,
-                                           offs_d, BLK)
-            _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + pp) * GP + g, m_s, l_s, acc_s, g_ok, offs_d,
-                           HEAD_DIM)
-            l_i = l_s
-        else:
-            _store_partial(WS, o_pm, o_pl, o_pacc, (bh64 * n_split + sp) * GP + g, m_i, l_i, acc, g_ok, offs_d,
-                           HEAD_DIM)
-    else:
-        _store_partial(WS, o_pm, o_pl, o_pacc, (bh64 * n_split + sp) * GP + g, m_i, l_i, acc, g_ok, offs_d,
-                       HEAD_DIM)
+    _store_partial(WS, o_pm, o_pl, o_pacc, (bh64 * n_split + sp) * GP + g, m_i, l_i, acc, g_ok, offs_d,
+                   HEAD_DIM)
     if PROBE:
         _stamp(ts, 2, tl.sum(l_i, 0).to(tl.int32, bitcast=True))
         _gstamp(ts, 3)
-
-
-@triton.jit
-def _dec_merge_kernel(WS, GATES, OUT, TS, o_pm, o_pl, o_pacc, o_sm, o_sl, o_sacc, sgb, sgh, sgc, sob, soh,
-                      Hk, G, n_split, n_part, NSEL: tl.constexpr, NSPLITP: tl.constexpr, NPARTP: tl.constexpr,
-                      GP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_GATES: tl.constexpr, USE_PDL: tl.constexpr,
-                      PROBE: tl.constexpr):
-    """Given selection with GIVEN_IN_CMP: grid (G, B * Hk), program h merges head h's compressed (n_split), selected
-    (NSEL) and window partials, all written by _dec_cmp_kernel, in one round of loads after griddepcontrol.wait;
-    gates (B, 1, Hq, 3) or 1/3 each; output (B, 1, Hq, D)."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    bh64 = bh.to(tl.int64)
-    b = bh // Hk
-    h = (bh % Hk) * G + pid
-    offs_d = tl.arange(0, HEAD_DIM)
-    ts = TS + (bh64 * tl.num_programs(0) + pid) * 16
-    if PROBE:
-        _gstamp(ts, 0)
-        _stamp(ts, 1, pid)
-    if HAS_GATES:     # inputs: loaded before the wait
-        gbp = GATES + b.to(tl.int64) * sgb + h * sgh
-        g_cmp = tl.load(gbp).to(tl.float32)
-        g_slc = tl.load(gbp + sgc).to(tl.float32)
-        g_swa = tl.load(gbp + 2 * sgc).to(tl.float32)
-    else:
-        g_cmp = 1.0 / 3.0
-        g_slc = 1.0 / 3.0
-        g_swa = 1.0 / 3.0
-    if USE_PDL:
-        gdc_wait()
-    if PROBE:
-        _stamp(ts, 2, pid)
-    ic = tl.arange(0, NSPLITP)
-    ok_c = ic < n_split
-    ip = tl.arange(0, NPARTP)
-    ok_p = ip < n_part
-    cm, cl, cacc = _load_parts(WS, o_pm, o_pl, o_pacc, bh64 * n_split, ok_c, pid, offs_d, NSPLITP, GP, HEAD_DIM)
-    sm, sl, sacc = _load_parts(WS, o_sm, o_sl, o_sacc, bh64 * n_part, ok_p, pid, offs_d, NPARTP, GP, HEAD_DIM)
-    o_slc, o_swa = _merge_two_loaded(sm, sl, sacc, ok_p, ip < NSEL)
-    o_cmp = _merge_loaded(cm, cl, cacc, ok_c)
-    o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa
-    tl.store(OUT + b.to(tl.int64) * sob + h * soh + offs_d, o.to(OUT.dtype.element_ty))
-    if PROBE:
-        _stamp(ts, 11, tl.sum(o, 0).to(tl.int32, bitcast=True))
-        _gstamp(ts, 12)
 
 
 @triton.jit
@@ -365,21 +239,6 @@ def _gstamp(TS, slot):
     """PROBE builds only: %globaltimer (ns, device-wide) at this point."""
     t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
     tl.store(TS + slot, t)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, on):
-    """CUDA only: prefetch.global.L2 of the line at each address where `on` (int32) is nonzero (no result, no wait)."""
-    return tl.inline_asm_elementwise(
-        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;\n\t}",
-        "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _fence_gpu():
-    """fence.acq_rel.gpu: this thread's earlier global stores are performed at gpu scope before its later
-    instructions (here: before griddepcontrol.launch_dependents)."""
-    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -427,22 +286,17 @@ def _wait_slot(ptr, flag, STALL: tl.constexpr, SPIN: tl.constexpr):
 
 
 @triton.jit
-def _load_parts(WS, o_m, o_l, o_acc, row0, ok, g, offs_d, NP: tl.constexpr, GP: tl.constexpr,
-                HEAD_DIM: tl.constexpr):
-    """Partials i < NP of head g where ok (rows (row0 + i) * GP + g): (m, l, acc), m = -inf / l = acc = 0 elsewhere.
+def _merge(WS, o_m, o_l, o_acc, row0, lo, hi, g, offs_d, NP: tl.constexpr, GP: tl.constexpr,
+           HEAD_DIM: tl.constexpr):
+    """LSE merge of partials lo..hi-1 of one head (rows (row0 + i) * GP + g): the normalised output (0 if empty).
     Loads bypass L1 (.cg): the partials may come from other programs of the same launch."""
     i = tl.arange(0, NP)
+    ok = (i >= lo) & (i < hi)
     prow = (row0 + i) * GP + g
     m = tl.load(WS + o_m + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
     l_ = tl.load(WS + o_l + prow, mask=ok, other=0.0, cache_modifier=".cg")
     acc = tl.load(WS + o_acc + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0,
                   cache_modifier=".cg")
-    return m, l_, acc
-
-
-@triton.jit
-def _merge_loaded(m, l_, acc, ok):
-    """LSE merge of the loaded partials where ok: the normalised output (0 if none)."""
     mx = tl.max(m, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.where(ok, tl.math.exp2(m - mx), 0.0)
@@ -452,8 +306,18 @@ def _merge_loaded(m, l_, acc, ok):
 
 
 @triton.jit
-def _merge_two_loaded(m, l_, acc, ok, first):
-    """Two LSE merges of the loaded partials (rows ok & first, rows ok & ~first), each normalised (0 if empty)."""
+def _merge_two(WS, o_m, o_l, o_acc, row0, n1, n, g, offs_d, NP: tl.constexpr, GP: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
+    """Two LSE merges from one load of partials 0..n-1 of head g: (output of 0..n1-1, output of n1..n-1), each
+    normalised (0 if empty), as two `_merge` calls but in one round of loads."""
+    i = tl.arange(0, NP)
+    ok = i < n
+    first = i < n1
+    prow = (row0 + i) * GP + g
+    m = tl.load(WS + o_m + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l_ = tl.load(WS + o_l + prow, mask=ok, other=0.0, cache_modifier=".cg")
+    acc = tl.load(WS + o_acc + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0,
+                  cache_modifier=".cg")
     m1 = tl.max(tl.where(first, m, float("-inf")), 0)
     m2 = tl.max(tl.where(first, float("-inf"), m), 0)
     m1 = tl.where(m1 == float("-inf"), 0.0, m1)
@@ -469,27 +333,6 @@ def _merge_two_loaded(m, l_, acc, ok, first):
 
 
 @triton.jit
-def _merge(WS, o_m, o_l, o_acc, row0, lo, hi, g, offs_d, NP: tl.constexpr, GP: tl.constexpr,
-           HEAD_DIM: tl.constexpr):
-    """LSE merge of partials lo..hi-1 of one head (rows (row0 + i) * GP + g): the normalised output (0 if empty)."""
-    i = tl.arange(0, NP)
-    ok = (i >= lo) & (i < hi)
-    m, l_, acc = _load_parts(WS, o_m, o_l, o_acc, row0, ok, g, offs_d, NP, GP, HEAD_DIM)
-    return _merge_loaded(m, l_, acc, ok)
-
-
-@triton.jit
-def _merge_two(WS, o_m, o_l, o_acc, row0, n1, n, g, offs_d, NP: tl.constexpr, GP: tl.constexpr,
-               HEAD_DIM: tl.constexpr):
-    """Two LSE merges from one load of partials 0..n-1 of head g: (output of 0..n1-1, output of n1..n-1), each
-    normalised (0 if empty), as two `_merge` calls but in one round of loads."""
-    i = tl.arange(0, NP)
-    ok = i < n
-    m, l_, acc = _load_parts(WS, o_m, o_l, o_acc, row0, ok, g, offs_d, NP, GP, HEAD_DIM)
-    return _merge_two_loaded(m, l_, acc, ok, i < n1)
-
-
-@triton.jit
 def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc, o_pre,
                     sqb, sqh, skb, sks, skh, svb, svs, svh, sgb, sgh, sgc, sob, soh,
@@ -502,27 +345,21 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     DO_MERGE: tl.constexpr, SYNC: tl.constexpr, USE_PDL: tl.constexpr, PROBE: tl.constexpr,
                     KEY_POLL: tl.constexpr, SLOT_POLL: tl.constexpr, MTB: tl.constexpr, SPIN: tl.constexpr,
                     STALL_R: tl.constexpr, STALL_A: tl.constexpr, STALL_M: tl.constexpr, STALL_W: tl.constexpr,
-                    GIVEN: tl.constexpr, EARLY: tl.constexpr, ONE_ROUND: tl.constexpr, ONE_CNT: tl.constexpr,
-                    PF_TOP: tl.constexpr, LINE: tl.constexpr, NLINE: tl.constexpr):
+                    GIVEN: tl.constexpr, EARLY: tl.constexpr, ONE_CNT: tl.constexpr):
     # GIVEN: the selected blocks come from IDX (B, Hk, NSEL) instead of the score + rank phases (compiled out).
     # EARLY (with GIVEN): program p < NSEL attends to its block before griddepcontrol.wait (it needs only q, k, v and
     # IDX, like the window chunks), and the merge programs merge all three branches themselves (host: DO_RANK and
     # DO_ATTN off); else the selected programs read IDX where they polled their slot.
-    # ONE_ROUND (with EARLY): the window and selected programs arrive on one counter before griddepcontrol.wait (the
-    # compressed kernel zeroed it before letting this kernel launch: ZFIRST); each merge program waits for it and
-    # issues the loads of those partials before its griddepcontrol.wait, so after the wait only the compressed
-    # partials are loaded (one round) and all three branches merged.
-    # PF_TOP > 0 (normal step, CUDA): each chunk program prefetches into L2 the K/V rows of its best PF_TOP blocks,
-    # (LINE elements per 128-byte line, NLINE lines per row).
-    # ONE_CNT (normal step, SLOT_POLL): every arrival the merge needs (selected partials, chunk programs' final ranks,
-    # window programs' compressed + window merges) goes to one counter: one acquire wait instead of three.
+    # ONE_CNT (SLOT_POLL, not GIVEN): every arrival the merge needs (selected partials, the chunk programs' final
+    # ranks, the window programs' compressed + window merges) goes to one counter: one acquire wait, not three.
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b64, hk, bh64, g, g_ok, offs_d, q = _group_query(Q, sqb, sqh, Hk, G, GP, HEAD_DIM)
     b = bh // Hk
     # counters (zeroed by _dec_cmp_kernel): +0 candidates written, +1 slots written (SLOT_POLL: chunk programs done),
     # +2 selected partials written, +3 window partials written, +4 compressed + window merges written, +5 timeout flag
-    # (a wait gave up: the output of this (b, kv head) is NaN); then NSELP slots (slot r = block of rank r)
+    # (a wait gave up: the output of this (b, kv head) is NaN), +6 (ONE_CNT) everything the merge waits for; then
+    # NSELP slots (slot r = block of rank r)
     cnt = CNT + bh64 * CNTW
     flag = cnt + 5
     slot = cnt + 8
@@ -540,12 +377,11 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                                          offs_d, BLK)
             _store_partial(WS, o_sm, o_sl, o_sacc, (bh64 * n_part + NSEL + w) * GP + g, m, l_w, acc_w, g_ok,
                            offs_d, HEAD_DIM)
-            if ONE_ROUND:
-                if SYNC:
-                    _arrive(cnt + 2)
         if EARLY:
             if pid < NSEL:     # ---- given selected block, before the wait: overlaps the compressed kernel
-                jb = tl.load(IDX + bh64 * NSEL + pid)
+                # an entry past the last block reads nothing: clamped to n_b before * BS (which would wrap int32
+                # for entries >= 2^31 / BS and send the loads below K)
+                jb = tl.minimum(tl.load(IDX + bh64 * NSEL + pid), n_b)
                 start = tl.maximum(jb, 0) * BS
                 hi = tl.where(jb >= 0, start + BS, 0)      # exclusive; -1 (or any negative): nothing
                 m, l_s, acc_s = _attend_keys(q, K, V, b64, hk, start, hi, S, skb, sks, skh, svb, svs, svh, qk_scale,
@@ -554,59 +390,11 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                                HEAD_DIM)
                 if PROBE:
                     _stamp(ts, 8, tl.sum(l_s, 0).to(tl.int32, bitcast=True))
-                if ONE_ROUND:
-                    if SYNC:
-                        _arrive(cnt + 2)
-    if ONE_ROUND:
-        if DO_MERGE:
-            if pid < G:
-                # ---- given selection, all three branches merged by program h < G for head h; the window and
-                # selected partials are waited for and loaded before griddepcontrol.wait (they overlap the compressed
-                # kernel), the compressed ones after it, in one round
-                h1 = hk * G + pid
-                if HAS_GATES:     # inputs: loaded before the waits
-                    gbp1 = GATES + b.to(tl.int64) * sgb + h1 * sgh
-                    g_cmp1 = tl.load(gbp1).to(tl.float32)
-                    g_slc1 = tl.load(gbp1 + sgc).to(tl.float32)
-                    g_swa1 = tl.load(gbp1 + 2 * sgc).to(tl.float32)
-                else:
-                    g_cmp1 = 1.0 / 3.0
-                    g_slc1 = 1.0 / 3.0
-                    g_swa1 = 1.0 / 3.0
-                ip = tl.arange(0, NPARTP)
-                ok_p = ip < n_part
-                bad1 = pid < 0
-                if SYNC:
-                    n_arr1 = NSEL + tl.num_programs(0) - n_prog + STALL_M + STALL_W
-                    c21 = _wait_count(cnt + 2, n_arr1, flag, SPIN)
-                    bad1 = (c21 < n_arr1) | (tl.load(flag, volatile=True) != 0)
-                    if PROBE:
-                        _stamp(ts, 10, c21)
-                elif USE_PDL:   # a launch of its own: the partials come from the previous launch
-                    gdc_wait()
-                sm1, sl1, sacc1 = _load_parts(WS, o_sm, o_sl, o_sacc, bh64 * n_part, ok_p, pid, offs_d, NPARTP, GP,
-                                              HEAD_DIM)
-                if SYNC:
-                    if USE_PDL:
-                        gdc_wait()
-                if PROBE:
-                    _stamp(ts, 2, pid)
-                ic = tl.arange(0, NSPLITP)
-                ok_c = ic < n_split
-                cm1, cl1, cacc1 = _load_parts(WS, o_pm, o_pl, o_pacc, bh64 * n_split, ok_c, pid, offs_d, NSPLITP, GP,
-                                              HEAD_DIM)
-                o_slc1, o_swa1 = _merge_two_loaded(sm1, sl1, sacc1, ok_p, ip < NSEL)
-                o_cmp1 = _merge_loaded(cm1, cl1, cacc1, ok_c)
-                o1 = g_cmp1 * o_cmp1 + g_slc1 * o_slc1 + g_swa1 * o_swa1
-                o1 = tl.where(bad1, float("nan"), o1)
-                tl.store(OUT + b.to(tl.int64) * sob + h1 * soh + offs_d, o1.to(OUT.dtype.element_ty))
-                if PROBE:
-                    _stamp(ts, 11, tl.sum(o1, 0).to(tl.int32, bitcast=True))
-    if USE_PDL and not (ONE_ROUND and SYNC):   # everything below reads what _dec_cmp_kernel wrote (or the counters
-        gdc_wait()                              # it zeroed)
-    if PROBE and not (ONE_ROUND and SYNC):
+    if USE_PDL:        # everything below reads what _dec_cmp_kernel wrote (or the counters it zeroed)
+        gdc_wait()
+    if PROBE:
         _stamp(ts, 2, pid)
-    if DO_SCORE and not ONE_ROUND:
+    if DO_SCORE:
         if SYNC:
             if (w >= 0) & (w < n_win):
                 _arrive(cnt + 3)
@@ -662,22 +450,6 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                         tl.debug_barrier()   # program's own keys visible to all its threads before it reads them back
                     else:
                         _arrive(cnt)
-                if PF_TOP > 0:
-                    # L2 prefetch of the K/V rows of the chunk's best PF_TOP visible blocks, ~2 us before the selected
-                    # programs load the ones that win the final rank (cold after a cache flush). After the arrival:
-                    # a release (MEMBAR.ALL.GPU) would wait for them; the next one follows the selected block's loads
-                    cpf = tl.arange(0, PF_TOP)
-                    hit = (rank[None, :] == cpf[:, None]) & (score > float("-inf"))[None, :]       # [PF_TOP, CH]
-                    okb = tl.sum(hit.to(tl.int32), 1) > 0
-                    blk = tl.sum(tl.where(hit, j[None, :], 0), 1)
-                    rows = tl.arange(0, BLK)
-                    ln = tl.arange(0, NLINE)
-                    kk = blk[:, None] * BS + rows[None, :]
-                    on = (okb[:, None] & (rows[None, :] < BS) & (kk < S))[:, :, None] & (ln >= 0)[None, None, :]
-                    off = tl.minimum(kk, S - 1)[:, :, None].to(tl.int64)
-                    lo = (ln * LINE)[None, None, :]
-                    _prefetch_l2(K + b64 * skb + hk * skh + off * sks + lo, on.to(tl.int32))
-                    _prefetch_l2(V + b64 * svb + hk * svh + off * svs + lo, on.to(tl.int32))
     if DO_RANK:
         if not GIVEN:
             if pid < n_chunks:
@@ -723,10 +495,7 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                 if SYNC:
                     if SLOT_POLL:
                         if pid >= NSEL:       # the others arrive after their selected block (off their critical path)
-                            if ONE_CNT:
-                                _arrive(cnt + 6)
-                            else:
-                                _arrive(cnt + 1)
+                            _arrive(cnt + 6)
                     else:
                         _arrive(cnt + 1)
         if w >= 0:
@@ -755,7 +524,7 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
     if DO_ATTN:
         if pid < NSEL:
             if GIVEN:
-                jb = tl.load(IDX + bh64 * NSEL + pid)
+                jb = tl.minimum(tl.load(IDX + bh64 * NSEL + pid), n_b)     # (clamped as above)
             elif SYNC and SLOT_POLL:
                 jb = _wait_slot(slot + pid, flag, STALL_A, SPIN)
                 if PROBE:
@@ -799,10 +568,7 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     _arrive(cnt + 6)
                 else:
                     _arrive(cnt + 2)
-                    if SLOT_POLL and not GIVEN:
-                        if pid < n_chunks:    # its chunk's final rank (and any timeout flag it set) is done too
-                            tl.atomic_add(cnt + 1, 1, sem="release", scope="gpu")
-    if DO_MERGE and not ONE_ROUND:
+    if DO_MERGE:
         if pid < G:
             h = hk * G + pid
             bad = pid < 0
@@ -852,9 +618,6 @@ def _dec_sel_kernel(Q, K, V, IDX, WS, CAND, CNT, GATES, OUT, TS,
                     c4 = _wait_count(cnt + 4, tl.num_programs(0) - n_prog, flag, SPIN)
                     pre = tl.load(prow, cache_modifier=".cg")
                 bad = (c3 < NSEL + STALL_M) | (c4 < tl.num_programs(0) - n_prog)
-                if SLOT_POLL and not GIVEN:
-                    c5 = _wait_count(cnt + 1, n_chunks, flag, SPIN)
-                    bad = bad | (c5 < n_chunks)
                 # any wait of this (b, kv head) that gave up set the flag before its program's next arrival, which
                 # the waits above acquired: NaN output instead of a silently wrong one
                 bad = bad | (tl.load(flag, volatile=True) != 0)
@@ -924,8 +687,8 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     indices: None (the step ranks the blocks itself) or the selected blocks to use, int32 (B, Hk, num_selected) or
     (B, 1, Hk, num_selected) on q's device, ascending, -1 padded (the layout of the returned idx; selection="tile"
     reuses the tile's first selection). The step then scores and ranks nothing; inside each given block the causal
-    mask still applies (keys <= S - 1), and a negative entry or one past the last block contributes nothing (values
-    are not checked on the host: that would need a sync). With return_indices the given indices come back as
+    mask still applies (keys <= S - 1), and a negative entry or one past the last block (any int32) contributes nothing
+    (values are not checked on the host: that would need a sync). With return_indices the given indices come back as
     (B, 1, Hk, num_selected) (a view of them when they are contiguous)."""
     B, T, Hq, D = q.shape
     S, Hk = k.shape[1], k.shape[2]
@@ -935,10 +698,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     given = indices is not None
     if given:
         indices = _check_indices(indices, B, Hk, nsel, q.device)
-    in_cmp = given and GIVEN_IN_CMP
-    early = given and GIVEN_EARLY and not in_cmp
-    one_round = early and GIVEN_ONE_ROUND
-    one_cnt = (not given) and ONE_COUNT and SLOT_POLL
+    early = given and GIVEN_EARLY
     n_c = k_cmp.shape[1]
     dev = q.device
     R, NB, n_tiles, tps, n_split, GP, BLK, n_win = _plan(B, Hk, G, S, n_c, config)
@@ -981,50 +741,28 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
     # phase, same code.
     n_prog = max(nsel, G) if given else max(n_chunks, nsel, G)
     n_prog_b = n_prog + n_win
-    n_prog_a = n_split + (n_part if in_cmp else 0)     # GIVEN_IN_CMP: + the selected and window programs
     on_gpu = dev.type == "cuda"
     sync = FUSE and on_gpu and n_prog_b * BH <= num_sms(dev)
     pdl = PDL and on_gpu
-    zfirst = one_round and sync and pdl     # the selection kernel counts before its griddepcontrol.wait
-    # candidates prefetched per chunk: PREFETCH_X times the chunk's share of the selected blocks (at most its CW)
-    pf_top = (min(CW, triton.next_power_of_2(PREFETCH_X * -(-nsel // n_chunks)))
-              if PREFETCH_X and on_gpu and not given else 0)
-    line = max(1, 128 // k.element_size())     # elements per 128-byte line (the L2 prefetch granularity)
     probe = isinstance(PROBE, dict) and on_gpu
     if probe:
-        n_b_probe = G if in_cmp else n_prog_b
-        PROBE["a"] = tsa = torch.zeros(BH * n_prog_a * 4, dtype=torch.int64, device=dev)
-        PROBE["b"] = tsb = torch.zeros(BH * n_b_probe * 16, dtype=torch.int64, device=dev)
-        PROBE["plan"] = dict(BH=BH, n_split=n_split, n_win=0 if in_cmp else n_win, n_prog=G if in_cmp else n_prog,
-                             n_chunks=n_chunks, sync=sync, in_cmp=in_cmp)
+        PROBE["a"] = tsa = torch.zeros(BH * n_split * 4, dtype=torch.int64, device=dev)
+        PROBE["b"] = tsb = torch.zeros(BH * n_prog_b * 16, dtype=torch.int64, device=dev)
+        PROBE["plan"] = dict(BH=BH, n_split=n_split, n_win=n_win, n_prog=n_prog, n_chunks=n_chunks, sync=sync)
     else:
         tsa = tsb = ws
     MP = n_chunks * CW
     cand = ws if given else _workspace(BH * MP, torch.int64, dev)
-    # (without GIVEN_IN_CMP the arguments after qk_scale are unused: the compressed tensors stand in)
-    ka, va, ia = (k, v, indices) if in_cmp else (k_cmp, v_cmp, ws)
-    _dec_cmp_kernel[(n_prog_a, BH)](
+    _dec_cmp_kernel[(n_split, BH)](
         q, k_cmp, v_cmp, ws, cnt, cand, tsa, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib,
         q.stride(0), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
         n_c, Hk, G, n_split, n_tiles, tps, NBW, qk_scale,
-        ka, va, ia, o_sm, o_sl, o_sacc, ka.stride(0), ka.stride(1), ka.stride(2), va.stride(0), va.stride(1),
-        va.stride(2), S, n_part, config.window,
         CB=config.compress_block, CS=config.compress_stride, BS=bs, R=R, HEAD_DIM=D, GP=GP, BLOCK_N=CMP_BLOCK_N,
         CNTW=CNTW, NSELP=NSELP, MP=MP, KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, USE_PDL=pdl,
-        PROBE=probe, IMP=not given, ZFIRST=zfirst, PARTS=in_cmp, NSEL=nsel, BLK=BLK,
-        PARTS_FIRST=in_cmp and GIVEN_SEL_FIRST, num_warps=NUM_WARPS["cmp"],
-        num_stages=NUM_STAGES["cmp"])
+        PROBE=probe, IMP=not given, num_warps=NUM_WARPS["cmp"], num_stages=NUM_STAGES["cmp"])
     out = torch.empty((B, 1, Hq, D), dtype=q.dtype, device=dev)
     gt = gates if gates is not None else out
-    if in_cmp:     # every partial is written: the merge kernel only waits for the compressed kernel
-        _dec_merge_kernel[(G, BH)](
-            ws, gt, out, tsb, o_pm, o_pl, o_pacc, o_sm, o_sl, o_sacc, gt.stride(0), gt.stride(2),
-            gt.stride(3) if gates is not None else 0, out.stride(0), out.stride(2), Hk, G, n_split, n_part,
-            NSEL=nsel, NSPLITP=max(2, triton.next_power_of_2(n_split)), NPARTP=triton.next_power_of_2(n_part), GP=GP,
-            HEAD_DIM=D, HAS_GATES=gates is not None, USE_PDL=pdl, PROBE=probe, num_warps=NUM_WARPS["merge"],
-            **(dict(launch_pdl=True) if pdl else {}))
-        return out, (indices.view(B, 1, Hk, nsel) if return_indices else None)
     args = (q, k, v, idx, ws, cand, cnt, gt, out, tsb, o_pm, o_pl, o_pacc, o_mt, o_ia, o_ib, o_sm, o_sl, o_sacc,
             o_pre, q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), gt.stride(0), gt.stride(2), gt.stride(3) if gates is not None else 0, out.stride(0),
@@ -1035,7 +773,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices: bool
                 CNTW=CNTW, RET_IDX=return_indices and not given, HAS_GATES=gates is not None, USE_PDL=pdl, PROBE=probe,
                 KEY_POLL=KEY_POLL, SLOT_POLL=SLOT_POLL, MTB=EARLY_LOADS, SPIN=SPIN_LIMIT, STALL_R=int(_STALL == 1),
                 STALL_A=int(_STALL == 2), STALL_M=int(_STALL == 3), STALL_W=int(_STALL == 4), GIVEN=given, EARLY=early,
-                ONE_ROUND=one_round, ONE_CNT=one_cnt, PF_TOP=pf_top, LINE=line, NLINE=max(1, D // line),
+                ONE_CNT=SLOT_POLL and not given,
                 num_warps=NUM_WARPS["sel"], **(dict(launch_pdl=True) if pdl else {}))
     if early:      # window + selected partials, then the merge
         phases = [(1, 0, 0, 1)] if sync else [(1, 0, 0, 0), (0, 0, 0, 1)]
