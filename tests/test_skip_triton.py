@@ -786,17 +786,17 @@ def test_exp_poly_cfg_is_checked():
         pytest.skip("no Gluon in this Triton")
     q = torch.zeros(1, 128, 1, 64)
     with pytest.raises(ValueError, match="exp_poly"):
-        skip_gluon._launch(q, q, q, None, None, -5.0, 0.125, False, dict(exp_poly=3), False)
+        skip_gluon._launch(q, q, q, None, None, -5.0, 0.125, False, dict(exp_poly=4), False)
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("poly", [0, 4, 8, 16])
+@pytest.mark.parametrize("poly", [0, 8])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gluon_exp_poly_gpu(monkeypatch, poly, D, causal, dtype):
-    """cfg exp_poly (one exponential in `poly` on the FMA pipe; 0: none) against the reference, with the tolerances
+    """cfg exp_poly (8: one exponential in 8 on the FMA pipe; 0: none) against the reference, with the tolerances
     of the all-MUFU kernel (the polynomial's 7.5e-5 relative error is far below P's rounding to bf16 / fp16): GQA, a
     partial last tile, an offset causal diagonal; the skip kernel at D64 with the lists it writes."""
     from sparsepatch.kernels.skip import gluon as skip_gluon

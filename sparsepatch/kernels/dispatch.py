@@ -160,8 +160,7 @@ class CostTable:
         alt = {"bfloat16": "float16", "float16": "bfloat16"}.get(dtype, dtype)
         op = call.op + "+backward" if call.needs_grad else call.op
         # a head-major q (what SDPA callers hand over; k / v may differ, e.g. CogVideoX's v) is costed by head-major
-        # entries where the table has them: SDPA's kernels and ours do not rank the same on both layouts (a
-        # CogVideoX-shaped step lost 2% to cuDNN chosen from sequence-major cells, session 16)
+        # entries where the table has them: SDPA's kernels and ours do not rank the same on both layouts
         layouts = ("head", "seq") if call.layouts and call.layouts[0] == "head" else ("seq",)
         for lay, dt in ((lay, dt) for lay in layouts for dt in (dtype, alt)):
             points = self._points.get((op, call.causal, call.head_dim, call.group > 1, dt, lay))

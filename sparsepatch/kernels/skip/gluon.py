@@ -51,8 +51,9 @@ BN = 128  # keys per k-tile (head dim 256, dense only: 64, as K / V stages of 12
 # H200 bf16: +2 to +14% at 16K / 32K, neutral at 1K, NOTES session 15)
 GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True, dynamic=True,
                          exp_poly=0)
-# head dim 64, dense mode: one exponential in 8 on the FMA pipe (H200 bf16, ours / best SDPA: causal +4 to +7% at
-# 4K-32K; 1 in 4 or 2 was slower, and the skip mode, with its keep test per tile, 1-2% slower: NOTES session 16)
+# head dim 64, dense mode: one exponential in 8 on the FMA pipe (H200 bf16, ours / best SDPA: causal +2 to +7% at
+# 4K-32K; 1 in 2, 4 or 16 measured slower or between, and the skip mode, with its keep test per tile, 1-2% slower:
+# NOTES session 16)
 GLUON_D64_DENSE_CONFIG = dict(GLUON_SKIP_CONFIG, exp_poly=8)
 # head dim 256: q 64 KB + 2 stages of 64-key K and V tiles (128 KB); out stored from registers (the staging through
 # the last K tile needs 64 rows per warpgroup)
@@ -101,9 +102,8 @@ def exp2_poly_reference(x: torch.Tensor) -> torch.Tensor:
 if HAS_GLUON:
     _LN2 = gl.constexpr(0.6931471805599453)
     _BM = gl.constexpr(BM)
-    _EXP2_POLY = {n: gl.constexpr(exp2_poly_asm(n)) for n in (2, 4, 8, 16)}
-    _EXP2_POLY2, _EXP2_POLY4, _EXP2_POLY8, _EXP2_POLY16 = (_EXP2_POLY[n] for n in (2, 4, 8, 16))
-    _PACK16_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 16 + ["r"] * 16))
+    _EXP2_POLY8 = gl.constexpr(exp2_poly_asm(8))
+    _PACK8_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
 
     @gluon.jit
     def _bit_or(a, b):
@@ -234,19 +234,11 @@ if HAS_GLUON:
 
     @gluon.jit
     def _exp2_mixed(x, POLY: gl.constexpr):
-        """2^x (x <= 0, finite), one element in POLY on the FMA pipe (`exp2_poly_asm`), the rest on MUFU; 0: all
+        """2^x (x <= 0, finite); POLY 8: one element in 8 on the FMA pipe (`exp2_poly_asm`), the rest on MUFU; 0: all
         on MUFU."""
-        if POLY == 2:
-            return gl.inline_asm_elementwise(_EXP2_POLY2, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
-        elif POLY == 4:
-            return gl.inline_asm_elementwise(_EXP2_POLY4, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32,
-                                             is_pure=True, pack=4)
-        elif POLY == 8:
-            return gl.inline_asm_elementwise(_EXP2_POLY8, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r", [x],
-                                             dtype=gl.float32, is_pure=True, pack=8)
-        elif POLY == 16:
-            return gl.inline_asm_elementwise(_EXP2_POLY16, _PACK16_CONSTRAINTS, [x],
-                                             dtype=gl.float32, is_pure=True, pack=16)
+        if POLY == 8:
+            return gl.inline_asm_elementwise(_EXP2_POLY8, _PACK8_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True,
+                                             pack=8)
         else:
             return gl.exp2(x)
 
@@ -669,9 +661,9 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
     base = GLUON_D256_CONFIG if D > 128 else GLUON_D64_DENSE_CONFIG if D == 64 and not skip else GLUON_SKIP_CONFIG
     cfg = dict(base, **cfg) if cfg else base
     poly = int(cfg.get("exp_poly", 0))
-    if poly not in (0, 2, 4, 8, 16):
-        raise ValueError(f"cfg['exp_poly'] must be 0 (every exponential on MUFU) or 2 / 4 / 8 / 16 (one in that "
-                         f"many on the FMA pipe), got {poly!r}")
+    if poly not in (0, 8):
+        raise ValueError(f"cfg['exp_poly'] must be 0 (every exponential on MUFU) or 8 (one in 8 on the FMA pipe), "
+                         f"got {poly!r}")
     bn = block_n(D)
     if skip and bn != BN:
         raise ValueError(f"the Gluon skip kernel takes head dim 64 / 128, got {D}")
