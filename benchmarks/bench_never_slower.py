@@ -15,7 +15,8 @@ models patched vs unpatched, in one process.
    step (4 layers, 48 x 64 heads, 17550 + 226 tokens) the same way; both steps also with the default recipe at
    forced list densities 0.5 / 0.25; and a Llama-shaped LLM (2 layers, 64 x 128 heads, 4 KV heads) patched with
    NSAConfig (per-token and tile selection) at prefill 8K / 32K (`llama_nsa`). `--models` picks rows. Each
-   unpatched / patched pair is timed in the order unpatched, patched, patched, unpatched (`_abba`).
+   unpatched / patched pair (prefill, step and decode) is timed in the order unpatched, patched, patched,
+   unpatched (`_abba`).
 Results: benchmarks/results/<gpu>-never-slower.json; a table printed last.
 """
 from __future__ import annotations
@@ -137,10 +138,12 @@ def llm_rows(log, quick, kinds=("llama", "qwen3", "d256"), seqs=None, decode=Tru
                              ratio=base / ours, backends=backends))
             log(f"  {kind} prefill {S}: {base:.2f} vs {ours:.2f} ms ({base / ours:.3f}x)")
         for B in (1, 16) if decode else ():
-            base = _time_decode(model, B)
+            # unpatched, patched, patched, unpatched (as `_abba`); tokens/s of each pair averaged
+            b1 = _time_decode(model, B)
             sp.patch(model, sp.DenseConfig())
-            ours = _time_decode(model, B)
+            o1, o2 = _time_decode(model, B), _time_decode(model, B)
             sp.unpatch(model)
+            base, ours = (b1 + _time_decode(model, B)) / 2, (o1 + o2) / 2
             rows.append(dict(model=kind, what=f"decode B{B} tok/s", unpatched=base, patched=ours, ratio=ours / base))
             log(f"  {kind} decode B{B}: {base:.1f} vs {ours:.1f} tok/s ({ours / base:.3f}x)")
         del model
