@@ -61,30 +61,39 @@ def cell_inputs(cell, seed=0, layout="seq"):
     return q, k, v
 
 
-def measure(cells, backends=None, log=print, layout="seq") -> list:
+def measure(cells, backends=None, log=print, layout="seq", grad=False) -> list:
     """Time every backend of `attention` that supports each cell -> table entries (dispatch.CostTable JSON), on
-    inputs of `layout` (`cell_inputs`; "head" entries carry "layout": "head").
-    A backend that raises is recorded as unavailable (no entry), with the error logged."""
+    inputs of `layout` (`cell_inputs`; "head" entries carry "layout": "head"). grad: q / k / v require grad and
+    each time is forward plus the backward of a fixed random dO (entries of op "attention+backward", which cost the
+    calls that need gradients). A backend that raises is recorded as unavailable (no entry), with the error
+    logged."""
     names = backends or [b.name for b in dense_op.BACKENDS if b.name != "reference"]
     entries = []
     for cell in cells:
         B, Sq, Sk, Hq, Hk, D, causal, dtype = cell
         q, k, v = cell_inputs(cell, layout=layout)
+        if grad:
+            q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+            dout = torch.randn(q.shape[:3] + v.shape[3:], device=q.device, dtype=q.dtype)
         call = dispatch.Call.of("attention", q, k, v, causal=causal)
         ms = {}
         for name in names:
             b = dense_op.DISPATCH.backends[name]
             if b.supports(call):
                 continue
-            fn = (lambda b=b: b.run(q, k, v, causal=causal, scale=None, attn_mask=None, return_lse=False))
+
+            def fn(b=b):
+                out = b.run(q, k, v, causal=causal, scale=None, attn_mask=None, return_lse=False)
+                return torch.autograd.grad(out, (q, k, v), dout) if grad else out
             try:
                 fn()
                 torch.cuda.synchronize()
                 ms[name] = _bench(fn)
             except Exception as exc:  # noqa: BLE001  (a kernel that cannot run this shape here)
                 log(f"  {name} failed at {cell[:7]}: {type(exc).__name__}: {str(exc)[:120]}")
-        entries.append(dict(op="attention", causal=causal, D=D, group=Hq // Hk, dtype=str(dtype).replace("torch.", ""),
-                            B=B, Sq=Sq, Sk=Sk, Hq=Hq, ms=ms, **({"layout": "head"} if layout == "head" else {})))
+        entries.append(dict(op="attention+backward" if grad else "attention", causal=causal, D=D, group=Hq // Hk,
+                            dtype=str(dtype).replace("torch.", ""), B=B, Sq=Sq, Sk=Sk, Hq=Hq, ms=ms,
+                            **({"layout": "head"} if layout == "head" else {})))
         del q, k, v
     return entries
 

@@ -3,6 +3,7 @@
 Backends of `attention` (all compute `reference.attention`; the dispatcher picks the cheapest that runs a call):
   flash_triton    the skip-list kernel with skipping compiled out (head dim 64 / 128; Gluon warp-specialised build
                   for non-causal calls on sm_90, Triton elsewhere): ../skip/triton.py, ../skip/gluon.py
+  flash_cudnn_bwd training calls: the flash forward with torch's cuDNN backward kernel (sm_90): flash_cudnn.py
   splitd_triton   split-D flash kernels, head dims 32..1024 (multiples of 32): splitd.py
   sdpa_cudnn, sdpa_flash, sdpa_efficient   torch SDPA forced onto one of its CUDA kernels: sdpa.py
   sdpa            torch SDPA with torch's own choice (what an unpatched model runs; the CPU path)
@@ -17,7 +18,7 @@ import torch
 
 from ..dispatch import _ON_CLEAR, Backend, Call, Dispatcher, memory_layout
 from ..dispatch import length_class as dispatch_length_class
-from . import reference, sdpa
+from . import flash_cudnn, reference, sdpa
 
 logger = logging.getLogger("sparsepatch.kernels")
 
@@ -154,6 +155,7 @@ def _sdpa_backend(name, kernel):
 
 BACKENDS = [
     Backend("flash_triton", flash_kernel_reason, _flash_run, measured_for=flash_measured_for),
+    Backend("flash_cudnn_bwd", flash_cudnn.supports, flash_cudnn.attention, measured_for=flash_measured_for),
     Backend("splitd_triton", _splitd_supports, _splitd_run),
     _sdpa_backend("sdpa_cudnn", "cudnn"),
     _sdpa_backend("sdpa_flash", "flash"),

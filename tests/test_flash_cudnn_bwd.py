@@ -1,0 +1,111 @@
+"""`flash_cudnn_bwd` (dense attention, training calls): our flash forward with torch's cuDNN backward kernel.
+
+CPU: which calls it declines and why (it must never take an inference call, a mask, an LSE output, causal with
+Sq != Sk, or a head dim its forward does not run), and that a training call reaches it only through a measured
+"attention+backward" entry. GPU (sm_90): gradients vs an fp32 oracle within the error model's bound and vs SDPA
+cuDNN's own, for bf16 / fp16, D 64 / 128, MHA / GQA, causal or not, sequence- and head-major inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kernel_checks import attention_rel_bound, check_bound, gpu, rel  # noqa: E402
+
+from sparsepatch.kernels import dispatch  # noqa: E402
+from sparsepatch.kernels.dense import flash_cudnn  # noqa: E402
+from sparsepatch.kernels.dense import op as dense_op  # noqa: E402
+from sparsepatch.kernels.dense import reference  # noqa: E402
+
+TRAIN = dispatch.Call("attention", "cuda", (9, 0), torch.bfloat16, 2, 4096, 4096, 32, 8, 128, 128, True,
+                      needs_grad=True, layouts=("head", "head", "head"))
+
+
+@pytest.mark.parametrize("change,word", [
+    (dict(needs_grad=False), "training calls only"),
+    (dict(return_lse=True), "LSE"),
+    (dict(device="cpu", arch=None), "sm_90"),
+    (dict(arch=(8, 0)), "sm_90"),
+    (dict(dtype=torch.float32), "float16/bfloat16"),
+    (dict(mask="bool"), "attn_mask"),
+    (dict(head_dim=256, head_dim_v=256), "head dim"),
+    (dict(head_dim_v=64), "head dim"),
+    (dict(seq_q=1024), "Sq != Sk"),
+    (dict(layouts=("other", "seq", "seq")), "sequence- or head-major"),
+])
+def test_declines_calls_it_cannot_run_and_says_why(change, word):
+    why = flash_cudnn.supports(dataclasses.replace(TRAIN, **change))
+    assert why is not None and word in why, why
+
+
+def test_training_call_takes_it_only_through_a_forward_plus_backward_entry(monkeypatch):
+    """Routing among the real backend list, with every backend's support pinned (no CUDA here): a forward-only table
+    leaves a training call on SDPA; a measured "attention+backward" cell gives it to flash_cudnn_bwd only where it
+    beats SDPA's fwd+bwd by more than the baseline margin."""
+    runs = {"flash_cudnn_bwd", "flash_triton", "sdpa_cudnn", "sdpa"}
+    for b in dense_op.BACKENDS:
+        monkeypatch.setitem(dense_op.DISPATCH.backends, b.name, dataclasses.replace(
+            b, supports=lambda c, n=b.name: None if n in runs else "pinned off", measured_for=None))
+    cell = dict(causal=True, D=128, group=4, dtype="bfloat16", B=2, Sq=4096, Sk=4096, Hq=32, layout="head")
+    fwd = dict(cell, op="attention", ms={"flash_triton": 1.0, "flash_cudnn_bwd": 1.0, "sdpa_cudnn": 1.2})
+    old = dispatch._TABLE[0]
+    try:
+        for entries, want in (([fwd], "sdpa"),
+                              ([fwd, dict(cell, op="attention+backward",
+                                          ms={"flash_cudnn_bwd": 4.0, "flash_triton": 5.0, "sdpa_cudnn": 4.2})],
+                               "flash_cudnn_bwd"),
+                              ([fwd, dict(cell, op="attention+backward",
+                                          ms={"flash_cudnn_bwd": 4.0, "sdpa_cudnn": 4.05})], "sdpa_cudnn")):
+            dispatch.set_cost_table(dispatch.CostTable({"entries": entries}))
+            assert dense_op.DISPATCH._decide(TRAIN).backend == want, entries
+        inference = dataclasses.replace(TRAIN, needs_grad=False)
+        assert dense_op.DISPATCH._decide(inference).backend in ("flash_triton", "flash_cudnn_bwd")
+    finally:
+        dispatch.set_cost_table(old)
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon forward needs sm_90")
+@pytest.mark.parametrize("D,causal,Hq,Hk,layout,dtype", [
+    (D, causal, Hq, Hk, layout, torch.bfloat16) for D in (64, 128) for causal in (False, True)
+    for Hq, Hk, layout in ((8, 8, "seq"), (8, 2, "head"))] + [(128, True, 8, 2, "head", torch.float16)])
+def test_gradients_match_the_oracle_and_cudnn(D, causal, Hq, Hk, layout, dtype):
+    S = 1536
+    g = torch.Generator(device="cuda").manual_seed(D + Hk)
+    shapes = [(1, S, H, D) for H in (Hq, Hk, Hk)]
+    if layout == "head":
+        q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+                   for H in (Hq, Hk, Hk))
+    else:
+        q, k, v = (torch.randn(*s, device="cuda", dtype=dtype, generator=g) for s in shapes)
+    do = torch.randn(1, S, Hq, D, device="cuda", dtype=dtype, generator=g)
+    qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+    call = dispatch.Call.of("attention", qq, kk, vv, causal=causal)
+    assert flash_cudnn.supports(call) is None
+    out = flash_cudnn.attention(qq, kk, vv, causal=causal)
+    got = (out, *torch.autograd.grad(out, (qq, kk, vv), do))
+    with torch.no_grad():    # the forward is flash_triton's own, bit for bit
+        assert torch.equal(out, dense_op.DISPATCH.backends["flash_triton"].run(
+            q, k, v, causal=causal, scale=None, attn_mask=None, return_lse=False))
+    qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+    ref = reference.attention(qf, kf, vf, causal=causal)
+    want = (ref, *torch.autograd.grad(ref, (qf, kf, vf), do.float()))
+    bound = attention_rel_bound(q, k, v)
+    for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.shape == w.shape and a.dtype == dtype
+        check_bound(rel(a, w), bound, f"flash_cudnn_bwd {name}")
+    qc, kc, vc = (t.detach().requires_grad_(True) for t in (q, k, v))
+    oc = dense_op.DISPATCH.backends["sdpa_cudnn"].run(qc, kc, vc, causal=causal, scale=None, attn_mask=None,
+                                                      return_lse=False)
+    theirs = (oc, *torch.autograd.grad(oc, (qc, kc, vc), do))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, theirs):
+        check_bound(rel(a, b), 2 * bound, f"flash_cudnn_bwd vs sdpa_cudnn {name}")
