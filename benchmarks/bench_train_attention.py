@@ -1,7 +1,7 @@
 """Training attention (forward + backward) at the dispatcher's prefill cells, every backend in one process.
 
   python benchmarks/bench_train_attention.py [--dims 64,128] [--seqs 1024,4096,16384,32768] [--layouts seq,head]
-                                             [--dtypes bfloat16] [--tag -s17] [--out DIR]
+                                             [--dtypes bfloat16] [--rep 200] [--tag=-s17] [--out DIR]
 
 1. Gradient check (bf16 and fp16, S 1K-2K, MHA and GQA 4, causal or not, D 64 / 128): `flash_cudnn_bwd` (our flash
    forward + torch's cuDNN backward) vs an fp32 oracle (relative rms of out, dq, dk, dv against the error model's
@@ -32,6 +32,8 @@ from sparsepatch.kernels.dense import reference  # noqa: E402
 
 SDPA = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa")
 OURS = ("flash_cudnn_bwd", "flash_triton")
+# sdpa_flash / sdpa_efficient measured 1.6x / 3.5-4x sdpa_cudnn's fwd+bwd at every H200 cell (results/h200-train-
+# attention-s17.json): --all-sdpa times them again
 
 
 def _rel(a, b) -> float:
@@ -83,6 +85,8 @@ def main(argv=None):
     ap.add_argument("--layouts", default="seq,head")
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--all-sdpa", action="store_true", help="also sdpa_flash and sdpa_efficient")
+    ap.add_argument("--rep", type=int, default=200, help="do_bench time budget per backend and cell, ms")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
@@ -93,10 +97,11 @@ def main(argv=None):
     seqs = [int(x) for x in args.seqs.split(",")]
     dtypes = [getattr(torch, x) for x in args.dtypes.split(",")]
     cells = [c for c in tuning.default_cells(dtypes=tuple(dtypes), head_dims=tuple(dims)) if c[1] in seqs]
-    names = [b.name for b in dense_op.BACKENDS if b.name in OURS + SDPA]
+    sdpa = SDPA if args.all_sdpa else ("sdpa_cudnn", "sdpa")
+    names = [b.name for b in dense_op.BACKENDS if b.name in OURS + sdpa]
     entries = []
     for layout in args.layouts.split(","):   # results saved after each layout
-        entries += tuning.measure(cells, backends=names, log=log, layout=layout, grad=True)
+        entries += tuning.measure(cells, backends=names, log=log, layout=layout, grad=True, rep=args.rep)
         res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, checks=checks,
                    entries={"train": entries}, seconds=round(time.time() - t0, 1))
         save_results(res, f"{gpu_name()}-train-attention{args.tag}.json", args.out)

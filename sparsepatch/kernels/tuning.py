@@ -40,9 +40,9 @@ def default_cells(dtypes=(torch.bfloat16, torch.float16), head_dims=(64, 128, 25
     return cells
 
 
-def _bench(fn) -> float:
+def _bench(fn, rep: int = 40) -> float:
     import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
 
 
 def cell_inputs(cell, seed=0, layout="seq"):
@@ -61,12 +61,12 @@ def cell_inputs(cell, seed=0, layout="seq"):
     return q, k, v
 
 
-def measure(cells, backends=None, log=print, layout="seq", grad=False) -> list:
+def measure(cells, backends=None, log=print, layout="seq", grad=False, rep: int = 40) -> list:
     """Time every backend of `attention` that supports each cell -> table entries (dispatch.CostTable JSON), on
     inputs of `layout` (`cell_inputs`; "head" entries carry "layout": "head"). grad: q / k / v require grad and
     each time is forward plus the backward of a fixed random dO (entries of op "attention+backward", which cost the
-    calls that need gradients). A backend that raises is recorded as unavailable (no entry), with the error
-    logged."""
+    calls that need gradients). rep: do_bench's time budget per backend, ms (a 100-ms call gets one repetition at 40).
+    A backend that raises is recorded as unavailable (no entry), with the error logged."""
     names = backends or [b.name for b in dense_op.BACKENDS if b.name != "reference"]
     entries = []
     for cell in cells:
@@ -88,7 +88,7 @@ def measure(cells, backends=None, log=print, layout="seq", grad=False) -> list:
             try:
                 fn()
                 torch.cuda.synchronize()
-                ms[name] = _bench(fn)
+                ms[name] = _bench(fn, rep)
             except Exception as exc:  # noqa: BLE001  (a kernel that cannot run this shape here)
                 log(f"  {name} failed at {cell[:7]}: {type(exc).__name__}: {str(exc)[:120]}")
         entries.append(dict(op="attention+backward" if grad else "attention", causal=causal, D=D, group=Hq // Hk,
