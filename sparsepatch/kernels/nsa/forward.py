@@ -593,19 +593,19 @@ def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S,
     l_w1 = tl.where(l_w == 0.0, 1.0, l_w)
     o_s = acc_s / l_s1[:, None]
     o_w = acc_w / l_w1[:, None]
-    crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
-    orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
-    lrow = (b64 * T + tok64) * (Hk * G) + head
-    if SAVE:   # for the backward, as the two-launch path: o_slc, o_swa in q's dtype and their LSEs
-        tl.store(BO_S + crow, o_s.to(BO_S.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE_S + lrow, m_s + tl.math.log2(l_s1), mask=row_ok)
-        tl.store(BO_W + orow, o_w.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE_W + lrow, m_w + tl.math.log2(l_w1), mask=row_ok)
     if HAS_GATES:
         gb = GATES + b64 * sgb + tok64 * sgs + head * sgh
     if FUSED_CMP:
         # selected + window folded into one fp32 result first (acc_s / acc_w die here), then the compressed branch
         # with its own accumulator: two (M, HEAD_DIM) fp32 states live, as in loop 2
+        if SAVE:   # for the backward, as the two-launch path: o_slc, o_swa in q's dtype and their LSEs
+            crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
+            orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
+            lrow = (b64 * T + tok64) * (Hk * G) + head
+            tl.store(BO_S + crow, o_s.to(BO_S.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE_S + lrow, m_s + tl.math.log2(l_s1), mask=row_ok)
+            tl.store(BO_W + orow, o_w.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE_W + lrow, m_w + tl.math.log2(l_w1), mask=row_ok)
         if HAS_GATES:
             g1 = tl.load(gb + sgc, mask=row_ok, other=0.0).to(tl.float32)
             g2 = tl.load(gb + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)
@@ -617,7 +617,10 @@ def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S,
                                     STAGES, CMP_TMA)
         l_c1 = tl.where(l_c == 0.0, 1.0, l_c)
         o_c = acc_c / l_c1[:, None]
+        crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
+        orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
         if SAVE:   # o_cmp in q's dtype and its LSE (log2 units; +inf: a row that sees no compressed key)
+            lrow = (b64 * T + tok64) * (Hk * G) + head
             tl.store(BO_C + crow, o_c.to(BO_C.dtype.element_ty), mask=row_ok[:, None])
             tl.store(LSE_C + lrow, tl.where(l_c == 0.0, float("inf"), m_c + tl.math.log2(l_c1)), mask=row_ok)
         if HAS_GATES:
@@ -626,9 +629,16 @@ def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S,
         else:
             res = res + o_c * (1.0 / 3.0)
     else:
+        crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
+        orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
         oc = tl.load(OC + crow, mask=row_ok[:, None], other=0.0)
-        if SAVE:
+        if SAVE:   # for the backward, as the two-launch path: o_cmp, o_slc, o_swa in q's dtype and the two LSEs
+            lrow = (b64 * T + tok64) * (Hk * G) + head
             tl.store(BO_C + crow, oc.to(BO_C.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(BO_S + crow, o_s.to(BO_S.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE_S + lrow, m_s + tl.math.log2(l_s1), mask=row_ok)
+            tl.store(BO_W + orow, o_w.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE_W + lrow, m_w + tl.math.log2(l_w1), mask=row_ok)
         if HAS_GATES:
             g0 = tl.load(gb, mask=row_ok, other=0.0).to(tl.float32)
             g1 = tl.load(gb + sgc, mask=row_ok, other=0.0).to(tl.float32)
