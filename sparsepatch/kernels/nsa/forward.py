@@ -508,7 +508,7 @@ def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S,
                           GP: tl.constexpr, BT: tl.constexpr, HAS_GATES: tl.constexpr, SAVE: tl.constexpr,
                           WB: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr = False,
                           FUSED_CMP: tl.constexpr = False, CB: tl.constexpr = 1, CS: tl.constexpr = 1,
-                          CMP_N: tl.constexpr = 64, CMP_TMA: tl.constexpr = False):
+                          CMP_N: tl.constexpr = 64, CMP_TMA: tl.constexpr = False, PIN: tl.constexpr = False):
     """selection="tile": the selected and window branches of BT tokens x the group's heads (rows = BT * GP, all
     tokens inside one selection tile, BS a power of two) in one program, with the gate combine -> OUT.
 
@@ -612,6 +612,7 @@ def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S,
             res = g1[:, None] * o_s + g2[:, None] * o_w
         else:
             res = (o_s + o_w) * (1.0 / 3.0)
+        res = _pin(res, PIN)
         acc_c, l_c, m_c = _cmp_rows(q, KC + b64 * skcb + hk * skch, VC + b64 * skcb + hk * skch, KCD, VCD, b32, hk,
                                     skcs, offs_d, qpos, minpos, maxpos, n_c, qk_scale, CB, CS, CMP_N, HEAD_DIM, M,
                                     STAGES, CMP_TMA)
@@ -647,6 +648,15 @@ def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S,
         else:
             res = (oc + o_s) * (1.0 / 3.0) + o_w * (1.0 / 3.0)
     tl.store(OUT + orow, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _pin(x, PIN: tl.constexpr):
+    """x, computed here: an identity (one mov per element) that the compiler may not move, so values that feed it
+    are not sunk below the code after it (PIN; the interpreter has no inline assembly: x itself)."""
+    if PIN:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+    return x
 
 
 @triton.jit
@@ -963,6 +973,7 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
             WB=triton.next_power_of_2(config.window // bs + 2),
             HAS_GATES=gates is not None, SAVE=save, STAGES=NUM_STAGES["fused"], USE_TMA=fkd is not None,
             FUSED_CMP=fused_cmp, CB=l, CS=d, CMP_N=CMP_BLOCK_N, CMP_TMA=fused_cmp and kd is not None,
+            PIN=not _interpret(),
             num_warps=NUM_WARPS["fused"], num_stages=NUM_STAGES["fused"])
         return out, idx, lse, bo
     rows = slc_tile_rows(G, n_b, bs if tile else 0)
