@@ -593,11 +593,11 @@ def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S,
     l_w1 = tl.where(l_w == 0.0, 1.0, l_w)
     o_s = acc_s / l_s1[:, None]
     o_w = acc_w / l_w1[:, None]
-    if HAS_GATES:
-        gb = GATES + b64 * sgb + tok64 * sgs + head * sgh
     if FUSED_CMP:
-        # selected + window folded into one fp32 result first (acc_s / acc_w die here), then the compressed branch
-        # with its own accumulator: two (M, HEAD_DIM) fp32 states live, as in loop 2
+        # selected + window folded into one fp32 result first (acc_s / acc_w die here; `_pin` keeps the compiler
+        # from sinking o_s / o_w below the compressed loop, which would keep three accumulators live there and
+        # make ptxas serialise every wgmma of the kernel: C7512), then the compressed branch with its own
+        # accumulator: two (M, HEAD_DIM) fp32 states live, as in loop 2
         if SAVE:   # for the backward, as the two-launch path: o_slc, o_swa in q's dtype and their LSEs
             crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
             orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
@@ -607,6 +607,7 @@ def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S,
             tl.store(BO_W + orow, o_w.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
             tl.store(LSE_W + lrow, m_w + tl.math.log2(l_w1), mask=row_ok)
         if HAS_GATES:
+            gb = GATES + b64 * sgb + tok64 * sgs + head * sgh
             g1 = tl.load(gb + sgc, mask=row_ok, other=0.0).to(tl.float32)
             g2 = tl.load(gb + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)
             res = g1[:, None] * o_s + g2[:, None] * o_w
@@ -641,6 +642,7 @@ def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S,
             tl.store(BO_W + orow, o_w.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
             tl.store(LSE_W + lrow, m_w + tl.math.log2(l_w1), mask=row_ok)
         if HAS_GATES:
+            gb = GATES + b64 * sgb + tok64 * sgs + head * sgh
             g0 = tl.load(gb, mask=row_ok, other=0.0).to(tl.float32)
             g1 = tl.load(gb + sgc, mask=row_ok, other=0.0).to(tl.float32)
             g2 = tl.load(gb + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)
