@@ -302,6 +302,7 @@ def test_fused_cmp_equals_separate_launch_and_reference(dtype, G, gated, tma, mo
     if dtype == torch.float32 and gated:   # save=True: the compressed branch's saved output and LSE (log2 units)
         k_cmp, v_cmp = ref.compress_kv(k, v, cfg)
         scale = q.shape[-1] ** -0.5
+        monkeypatch.setattr(nsa, "FUSED_CMP_MAX_KEYS", n_c)
         res = {}
         for on in (True, False):
             monkeypatch.setattr(nsa, "FUSED_CMP", on)
