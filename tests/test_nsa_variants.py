@@ -323,6 +323,15 @@ def test_fused_cmp_equals_separate_launch_and_reference(dtype, G, gated, tma, mo
         lb = lse_b[1:]   # selected / window: the same loops (their LSE as in the test above)
         check_bound(max_err(lse_f[1:], lb), 2 * T * 2.0 ** -24 / math.log(2) + 2.0 ** -23 * lb.abs().max().item(),
                     "saved selected / window LSE")
+    # no complete compressed block at all (n_c = 0: the compressed loop runs no tile, every row's o_cmp is 0)
+    monkeypatch.setattr(nsa, "FUSED_CMP", True)
+    monkeypatch.setattr(nsa, "FUSED_CMP_MAX_KEYS", n_c)
+    q6, k6, v6 = (x[:, :cfg.compress_block - 2] for x in (q, k, v))
+    g6 = None if gates is None else gates[:, :cfg.compress_block - 2]
+    assert ref.compress_kv(k6, v6, cfg)[0].shape[1] == 0
+    out = nsa.nsa_attention(q6, k6, v6, cfg, gates=g6)
+    assert _path(spies) == (0, 1, [True])
+    check_bound(max_err(out, ref.nsa_attention(q6, k6, v6, cfg, gates=g6)), tol, "n_c = 0 vs reference")
 
 
 @interpret_only
