@@ -1,5 +1,6 @@
 """NSA forward switches (session 15): NSA_TMA (K / V through TMA descriptors) and CMP_MASK_SPLIT (unmasked full key
-tiles in selection="tile"'s compressed launch), both on by default. Turning either off runs the same fp32
+tiles in selection="tile"'s compressed launch), both on by default; below them selection="tile"'s fused launch
+(FUSED_BRANCHES, session 16) and the compressed branch inside it (FUSED_CMP, session 17). Turning either off runs the same fp32
 operations on the same values, so the selected blocks equal the default's and the reference's
 exactly, and the outputs equal the default's (interpreter: bit for bit; GPU bf16: same indices, outputs within bf16
 rounding of the default)."""
