@@ -754,9 +754,10 @@ FUSED_ROWS = 64
 # result, so at most two 64 x D fp32 states are live), and the full-length `_cmp_kernel` launch that writes o_cmp
 # (fp32, read back by the fused epilogue) does not run; the importance launch at the tiles' first tokens stays.
 # The same function (the compressed keys' same fp32 operations; the three gated terms summed in another order).
-# Its gain is one program's fixed cost (prologue, fp32 o_cmp write + read) per 64 rows, worth most where each
-# program has few compressed key tiles. Rule: used while the compressed keys n_c <= FUSED_CMP_MAX_KEYS; above it
-# the separate launch (3 stages, MASK_SPLIT), whose 4-warp programs are then long. The limit is set from
+# What it saves is a launch of T / 4 * Hk short programs (a prologue, 1-4 compressed key tiles at 4K, the fp32 store)
+# and the o_cmp read in the fused epilogue; what it costs is the compressed loops at the fused kernel's 2 stages and
+# 255 registers. Rule: used while the compressed keys n_c <= FUSED_CMP_MAX_KEYS; above it the separate launch (3
+# stages, 142 registers), where each program's ~n_c / 128 key tiles outweigh its fixed cost. The limit is set from
 # `bench_nsa.py --phases --selection tile` (variants base / fused_nocmp / fused_cmp_all, benchmarks/NOTES.md).
 FUSED_CMP = True
 FUSED_CMP_MAX_KEYS = 1024
