@@ -431,6 +431,14 @@ PHASE_VARIANTS = {
     # since), and the fused launch with 3 K/V stages
     "two_launch": dict(sel=("tile",), attrs=dict(FUSED_BRANCHES=False)),
     "fused_s3": dict(sel=("tile",), attrs=dict(NUM_STAGES="fused=3")),
+    # session 17: FUSED_CMP, the compressed branch inside the fused launch (default up to FUSED_CMP_MAX_KEYS
+    # compressed keys): fused_nocmp = the separate o_cmp launch at every length (session 16's path), fused_cmp_all =
+    # fused at every length, fused_cmp_s3 = that with 3 K/V stages. The phases stay per kernel name: with FUSED_CMP
+    # "_cmp_kernel" is only the importance launch at the tiles' first tokens and the compressed branch's time is
+    # inside "_tile_branches_kernel" (no new kernel name, so PHASE_KERNELS is unchanged)
+    "fused_nocmp": dict(sel=("tile",), attrs=dict(FUSED_CMP=False)),
+    "fused_cmp_all": dict(sel=("tile",), attrs=dict(FUSED_CMP=True, FUSED_CMP_MAX_KEYS=1 << 40)),
+    "fused_cmp_s3": dict(sel=("tile",), attrs=dict(FUSED_CMP=True, FUSED_CMP_MAX_KEYS=1 << 40, NUM_STAGES="fused=3")),
 }
 PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel",
                  "_tile_branches_kernel"]
@@ -495,7 +503,7 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384, sels=("token"
     saved = {kk: getattr(nsa, kk) for kk in ("SLC_TILE_ROWS", "PARALLEL_TOPK", "TOPK_PARALLEL_MIN_BLOCKS",
                                             "NUM_WARPS", "NUM_STAGES", "CMP_TILE_ROWS", "SWA_TILE_ROWS",
                                             "CMP_BLOCK_N", "SWA_BLOCK_N", "CMP_MASK_SPLIT", "NSA_TMA",
-                                            "FUSED_BRANCHES")}
+                                            "FUSED_BRANCHES", "FUSED_CMP", "FUSED_CMP_MAX_KEYS")}
 
     def attrs(spec):
         """A variant's overrides; NUM_WARPS / NUM_STAGES "kernel=n[,kernel=n]" -> a copy of the saved dict with

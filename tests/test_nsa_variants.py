@@ -1,5 +1,6 @@
 """NSA forward switches (session 15): NSA_TMA (K / V through TMA descriptors) and CMP_MASK_SPLIT (unmasked full key
-tiles in selection="tile"'s compressed launch), both on by default. Turning either off runs the same fp32
+tiles in selection="tile"'s compressed launch), both on by default; below them selection="tile"'s fused launch
+(FUSED_BRANCHES, session 16) and the compressed branch inside it (FUSED_CMP, session 17). Turning either off runs the same fp32
 operations on the same values, so the selected blocks equal the default's and the reference's
 exactly, and the outputs equal the default's (interpreter: bit for bit; GPU bf16: same indices, outputs within bf16
 rounding of the default)."""
@@ -19,6 +20,8 @@ from test_nsa import _bf16_err, nsa_tol, rand
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not (CUDA or INTERPRET), reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+# CPU inputs through the kernels (fp32 runs them only under the interpreter; on CUDA see the gpu tests)
+interpret_only = pytest.mark.skipif(not INTERPRET, reason="CPU tensors through the Triton interpreter")
 
 SWITCHES = {
     "pointer_loads": dict(NSA_TMA=False),
@@ -152,6 +155,7 @@ def test_fused_branches_equal_two_launches_and_reference(dtype, G, gated, tma, m
     assert torch.equal(bidx.long(), widx)
     tol = nsa_tol(q.float(), k.float(), v.float()) if dtype == torch.float32 else 4e-3
     monkeypatch.setattr(nsa, "FUSED_BRANCHES", True)
+    monkeypatch.setattr(nsa, "FUSED_CMP", False)          # o_cmp from the separate launch (FUSED_CMP: below)
     monkeypatch.setattr(nsa, "_slc_tile_kernel", None)    # the fused launch replaces both
     monkeypatch.setattr(nsa, "_swa_kernel", None)
     out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
@@ -166,6 +170,7 @@ def test_fused_branches_equal_two_launches_and_reference(dtype, G, gated, tma, m
         monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
         monkeypatch.setattr(nsa, "NSA_TMA", tma)
         monkeypatch.setattr(nsa, "FUSED_BRANCHES", False)
+        monkeypatch.setattr(nsa, "FUSED_CMP", False)
         _, _, lse_b, bo_b = nsa._forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save=True)
         check_bound(max_err(bo_f, bo_b), nsa_tol(q, k, v), "saved branch outputs")
         assert torch.equal(lse_f[0], lse_b[0])   # the compressed branch: the same launch (+inf rows included)
@@ -211,3 +216,185 @@ def test_gpu_fused_branches_equal_two_launches_bf16(G, Hk, T, monkeypatch):
         grads.append(torch.autograd.grad(o, (qg, kg, vg), dout))
     for a, b in zip(*grads):
         assert _bf16_err(a, b) < 2e-2 * max(1.0, b.float().abs().max().item())
+
+
+class _Spy:
+    """Stands in for a Triton kernel object: records the keyword arguments of each launch, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append(kw)
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def _spy_launches(monkeypatch, nsa):
+    """(compressed, fused) spies on `_cmp_kernel` and `_tile_branches_kernel`."""
+    spies = _Spy(nsa._cmp_kernel), _Spy(nsa._tile_branches_kernel)
+    monkeypatch.setattr(nsa, "_cmp_kernel", spies[0])
+    monkeypatch.setattr(nsa, "_tile_branches_kernel", spies[1])
+    return spies
+
+
+def _path(spies):
+    """(o_cmp launches (STORE_O), importance launches, the fused launch's FUSED_CMP) of the calls recorded since the
+    last _path call."""
+    cmp_, fused = spies
+    got = (sum(kw["STORE_O"] for kw in cmp_.calls), sum(kw["SELECT"] for kw in cmp_.calls),
+           [kw["FUSED_CMP"] for kw in fused.calls])
+    cmp_.calls.clear()
+    fused.calls.clear()
+    return got
+
+
+def _n_visible(pos, cfg):
+    """Compressed keys visible at key position pos (python int): complete compressed blocks ending at or before it."""
+    return max(0, (pos + 1 - cfg.compress_block) // cfg.compress_stride + 1)
+
+
+@interpret_only
+@pytest.mark.parametrize("dtype, G, gated, tma", [(torch.float32, 3, True, True), (torch.float16, 2, False, True),
+                                                  (torch.float32, 16, False, True), (torch.float32, 1, True, False),
+                                                  (torch.float32, 4, False, False)])
+def test_fused_cmp_equals_separate_launch_and_reference(dtype, G, gated, tma, monkeypatch):
+    """FUSED_CMP (selection="tile", the fused launch): `_tile_branches_kernel` computes the compressed branch of its own
+    rows, and the full-length o_cmp launch does not run (the importance launch at the tiles' first tokens does). The
+    same function: the compressed keys get the same fp32 operations, the three gated terms are summed in another
+    order (rounding only), so against the separate launch (both through the fused kernel) and the reference the
+    bounds of test_fused_branches_equal_two_launches_and_reference hold. At or below FUSED_CMP_MAX_KEYS compressed
+    keys the fused path runs, above it the separate launch (bit for bit the FUSED_CMP=False result). fp32 with gates
+    also checks the saved o_cmp / LSE the backward reads. G = 1 and groups padded to a power of two; TMA descriptors
+    and pointer loads."""
+    from sparsepatch.kernels.nsa import forward as nsa
+    T = 100
+    cfg = NSAConfig(**FUSED_CFG, selection="tile")
+    monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
+    monkeypatch.setattr(nsa, "NSA_TMA", tma)
+    n_c = (T - cfg.compress_block) // cfg.compress_stride + 1
+    # the compressed loop's cases: rows that see no compressed key (the first tokens), programs whose rows all see a
+    # full 16-key tile (the unmasked loop) followed by a partial one (the masked loop)
+    bt = max(1, min(nsa.FUSED_ROWS // (1 << (G - 1).bit_length()), cfg.block_size))   # tokens per fused program
+    starts = range(0, T, bt)
+    assert _n_visible(0, cfg) == 0 and n_c == 24
+    assert any(_n_visible(t0, cfg) >= 16 and _n_visible(min(t0 + bt, T) - 1, cfg) > 16 for t0 in starts)
+    q, k, v = rand(1, T, G, 1, 16, dtype=dtype, seed=90 + G)
+    gates = torch.rand(1, T, G, 3, generator=torch.Generator().manual_seed(G)) if gated else None
+    want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    spies = _spy_launches(monkeypatch, nsa)
+    monkeypatch.setattr(nsa, "FUSED_CMP", False)
+    base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    assert _path(spies) == (1, 1, [False])
+    assert torch.equal(bidx.long(), widx)
+    tol = nsa_tol(q.float(), k.float(), v.float()) if dtype == torch.float32 else 4e-3
+    monkeypatch.setattr(nsa, "FUSED_CMP", True)
+    for limit, fused in ((n_c, True), (n_c - 1, False)):   # at or below the limit: fused
+        monkeypatch.setattr(nsa, "FUSED_CMP_MAX_KEYS", limit)
+        out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+        assert _path(spies) == ((0, 1, [True]) if fused else (1, 1, [False])), limit
+        assert torch.equal(idx, bidx)
+        if fused:
+            check_bound(max_err(out, base), tol, "fused compressed branch vs separate launch")
+            check_bound(max_err(out, want), tol, "fused compressed branch vs reference")
+        else:
+            assert torch.equal(out, base)
+    if dtype == torch.float32 and gated:   # save=True: the compressed branch's saved output and LSE (log2 units)
+        k_cmp, v_cmp = ref.compress_kv(k, v, cfg)
+        scale = q.shape[-1] ** -0.5
+        monkeypatch.setattr(nsa, "FUSED_CMP_MAX_KEYS", n_c)
+        res = {}
+        for on in (True, False):
+            monkeypatch.setattr(nsa, "FUSED_CMP", on)
+            res[on] = nsa._forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save=True)
+            assert _path(spies) == ((0, 1, [True]) if on else (1, 1, [False]))
+        (out_f, _, lse_f, bo_f), (out_b, _, lse_b, bo_b) = res[True], res[False]
+        check_bound(max_err(out_f, out_b), tol, "save=True output")
+        check_bound(max_err(bo_f, bo_b), nsa_tol(q, k, v), "saved branch outputs")
+        empty = torch.isinf(lse_b[0])
+        assert empty[0, 0].all() and not empty[0, -1].any()          # the first token sees no compressed key
+        assert torch.equal(torch.isinf(lse_f[0]), empty) and (lse_f[0][empty] > 0).all()
+        assert torch.equal(bo_f[0][0, 0], torch.zeros_like(bo_f[0][0, 0]))   # o_cmp of a row that sees nothing
+        # the same fp32 operations over the same keys; should the summation order differ, l (<= n_c terms in
+        # [0, 1]) moves by <= n_c fp32 ulps relative: |d log2 l| <= n_c * 2^-24 / ln 2, margin x2, one ulp of m
+        fin = lse_b[0][~empty]
+        check_bound(max_err(lse_f[0][~empty], fin), 2 * n_c * 2.0 ** -24 / math.log(2)
+                    + 2.0 ** -23 * fin.abs().max().item(), "saved compressed LSE")
+        lb = lse_b[1:]   # selected / window: the same loops (their LSE as in the test above)
+        check_bound(max_err(lse_f[1:], lb), 2 * T * 2.0 ** -24 / math.log(2) + 2.0 ** -23 * lb.abs().max().item(),
+                    "saved selected / window LSE")
+    # no complete compressed block at all (n_c = 0: the compressed loop runs no tile, every row's o_cmp is 0)
+    monkeypatch.setattr(nsa, "FUSED_CMP", True)
+    monkeypatch.setattr(nsa, "FUSED_CMP_MAX_KEYS", n_c)
+    q6, k6, v6 = (x[:, :cfg.compress_block - 2] for x in (q, k, v))
+    g6 = None if gates is None else gates[:, :cfg.compress_block - 2]
+    assert ref.compress_kv(k6, v6, cfg)[0].shape[1] == 0
+    out = nsa.nsa_attention(q6, k6, v6, cfg, gates=g6)
+    assert _path(spies) == (0, 1, [True])
+    check_bound(max_err(out, ref.nsa_attention(q6, k6, v6, cfg, gates=g6)), tol, "n_c = 0 vs reference")
+
+
+@interpret_only
+def test_fused_cmp_gradients_equal_separate_launch(monkeypatch):
+    """With a gradient needed the fused launch writes what the o_cmp launch writes for the backward (o_cmp in q's
+    dtype, its LSE): the Triton gradients of q, k, v and the gates with FUSED_CMP on equal the reference's within
+    test_nsa_backward.grad_tol, and those with it off within twice that (each side carries its own error)."""
+    from sparsepatch.kernels.nsa import forward as nsa
+    from test_nsa_backward import _grads, _inputs, _rel, grad_tol
+    cfg = NSAConfig(**FUSED_CFG, selection="tile")
+    monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
+    leaves, dout = _inputs(1, 100, 2, 1, 16, seed=21, gates=True)
+    tol = grad_tol(leaves)
+    spies = _spy_launches(monkeypatch, nsa)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(nsa, "FUSED_CMP", on)
+        ls = {n: x.detach().clone().requires_grad_(True) for n, x in leaves.items()}
+        out, idx, got[on] = _grads(nsa.nsa_attention, ls, dout, cfg)
+        assert _path(spies) == ((0, 1, [True]) if on else (1, 1, [False]))
+    ref_leaves = {n: x.detach().clone().requires_grad_(True) for n, x in leaves.items()}
+    _, widx, want = _grads(ref.nsa_attention, ref_leaves, dout, cfg)
+    assert torch.equal(idx.long(), widx)
+    for n in got[True]:
+        assert want[n].abs().max() > 0, n
+        check_bound(_rel(got[True][n], want[n]), tol, f"d{n} fused compressed vs reference")
+        check_bound(_rel(got[True][n], got[False][n]), 2 * tol, f"d{n} fused compressed vs separate launch")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G, Hk, T, gated", [(16, 4, 4096, False), (16, 4, 4096, True), (4, 4, 3000, True),
+                                             (1, 8, 1000, False)])
+def test_gpu_fused_cmp_equals_separate_launch_bf16(G, Hk, T, gated, monkeypatch):
+    """bf16, NSAConfig(selection="tile") sizes (HQ64 H4 D128 at 4K), CUDA: FUSED_CMP on and off select the same
+    blocks, and their outputs differ by at most the rounding to bf16 of two fp32 results that differ by fp32
+    rounding (the gated terms summed in another order, the compressed branch in another kernel): one bf16 ulp
+    (<= 2^-7 |out|) plus an fp32 sum bound over the keys (kernel_checks.fp_bound) at the scale of |v|. The path that
+    ran is checked (no o_cmp launch with FUSED_CMP), and so are the gradients through the saved outputs."""
+    from kernel_checks import fp_bound
+    from sparsepatch.kernels.nsa import forward as nsa
+    cfg = NSAConfig(selection="tile")
+    q, k, v = rand(1, T, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=T + 7 * G, device="cuda")
+    gates = torch.rand(1, T, G * Hk, 3, generator=torch.Generator().manual_seed(G)).cuda() if gated else None
+    spies = _spy_launches(monkeypatch, nsa)
+    res = {}
+    for on in (False, True):
+        monkeypatch.setattr(nsa, "FUSED_CMP", on)
+        res[on] = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+        assert _path(spies) == ((0, 1, [True]) if on else (1, 1, [False]))
+    (out, idx), (base, bidx) = res[True], res[False]
+    assert torch.equal(idx, bidx)
+    a, b = out.double(), base.double()
+    slack = fp_bound(torch.float32, T + 128, v.double().abs().max().item())
+    excess = ((a - b).abs() - 2.0 ** -7 * torch.maximum(a.abs(), b.abs())).max().item()
+    check_bound(excess, slack, "bf16 FUSED_CMP on vs off, beyond one bf16 ulp")
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    dout = torch.randn_like(q)
+    grads = []
+    for on in (True, False):
+        monkeypatch.setattr(nsa, "FUSED_CMP", on)
+        o = nsa.nsa_attention(qg, kg, vg, cfg, gates=gates)
+        grads.append(torch.autograd.grad(o, (qg, kg, vg), dout))
+        assert _path(spies) == ((0, 1, [True]) if on else (1, 1, [False]))
+    for x, y in zip(*grads):
+        assert _bf16_err(x, y) < 2e-2 * max(1.0, y.float().abs().max().item())

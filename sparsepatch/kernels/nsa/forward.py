@@ -21,7 +21,9 @@ Four kernels per call (plus mean/weighted pooling of k/v in PyTorch, `nsa_refere
    union is nearly every visible block).
 4. `_swa_kernel`  sliding-window attention on the same tiles as (1); adds g_swa * o_swa and stores the output.
    selection="tile" with FUSED_BRANCHES: `_tile_branches_kernel` replaces (3) and (4) by one launch (both
-   branches and the gate combine per program; a block in both is loaded and multiplied by q once).
+   branches and the gate combine per program; a block in both is loaded and multiplied by q once); with FUSED_CMP
+   (up to FUSED_CMP_MAX_KEYS compressed keys) it also computes the compressed branch, so (1) runs only for the
+   selection tiles' first tokens (importance, no o_cmp).
 
 Supported (else `supports` is False and the dispatcher uses the reference): causal=True, head dim 16..256 power
 of two, block_size % compress_stride == 0 with block_size / compress_stride a power of two <= 64, compress_block
@@ -498,12 +500,15 @@ def _swa_kernel(Q, K, V, PART, GATES, OUT, BO_W, LSE, KD, VD,
 
 @triton.jit
 def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE_W, KD, VD,
+                          KC, VC, LSE_C, KCD, VCD,
                           sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, scb, scs, sch, s_ib, s_it, s_ih,
-                          sgb, sgs, sgh, sgc, sob, sos, soh,
-                          T, S, q_off, Hk, G, qk_scale, window,
+                          sgb, sgs, sgh, sgc, sob, sos, soh, skcb, skcs, skch,
+                          T, S, q_off, Hk, G, qk_scale, window, n_c,
                           BS: tl.constexpr, NSEL: tl.constexpr, NSELP: tl.constexpr, HEAD_DIM: tl.constexpr,
                           GP: tl.constexpr, BT: tl.constexpr, HAS_GATES: tl.constexpr, SAVE: tl.constexpr,
-                          WB: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr = False):
+                          WB: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr = False,
+                          FUSED_CMP: tl.constexpr = False, CB: tl.constexpr = 1, CS: tl.constexpr = 1,
+                          CMP_N: tl.constexpr = 64, CMP_TMA: tl.constexpr = False, PIN: tl.constexpr = False):
     """selection="tile": the selected and window branches of BT tokens x the group's heads (rows = BT * GP, all
     tokens inside one selection tile, BS a power of two) in one program, with the gate combine -> OUT.
 
@@ -514,7 +519,13 @@ def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S,
     visits its blocks in ascending order, as `_slc_tile_kernel` (same fp32 operations); the window state visits
     the same tiles as `_swa_kernel` with BLOCK_N = BS, selected ones first (a different summation order: rounding
     differences only). WB: a power of two >= the most window blocks of a program (window // BS + 2).
-    OC: o_cmp (fp32); OUT, BO_W: OUT's strides; BO_C, BO_S: OC's (as the two-launch path)."""
+    OC: o_cmp (fp32); OUT, BO_W: OUT's strides; BO_C, BO_S: OC's (as the two-launch path).
+    FUSED_CMP: the compressed branch of the program's rows is computed here too (`_cmp_rows`: KC / VC (B, n_c, Hk,
+    D) with strides skc*, through KCD / VCD when CMP_TMA, CMP_N keys per tile; the same fp32 operations as
+    `_cmp_kernel`'s pass 1), after the window loop, when the selected and window accumulators are already folded
+    into the gated result: at most two (M, HEAD_DIM) fp32 states are live at any point. OC is then not read (only
+    its strides address BO_C / BO_S); with SAVE, BO_C = o_cmp in BO_C's dtype and LSE_C its LSE (B, T, Hq) in log2
+    units, +inf for a row that sees no compressed key, as `_cmp_kernel` writes them."""
     b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP, 0, 1)
     b32 = tl.program_id(1) // Hk
     M: tl.constexpr = BT * GP
@@ -582,25 +593,107 @@ def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S,
     l_w1 = tl.where(l_w == 0.0, 1.0, l_w)
     o_s = acc_s / l_s1[:, None]
     o_w = acc_w / l_w1[:, None]
-    crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
-    orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
-    oc = tl.load(OC + crow, mask=row_ok[:, None], other=0.0)
-    if SAVE:   # for the backward, as the two-launch path: o_cmp, o_slc, o_swa in q's dtype and the two LSEs
-        lrow = (b64 * T + tok64) * (Hk * G) + head
-        tl.store(BO_C + crow, oc.to(BO_C.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(BO_S + crow, o_s.to(BO_S.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE_S + lrow, m_s + tl.math.log2(l_s1), mask=row_ok)
-        tl.store(BO_W + orow, o_w.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE_W + lrow, m_w + tl.math.log2(l_w1), mask=row_ok)
-    if HAS_GATES:
-        gb = GATES + b64 * sgb + tok64 * sgs + head * sgh
-        g0 = tl.load(gb, mask=row_ok, other=0.0).to(tl.float32)
-        g1 = tl.load(gb + sgc, mask=row_ok, other=0.0).to(tl.float32)
-        g2 = tl.load(gb + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)
-        res = (g0[:, None] * oc + g1[:, None] * o_s) + g2[:, None] * o_w
+    if FUSED_CMP:
+        # selected + window folded into one fp32 result first (acc_s / acc_w die here; `_pin` keeps the compiler
+        # from sinking o_s / o_w below the compressed loop, which would keep three accumulators live there and
+        # make ptxas serialise every wgmma of the kernel: C7512), then the compressed branch with its own
+        # accumulator: two (M, HEAD_DIM) fp32 states live, as in loop 2
+        if SAVE:   # for the backward, as the two-launch path: o_slc, o_swa in q's dtype and their LSEs
+            crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
+            orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
+            lrow = (b64 * T + tok64) * (Hk * G) + head
+            tl.store(BO_S + crow, o_s.to(BO_S.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE_S + lrow, m_s + tl.math.log2(l_s1), mask=row_ok)
+            tl.store(BO_W + orow, o_w.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE_W + lrow, m_w + tl.math.log2(l_w1), mask=row_ok)
+        if HAS_GATES:
+            gb = GATES + b64 * sgb + tok64 * sgs + head * sgh
+            g1 = tl.load(gb + sgc, mask=row_ok, other=0.0).to(tl.float32)
+            g2 = tl.load(gb + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)
+            res = g1[:, None] * o_s + g2[:, None] * o_w
+        else:
+            res = (o_s + o_w) * (1.0 / 3.0)
+        res = _pin(res, PIN)
+        acc_c, l_c, m_c = _cmp_rows(q, KC + b64 * skcb + hk * skch, VC + b64 * skcb + hk * skch, KCD, VCD, b32, hk,
+                                    skcs, offs_d, qpos, minpos, maxpos, n_c, qk_scale, CB, CS, CMP_N, HEAD_DIM, M,
+                                    STAGES, CMP_TMA)
+        l_c1 = tl.where(l_c == 0.0, 1.0, l_c)
+        o_c = acc_c / l_c1[:, None]
+        crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
+        orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
+        if SAVE:   # o_cmp in q's dtype and its LSE (log2 units; +inf: a row that sees no compressed key)
+            lrow = (b64 * T + tok64) * (Hk * G) + head
+            tl.store(BO_C + crow, o_c.to(BO_C.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE_C + lrow, tl.where(l_c == 0.0, float("inf"), m_c + tl.math.log2(l_c1)), mask=row_ok)
+        if HAS_GATES:
+            g0 = tl.load(gb, mask=row_ok, other=0.0).to(tl.float32)
+            res = res + g0[:, None] * o_c
+        else:
+            res = res + o_c * (1.0 / 3.0)
     else:
-        res = (oc + o_s) * (1.0 / 3.0) + o_w * (1.0 / 3.0)
+        crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
+        orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
+        oc = tl.load(OC + crow, mask=row_ok[:, None], other=0.0)
+        if SAVE:   # for the backward, as the two-launch path: o_cmp, o_slc, o_swa in q's dtype and the two LSEs
+            lrow = (b64 * T + tok64) * (Hk * G) + head
+            tl.store(BO_C + crow, oc.to(BO_C.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(BO_S + crow, o_s.to(BO_S.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE_S + lrow, m_s + tl.math.log2(l_s1), mask=row_ok)
+            tl.store(BO_W + orow, o_w.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE_W + lrow, m_w + tl.math.log2(l_w1), mask=row_ok)
+        if HAS_GATES:
+            gb = GATES + b64 * sgb + tok64 * sgs + head * sgh
+            g0 = tl.load(gb, mask=row_ok, other=0.0).to(tl.float32)
+            g1 = tl.load(gb + sgc, mask=row_ok, other=0.0).to(tl.float32)
+            g2 = tl.load(gb + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)
+            res = (g0[:, None] * oc + g1[:, None] * o_s) + g2[:, None] * o_w
+        else:
+            res = (oc + o_s) * (1.0 / 3.0) + o_w * (1.0 / 3.0)
     tl.store(OUT + orow, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _pin(x, PIN: tl.constexpr):
+    """x, computed here: an identity (one mov per element) that the compiler may not move, so values that feed it
+    are not sunk below the code after it (PIN; the interpreter has no inline assembly: x itself)."""
+    if PIN:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+    return x
+
+
+@triton.jit
+def _cmp_rows(q, kbase, vbase, KD, VD, b, hk, sks, offs_d, qpos, minpos, maxpos, n_c, qk_scale,
+              CB: tl.constexpr, CS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, M: tl.constexpr,
+              STAGES: tl.constexpr, USE_TMA: tl.constexpr):
+    """Compressed-branch online softmax of M rows q at key positions qpos (all in minpos..maxpos) over the
+    compressed keys of one (batch b, KV head hk) (kbase / vbase: its first key, rows sks apart; KD / VD: host
+    descriptors when USE_TMA): compressed key c is visible to a row iff c < nvis = (qpos + 1 - CB) // CS + 1
+    (0 before the first complete compressed block), capped at n_c. The key tiles every row sees completely run
+    without the per-element mask, the rest with it; the same fp32 operations as `_cmp_kernel`'s pass 1 with
+    MASK_SPLIT. -> (acc, l, m) in log2 units; a row that sees nothing keeps l = 0, acc = 0, m = -inf."""
+    offs_n = tl.arange(0, BLOCK_N)
+    nvis = tl.minimum(tl.where(qpos + 1 >= CB, (qpos + 1 - CB) // CS + 1, 0), n_c)
+    hi = tl.minimum(tl.where(maxpos + 1 >= CB, (maxpos + 1 - CB) // CS + 1, 0), n_c)
+    lo_vis = tl.minimum(tl.where(minpos + 1 >= CB, (minpos + 1 - CB) // CS + 1, 0), hi)
+    full = lo_vis // BLOCK_N * BLOCK_N
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, HEAD_DIM], tl.float32)
+    for start in tl.range(0, full, BLOCK_N, num_stages=STAGES):
+        c = start + offs_n
+        k = _kv_tile(KD, kbase, b, hk, start, c, c < hi, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, False)
+        v = _kv_tile(VD, vbase, b, hk, start, c, c < hi, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, False)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+    for start in tl.range(full, hi, BLOCK_N, num_stages=STAGES):
+        c = start + offs_n
+        kv_ok = c < hi
+        k = _kv_tile(KD, kbase, b, hk, start, c, kv_ok, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, True)
+        v = _kv_tile(VD, vbase, b, hk, start, c, kv_ok, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, True)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(c[None, :] < nvis[:, None], s, float("-inf"))
+        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+    return acc, l_i, m_i
 
 
 FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
@@ -656,6 +749,18 @@ CMP_MASK_SPLIT = True
 # 0.729 -> 0.637, 1.526 -> 1.381, 3.274 -> 3.063, 19.63 -> 19.03 ms (benchmarks/NOTES.md, session 16).
 FUSED_BRANCHES = True
 FUSED_ROWS = 64
+# FUSED_CMP (selection="tile", where the fused launch runs): `_tile_branches_kernel` also computes the compressed
+# branch of its own rows (after the window loop, once the selected and window states are folded into the gated
+# result, so at most two 64 x D fp32 states are live), and the full-length `_cmp_kernel` launch that writes o_cmp
+# (fp32, read back by the fused epilogue) does not run; the importance launch at the tiles' first tokens stays.
+# The same function (the compressed keys' same fp32 operations; the three gated terms summed in another order).
+# What it saves is a launch of T / 4 * Hk short programs (a prologue, 1-4 compressed key tiles at 4K, the fp32 store)
+# and the o_cmp read in the fused epilogue; what it costs is the compressed loops at the fused kernel's 2 stages and
+# 255 registers. Rule: used while the compressed keys n_c <= FUSED_CMP_MAX_KEYS; above it the separate launch (3
+# stages, 142 registers), where each program's ~n_c / 128 key tiles outweigh its fixed cost. The limit is set from
+# `bench_nsa.py --phases --selection tile` (variants base / fused_nocmp / fused_cmp_all, benchmarks/NOTES.md).
+FUSED_CMP = True
+FUSED_CMP_MAX_KEYS = 1024
 
 
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
@@ -789,8 +894,14 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
     v_cmp = v_cmp.contiguous()
     if n_c == 0:
         k_cmp = v_cmp = q.new_zeros((B, 1, Hk, D))
-    o_cmp = torch.empty((B, T, Hq, D), dtype=torch.float32, device=dev)
     tile = config.selection == "tile"
+    bt_f = max(1, min(FUSED_ROWS // GP, bs))   # tokens per fused program: inside one selection tile
+    fused = tile and FUSED_BRANCHES and fused_applies(bs, bt_f, q_off, D)
+    fused_cmp = fused and FUSED_CMP and n_c <= FUSED_CMP_MAX_KEYS
+    out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
+    # o_cmp (fp32), read back by the selected / fused launch; with fused_cmp no launch reads or writes it, and `out`
+    # stands in where an argument is unused (its strides, those of every (B, T, Hq, D) tensor here, address bo)
+    o_cmp = out if fused_cmp else torch.empty((B, T, Hq, D), dtype=torch.float32, device=dev)
     if save:
         lse = torch.empty((3, B, T, Hq), dtype=torch.float32, device=dev)
         bo = torch.empty((3, B, T, Hq, D), dtype=q.dtype, device=dev)
@@ -823,11 +934,12 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
     if not tile:
         idx = select(T, 0, 1, True)
     else:
-        # o_cmp of every token; the importance and top-k only at the selection tiles' first tokens, whose selection
-        # every token of the tile then uses
-        _cmp_kernel[grid_cmp](
-            *cmp_args, o_cmp, o_cmp, lse_c, *cmp_descs, *cmp_strides, T, n_c, q_off, Hq, Hk, G, NBP, qk_scale, 0,
-            SELECT=False, SAVE=save, STORE_O=True, TS=1, MASK_SPLIT=CMP_MASK_SPLIT, **cmp_meta)
+        # o_cmp of every token (fused_cmp: inside the fused launch instead); the importance and top-k only at the
+        # selection tiles' first tokens, whose selection every token of the tile then uses
+        if not fused_cmp:
+            _cmp_kernel[grid_cmp](
+                *cmp_args, o_cmp, o_cmp, lse_c, *cmp_descs, *cmp_strides, T, n_c, q_off, Hq, Hk, G, NBP, qk_scale,
+                0, SELECT=False, SAVE=save, STORE_O=True, TS=1, MASK_SPLIT=CMP_MASK_SPLIT, **cmp_meta)
         first = -(-q_off // bs)                       # first selection tile starting at or after the first query
         tok0 = first * bs - q_off
         n_tiles = max(0, triton.cdiv(T - tok0, bs))
@@ -852,17 +964,19 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
                gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0)
     common = dict(BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D,
                   HAS_GATES=gates is not None, SAVE=save)
-    bt_f = max(1, min(FUSED_ROWS // GP, bs))   # tokens per fused program: inside one selection tile
-    if tile and FUSED_BRANCHES and fused_applies(bs, bt_f, q_off, D):
-        out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
+    if fused:
         fkd, fvd = _descs(q, (k, bs), (v, bs))
         _tile_branches_kernel[(triton.cdiv(T, bt_f), B * Hk)](
             q, k, v, idx, o_cmp, gt, out, bo_c, bo_s, bo_w, lse_s, lse_w,
-            *((fkd, fvd) if fkd is not None else (out, out)), *strides,
-            out.stride(0), out.stride(1), out.stride(2), T, S, q_off, Hk, G, qk_scale, config.window,
+            *((fkd, fvd) if fkd is not None else (out, out)), k_cmp, v_cmp, lse_c,
+            *((kd, vd) if fused_cmp and kd is not None else (out, out)), *strides,
+            out.stride(0), out.stride(1), out.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
+            T, S, q_off, Hk, G, qk_scale, config.window, n_c if fused_cmp else 0,
             BS=bs, NSEL=nsel, NSELP=triton.next_power_of_2(nsel), HEAD_DIM=D, GP=GP, BT=bt_f,
             WB=triton.next_power_of_2(config.window // bs + 2),
             HAS_GATES=gates is not None, SAVE=save, STAGES=NUM_STAGES["fused"], USE_TMA=fkd is not None,
+            FUSED_CMP=fused_cmp, CB=l, CS=d, CMP_N=CMP_BLOCK_N, CMP_TMA=fused_cmp and kd is not None,
+            PIN=not _interpret(),
             num_warps=NUM_WARPS["fused"], num_stages=NUM_STAGES["fused"])
         return out, idx, lse, bo
     rows = slc_tile_rows(G, n_b, bs if tile else 0)
@@ -889,7 +1003,6 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
             q, k, v, idx, o_cmp, gt, part, bo_c, bo_s, lse_s, *slc_descs, *strides, T, S, q_off, Hk, G, qk_scale,
             GP=max(16, GP), SLC_STAGES=NUM_STAGES["slc"], USE_TMA=skd is not None, num_warps=NUM_WARPS["slc"],
             num_stages=NUM_STAGES["slc"], **common)
-    out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
     wkd, wvd = _descs(q, (k, SWA_BLOCK_N), (v, SWA_BLOCK_N))
     _swa_kernel[(triton.cdiv(T, BT_SWA), B * Hk)](
         q, k, v, part, gt, out, bo_w, lse_w, *((wkd, wvd) if wkd is not None else (out, out)),
