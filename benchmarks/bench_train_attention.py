@@ -86,6 +86,7 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--all-sdpa", action="store_true", help="also sdpa_flash and sdpa_efficient")
+    ap.add_argument("--ours", default=",".join(OURS), help="our backends to time, comma-separated")
     ap.add_argument("--rep", type=int, default=200, help="do_bench time budget per backend and cell, ms")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -98,7 +99,7 @@ def main(argv=None):
     dtypes = [getattr(torch, x) for x in args.dtypes.split(",")]
     cells = [c for c in tuning.default_cells(dtypes=tuple(dtypes), head_dims=tuple(dims)) if c[1] in seqs]
     sdpa = SDPA if args.all_sdpa else ("sdpa_cudnn", "sdpa")
-    names = [b.name for b in dense_op.BACKENDS if b.name in OURS + sdpa]
+    names = [b.name for b in dense_op.BACKENDS if b.name in tuple(args.ours.split(",")) + sdpa]
     entries = []
     for layout in args.layouts.split(","):   # results saved after each layout
         entries += tuning.measure(cells, backends=names, log=log, layout=layout, grad=True, rep=args.rep)

@@ -264,8 +264,7 @@ def test_fused_cmp_equals_separate_launch_and_reference(dtype, G, gated, tma, mo
     rows, and the full-length o_cmp launch does not run (the importance launch at the tiles' first tokens does). The
     same function: the compressed keys get the same fp32 operations, the three gated terms are summed in another
     order (rounding only), so against the separate launch (both through the fused kernel) and the reference the
-    bounds of test_fused_branches_equal_two_launches_and_reference hold. At or below FUSED_CMP_MAX_KEYS compressed
-    keys the fused path runs, above it the separate launch (bit for bit the FUSED_CMP=False result). fp32 with gates
+    bounds of test_fused_branches_equal_two_launches_and_reference hold. fp32 with gates
     also checks the saved o_cmp / LSE the backward reads. G = 1 and groups padded to a power of two; TMA descriptors
     and pointer loads."""
     from sparsepatch.kernels.nsa import forward as nsa
@@ -290,20 +289,14 @@ def test_fused_cmp_equals_separate_launch_and_reference(dtype, G, gated, tma, mo
     assert torch.equal(bidx.long(), widx)
     tol = nsa_tol(q.float(), k.float(), v.float()) if dtype == torch.float32 else 4e-3
     monkeypatch.setattr(nsa, "FUSED_CMP", True)
-    for limit, fused in ((n_c, True), (n_c - 1, False)):   # at or below the limit: fused
-        monkeypatch.setattr(nsa, "FUSED_CMP_MAX_KEYS", limit)
-        out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
-        assert _path(spies) == ((0, 1, [True]) if fused else (1, 1, [False])), limit
-        assert torch.equal(idx, bidx)
-        if fused:
-            check_bound(max_err(out, base), tol, "fused compressed branch vs separate launch")
-            check_bound(max_err(out, want), tol, "fused compressed branch vs reference")
-        else:
-            assert torch.equal(out, base)
+    out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    assert _path(spies) == (0, 1, [True])
+    assert torch.equal(idx, bidx)
+    check_bound(max_err(out, base), tol, "fused compressed branch vs separate launch")
+    check_bound(max_err(out, want), tol, "fused compressed branch vs reference")
     if dtype == torch.float32 and gated:   # save=True: the compressed branch's saved output and LSE (log2 units)
         k_cmp, v_cmp = ref.compress_kv(k, v, cfg)
         scale = q.shape[-1] ** -0.5
-        monkeypatch.setattr(nsa, "FUSED_CMP_MAX_KEYS", n_c)
         res = {}
         for on in (True, False):
             monkeypatch.setattr(nsa, "FUSED_CMP", on)
@@ -326,7 +319,6 @@ def test_fused_cmp_equals_separate_launch_and_reference(dtype, G, gated, tma, mo
                     "saved selected / window LSE")
     # no complete compressed block at all (n_c = 0: the compressed loop runs no tile, every row's o_cmp is 0)
     monkeypatch.setattr(nsa, "FUSED_CMP", True)
-    monkeypatch.setattr(nsa, "FUSED_CMP_MAX_KEYS", n_c)
     q6, k6, v6 = (x[:, :cfg.compress_block - 2] for x in (q, k, v))
     g6 = None if gates is None else gates[:, :cfg.compress_block - 2]
     assert ref.compress_kv(k6, v6, cfg)[0].shape[1] == 0

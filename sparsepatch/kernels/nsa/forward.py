@@ -22,8 +22,8 @@ Four kernels per call (plus mean/weighted pooling of k/v in PyTorch, `nsa_refere
 4. `_swa_kernel`  sliding-window attention on the same tiles as (1); adds g_swa * o_swa and stores the output.
    selection="tile" with FUSED_BRANCHES: `_tile_branches_kernel` replaces (3) and (4) by one launch (both
    branches and the gate combine per program; a block in both is loaded and multiplied by q once); with FUSED_CMP
-   (up to FUSED_CMP_MAX_KEYS compressed keys) it also computes the compressed branch, so (1) runs only for the
-   selection tiles' first tokens (importance, no o_cmp).
+   it also computes the compressed branch, so (1) runs only for the selection tiles' first tokens (importance, no
+   o_cmp).
 
 Supported (else `supports` is False and the dispatcher uses the reference): causal=True, head dim 16..256 power
 of two, block_size % compress_stride == 0 with block_size / compress_stride a power of two <= 64, compress_block
@@ -709,9 +709,10 @@ SWA_BLOCK_N = 64
 # H200 sweep (session 15, `bench_nsa --phases`, HQ64 H4 D128, results/h200-nsa-phases-s15.json): cmp 3 stages
 # -3 to -9% at 16K-64K (same selections), per-token slc 2 warps -1 to -2%; 128-row programs or 128-key tiles for cmp
 # and swa were 5-50% slower at every length. Head dim 256 keeps cmp at 2 stages (3 K/V stages of 64 x 256 plus q
-# exceed shared memory).
+# exceed shared memory). fused 3 stages (113 KB, still 2 CTAs per SM) with FUSED_CMP: -5 to -26% vs 2 at 4K-64K
+# (session 17; without FUSED_CMP it was +9% at 64K).
 NUM_WARPS = dict(cmp=4, swa=4, slc=2, topk=4, topk_small=2, slc_tile=8, slc_tile_64=4, fused=4)
-NUM_STAGES = dict(cmp=3, swa=2, slc=3, slc_tile=3, fused=2)
+NUM_STAGES = dict(cmp=3, swa=2, slc=3, slc_tile=3, fused=3)
 # Selected branch: `_slc_kernel` (one program per token: rows = the G heads padded to 16, K/V loaded per token) or
 # `_slc_tile_kernel` (R rows per program: R // next_pow2(G) tokens visit the union of their selected blocks; the
 # same function). SLC_TILE_ROWS: None = choose by `slc_tile_rows` (measured rule), 0 = always per token, R = always
@@ -754,13 +755,12 @@ FUSED_ROWS = 64
 # result, so at most two 64 x D fp32 states are live), and the full-length `_cmp_kernel` launch that writes o_cmp
 # (fp32, read back by the fused epilogue) does not run; the importance launch at the tiles' first tokens stays.
 # The same function (the compressed keys' same fp32 operations; the three gated terms summed in another order).
-# What it saves is a launch of T / 4 * Hk short programs (a prologue, 1-4 compressed key tiles at 4K, the fp32 store)
-# and the o_cmp read in the fused epilogue; what it costs is the compressed loops at the fused kernel's 2 stages and
-# 255 registers. Rule: used while the compressed keys n_c <= FUSED_CMP_MAX_KEYS; above it the separate launch (3
-# stages, 142 registers), where each program's ~n_c / 128 key tiles outweigh its fixed cost. The limit is set from
-# `bench_nsa.py --phases --selection tile` (variants base / fused_nocmp / fused_cmp_all, benchmarks/NOTES.md).
+# It saves a launch of T / 4 * Hk programs (each a prologue, n_c / 128 key tiles on average, the fp32 o_cmp store)
+# and the o_cmp read in the fused epilogue. H200, HQ64 H4 D128 bf16, tile-mode forward with the fused launch at 3
+# K/V stages vs session 16 (separate launch, 2 stages), 4K / 8K / 16K / 32K / 64K: 0.740 -> 0.548, 1.334 -> 1.213,
+# 3.025 -> 2.738, 7.319 -> 6.696, 19.48 -> 18.35 ms (`bench_nsa.py --phases --selection tile`, benchmarks/NOTES.md
+# session 17): faster at every length, so no length rule.
 FUSED_CMP = True
-FUSED_CMP_MAX_KEYS = 1024
 
 
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
@@ -897,7 +897,7 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
     tile = config.selection == "tile"
     bt_f = max(1, min(FUSED_ROWS // GP, bs))   # tokens per fused program: inside one selection tile
     fused = tile and FUSED_BRANCHES and fused_applies(bs, bt_f, q_off, D)
-    fused_cmp = fused and FUSED_CMP and n_c <= FUSED_CMP_MAX_KEYS
+    fused_cmp = fused and FUSED_CMP
     out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
     # o_cmp (fp32), read back by the selected / fused launch; with fused_cmp no launch reads or writes it, and `out`
     # stands in where an argument is unused (its strides, those of every (B, T, Hq, D) tensor here, address bo)
