@@ -243,15 +243,10 @@ def _step_rows(label, model, step, log):
     return rows
 
 
-def cogvideox_rows(log, layers=4):
-    """CogVideoX-5B-shaped transformer step (48 x 64 heads, 13 latent frames x 30 x 45 = 17550 video tokens + 226
-    text tokens in joint attention; `layers` blocks, random weights, bf16): unpatched vs DenseConfig and vs the
-    default recipe (skip lists; random weights keep every tile, so this is the density-1 warm-up cost)."""
-    try:
-        from diffusers import CogVideoXTransformer3DModel
-    except ImportError as exc:
-        log(f"  CogVideoX step skipped: {exc}")
-        return []
+def cogvideox_5b_shaped(layers=4):
+    """(model, step): a CogVideoX-5B-shaped transformer (48 x 64 heads, seeded random weights, bf16, CUDA) and one
+    no-grad denoising step of 13 latent frames x 60 x 90 (17550 video tokens) + 226 text tokens."""
+    from diffusers import CogVideoXTransformer3DModel
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = CogVideoXTransformer3DModel(num_attention_heads=48, attention_head_dim=64, in_channels=16,
@@ -259,8 +254,19 @@ def cogvideox_rows(log, layers=4):
                                             num_layers=layers, sample_width=90, sample_height=60, sample_frames=49,
                                             patch_size=2, use_rotary_positional_embeddings=True)
     model = model.to(torch.bfloat16).eval()
-    rows = _step_rows(f"cogvideox-5b-shaped {layers} layers", model, _denoising_step(model, (1, 13, 16, 60, 90), 226),
-                      log)
+    return model, _denoising_step(model, (1, 13, 16, 60, 90), 226)
+
+
+def cogvideox_rows(log, layers=4):
+    """CogVideoX-5B-shaped transformer step (48 x 64 heads, 13 latent frames x 30 x 45 = 17550 video tokens + 226
+    text tokens in joint attention; `layers` blocks, random weights, bf16): unpatched vs DenseConfig and vs the
+    default recipe (skip lists; random weights keep every tile, so this is the density-1 warm-up cost)."""
+    try:
+        model, step = cogvideox_5b_shaped(layers)
+    except ImportError as exc:
+        log(f"  CogVideoX step skipped: {exc}")
+        return []
+    rows = _step_rows(f"cogvideox-5b-shaped {layers} layers", model, step, log)
     del model
     gc.collect()
     torch.cuda.empty_cache()

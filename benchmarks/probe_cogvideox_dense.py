@@ -31,13 +31,7 @@ from diffusers import CogVideoXTransformer3DModel
 torch.manual_seed(0)
 LAYERS = int(os.environ.get("LAYERS", "2"))
 if DEV == "cuda":
-    with torch.device("cuda"):
-        model = CogVideoXTransformer3DModel(num_attention_heads=48, attention_head_dim=64, in_channels=16,
-                                            out_channels=16, time_embed_dim=512, text_embed_dim=4096,
-                                            num_layers=LAYERS, sample_width=90, sample_height=60, sample_frames=49,
-                                            patch_size=2, use_rotary_positional_embeddings=True)
-    model = model.to(torch.bfloat16).eval()
-    step = bns._denoising_step(model, (1, 13, 16, 60, 90), 226)
+    model, step = bns.cogvideox_5b_shaped(LAYERS)
 else:
     model = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=64, in_channels=16,
                                         out_channels=16, time_embed_dim=32, text_embed_dim=4096,
