@@ -43,6 +43,8 @@ BENCHES = {
     "skip_fp8": ("fp8 skip lists vs cuDNN bf16, our fp8 dense and bf16 skip lists (same lists), quality check",
                  "sm_90"),
     "skip_gluon_dense": ("dense forward: Triton grid kernel vs the Gluon kernel vs cuDNN", "sm_90"),
+    "train_attention": ("training calls (fwd+bwd): our forward + cuDNN's backward vs SDPA, gradient checks, table cells",
+                        "sm_90"),
     "training_mode": ("training mode (backward skips too): gradient cos-sim and backward time vs dense", "cuda"),
     "video_d64": ("skip-list sweep on the trained d64 video model: density, attention cos, PSNR, ms/step vs cuDNN",
                   None),
