@@ -128,32 +128,11 @@ def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE, KD, VD,
     maxpos = tok0 + (tl.minimum(t0 + BT, T) - 1) * TS + q_off
     hi = tl.where(maxpos + 1 >= CB, (maxpos + 1 - CB) // CS + 1, 0)
     hi = tl.minimum(hi, n_c)
-    # compressed keys every row token of the tile sees (its first token's count; later tokens see at least these)
     minpos = tok0 + t0 * TS + q_off
-    lo_vis = tl.minimum(tl.where(minpos + 1 >= CB, (minpos + 1 - CB) // CS + 1, 0), hi)
     kbase = KC + b64 * skb + hk * skh
     vbase = VC + b64 * skb + hk * skh
-
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, HEAD_DIM], tl.float32)
-    full = 0
-    if MASK_SPLIT:
-        full = lo_vis // BLOCK_N * BLOCK_N
-        for start in range(0, full, BLOCK_N):
-            c = start + offs_n
-            k = _kv_tile(KD, kbase, b32, hk, start, c, c < hi, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, False)
-            v = _kv_tile(VD, vbase, b32, hk, start, c, c < hi, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, False)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
-    for start in range(full, hi, BLOCK_N):
-        c = start + offs_n
-        kv_ok = c < hi
-        k = _kv_tile(KD, kbase, b32, hk, start, c, kv_ok, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, True)
-        v = _kv_tile(VD, vbase, b32, hk, start, c, kv_ok, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, True)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(c[None, :] < nvis[:, None], s, float("-inf"))
-        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+    acc, l_i, m_i = _cmp_rows(q, kbase, vbase, KD, VD, b32, hk, sks, offs_d, qpos, minpos, maxpos, n_c, qk_scale,
+                              CB, CS, BLOCK_N, HEAD_DIM, M, None, USE_TMA, MASK_SPLIT)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if STORE_O:
         o = acc / l_safe[:, None]
@@ -664,18 +643,22 @@ def _pin(x, PIN: tl.constexpr):
 @triton.jit
 def _cmp_rows(q, kbase, vbase, KD, VD, b, hk, sks, offs_d, qpos, minpos, maxpos, n_c, qk_scale,
               CB: tl.constexpr, CS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, M: tl.constexpr,
-              STAGES: tl.constexpr, USE_TMA: tl.constexpr):
+              STAGES: tl.constexpr, USE_TMA: tl.constexpr, SPLIT: tl.constexpr = True):
     """Compressed-branch online softmax of M rows q at key positions qpos (all in minpos..maxpos) over the
     compressed keys of one (batch b, KV head hk) (kbase / vbase: its first key, rows sks apart; KD / VD: host
     descriptors when USE_TMA): compressed key c is visible to a row iff c < nvis = (qpos + 1 - CB) // CS + 1
-    (0 before the first complete compressed block), capped at n_c. The key tiles every row sees completely run
-    without the per-element mask, the rest with it; the same fp32 operations as `_cmp_kernel`'s pass 1 with
-    MASK_SPLIT. -> (acc, l, m) in log2 units; a row that sees nothing keeps l = 0, acc = 0, m = -inf."""
+    (0 before the first complete compressed block), capped at n_c. SPLIT: the key tiles every row sees completely
+    (those of the first row, minpos) run without the per-element mask (the same values: it selects nothing there),
+    the rest with it. STAGES: the loops' pipeline depth (None: the launch's num_stages). `_cmp_kernel`'s pass 1 and
+    the fused kernel's compressed branch. -> (acc, l, m) in log2 units; a row that sees nothing keeps l = 0,
+    acc = 0, m = -inf."""
     offs_n = tl.arange(0, BLOCK_N)
     nvis = tl.minimum(tl.where(qpos + 1 >= CB, (qpos + 1 - CB) // CS + 1, 0), n_c)
     hi = tl.minimum(tl.where(maxpos + 1 >= CB, (maxpos + 1 - CB) // CS + 1, 0), n_c)
-    lo_vis = tl.minimum(tl.where(minpos + 1 >= CB, (minpos + 1 - CB) // CS + 1, 0), hi)
-    full = lo_vis // BLOCK_N * BLOCK_N
+    full = 0
+    if SPLIT:
+        lo_vis = tl.minimum(tl.where(minpos + 1 >= CB, (minpos + 1 - CB) // CS + 1, 0), hi)
+        full = lo_vis // BLOCK_N * BLOCK_N
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, HEAD_DIM], tl.float32)
