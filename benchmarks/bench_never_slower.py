@@ -14,7 +14,8 @@ models patched vs unpatched, in one process.
    with DenseConfig and with the default recipe (skip lists; random weights keep every tile); a CogVideoX-5B-shaped
    step (4 layers, 48 x 64 heads, 17550 + 226 tokens) the same way; both steps also with the default recipe at
    forced list densities 0.5 / 0.25; and a Llama-shaped LLM (2 layers, 64 x 128 heads, 4 KV heads) patched with
-   NSAConfig (per-token and tile selection) at prefill 8K / 32K (`llama_nsa`). `--models` picks rows. Each
+   NSAConfig (per-token and tile selection) at prefill 8K / 32K (`llama_nsa`), and a Llama-shaped training step
+   (forward + loss + backward, 4K / 16K: `llama_train`). `--models` picks rows. Each
    unpatched / patched pair (prefill, step and decode) is timed in the order unpatched, patched, patched,
    unpatched (`_abba`).
 Results: benchmarks/results/<gpu>-never-slower.json; a table printed last.
@@ -40,9 +41,9 @@ from sparsepatch.kernels.dense import op as dense_op  # noqa: E402
 SDPA = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa")
 
 
-def _bench(fn):
+def _bench(fn, rep=40):
     import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
 
 
 def kernel_grid(cells, log):
@@ -213,17 +214,17 @@ def _forced_density_rows(label, handle, step, base, log):
     return rows
 
 
-def _abba(fn, model, cfg):
+def _abba(fn, model, cfg, rep=40):
     """(unpatched ms, patched ms) of fn() in the order unpatched, patched, patched, unpatched (each the mean of its
     two), so that a clock drift linear in time (a 75-ms DiT step heats the card: the same kernels read 2-3% slower a
     minute later, session 16) enters both alike -> (base, ours, the patched run's stats, a handle of the model
-    patched again for the caller)."""
-    b1 = _bench(fn)
+    patched again for the caller). rep: do_bench's time budget per measurement, ms."""
+    b1 = _bench(fn, rep)
     h = sp.patch(model, cfg)
-    o1, o2 = _bench(fn), _bench(fn)
+    o1, o2 = _bench(fn, rep), _bench(fn, rep)
     stats = h.stats()
     sp.unpatch(model)
-    b2 = _bench(fn)
+    b2 = _bench(fn, rep)
     h = sp.patch(model, cfg)
     return (b1 + b2) / 2, (o1 + o2) / 2, stats, h
 
@@ -273,7 +274,31 @@ def cogvideox_rows(log, layers=4):
     return rows
 
 
-MODEL_ROWS = ("llama", "qwen3", "d256", "wan", "cogvideox", "llama_nsa")
+MODEL_ROWS = ("llama", "qwen3", "d256", "wan", "cogvideox", "llama_nsa", "llama_train")
+
+
+def train_rows(log, seqs=None):
+    """A Llama-shaped training step (4 layers, 32 x 128 heads, GQA 4, bf16 weights): forward, next-token loss and
+    backward of one sequence, patched with DenseConfig vs unpatched. Training calls are routed by the table's
+    "attention+backward" cells (flash_cudnn_bwd where it measured > 2% faster than SDPA, else SDPA)."""
+    model = _llm("llama")
+    model.train()
+    rows = []
+    for S in seqs or (4096, 16384):
+        ids = torch.randint(0, 32000, (1, S), device="cuda")
+
+        def step():
+            model(ids, labels=ids, use_cache=False).loss.backward()
+        base, ours, stats, _ = _abba(step, model, sp.DenseConfig(), rep=500)   # >= 8 steps per measurement
+        sp.unpatch(model)
+        model.zero_grad(set_to_none=True)
+        rows.append(dict(model="llama_train", what=f"train step {S}", unpatched_ms=base, patched_ms=ours,
+                         ratio=base / ours, backends=stats.get("backends", {})))
+        log(f"  llama train step {S}: {base:.2f} vs {ours:.2f} ms ({base / ours:.3f}x) {stats.get('backends', {})}")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
 
 
 def nsa_rows(log, seqs=None):
@@ -332,6 +357,7 @@ def main(argv=None):
         models += wan_rows(log) if "wan" in chosen else []
         models += cogvideox_rows(log) if "cogvideox" in chosen else []
         models += nsa_rows(log, seqs) if "llama_nsa" in chosen else []
+        models += train_rows(log, seqs) if "llama_train" in chosen else []
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, grid=grid, models=models)
     save_results(res, f"{gpu_name()}-never-slower{'-models' if args.models_only else ''}.json", args.out)
     log("\n| causal | D | Hq/Hk | dtype | B x Sq x Sk | backend | ms | best SDPA | ratio | own kernel / best SDPA |")
