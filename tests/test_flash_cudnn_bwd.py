@@ -1,8 +1,8 @@
 """`flash_cudnn_bwd` (dense attention, training calls): our flash forward with torch's cuDNN backward kernel.
 
 CPU: which calls it declines and why (it must never take an inference call, a mask, an LSE output, causal with
-Sq != Sk, or a head dim its forward does not run), and that a training call reaches it only through a measured
-"attention+backward" entry. GPU (sm_90): gradients vs an fp32 oracle within the error model's bound and vs SDPA
+Sq != Sk, or a head dim its forward does not run), that a training call reaches it only through a measured
+"attention+backward" entry, and the glue to cuDNN's backward op (a stand-in checks what it is handed). GPU (sm_90): gradients vs an fp32 oracle within the error model's bound and vs SDPA
 cuDNN's own, for bf16 / fp16, D 64 / 128, MHA / GQA, causal or not, sequence- and head-major inputs.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kernel_checks import attention_rel_bound, check_bound, gpu, rel  # noqa: E402
+from kernel_checks import attention_bounds, attention_rel_bound, check_bound, cpu_only, gpu, rel  # noqa: E402
 
 from sparsepatch.kernels import dispatch  # noqa: E402
 from sparsepatch.kernels.dense import flash_cudnn  # noqa: E402
@@ -109,3 +109,50 @@ def test_gradients_match_the_oracle_and_cudnn(D, causal, Hq, Hk, layout, dtype):
     theirs = (oc, *torch.autograd.grad(oc, (qc, kc, vc), do))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, theirs):
         check_bound(rel(a, b), 2 * bound, f"flash_cudnn_bwd vs sdpa_cudnn {name}")
+
+
+@cpu_only
+@pytest.mark.parametrize("causal,Hk,layout", [(False, 4, "seq"), (True, 2, "head")])
+def test_backward_hands_cudnn_the_tensors_its_own_forward_would_save(causal, Hk, layout, monkeypatch):
+    """The glue, on CPU: our forward (the Triton kernel under the interpreter) and a stand-in for torch's cuDNN
+    backward op that checks what it is given against the oracle (q / k / v / O / dO as (B, H, S, D) views, the
+    natural-log LSE of the scaled scores as (B, Hq, Sq, 1) stats, no bias or ragged offsets, the causal flag and the
+    scale) and returns the oracle's gradients in the layout `at::empty_like(query)` gives: the gradients that come
+    back through autograd equal the oracle's, in q / k / v's shapes."""
+    B, S, Hq, D = 1, 96, 4, 64
+    g = torch.Generator().manual_seed(Hk)
+    if layout == "head":
+        q, k, v = (torch.randn(B, H, S, D, generator=g).transpose(1, 2) for H in (Hq, Hk, Hk))
+    else:
+        q, k, v = (torch.randn(B, S, H, D, generator=g) for H in (Hq, Hk, Hk))
+    do = torch.randn(B, S, Hq, D, generator=g)
+    scale = 0.3
+    seen = {}
+
+    def fake_cudnn_backward(dout, qh, kh, vh, out, lse, seed, offset, bias, cum_q, cum_k, max_q, max_k, p, is_causal,
+                            *, scale=None):
+        assert (bias, cum_q, cum_k, p, max_q, max_k, is_causal) == (None, None, None, 0.0, S, S, causal)
+        assert qh.shape == (B, Hq, S, D) and kh.shape == vh.shape == (B, Hk, S, D) and out.shape == dout.shape
+        assert lse.shape == (B, Hq, S, 1) and lse.dtype == torch.float32 and dout.stride() == out.stride()
+        with torch.enable_grad():   # (autograd runs a backward with gradients off)
+            qq, kk, vv = (t.transpose(1, 2).detach().double().requires_grad_(True) for t in (qh, kh, vh))
+            want, want_lse = reference.attention(qq, kk, vv, causal=is_causal, scale=scale, return_lse=True)
+            grads = torch.autograd.grad(want, (qq, kk, vv), dout.transpose(1, 2).double())
+        b_out, b_lse = attention_bounds(q, k, v, torch.float32, scale)
+        check_bound((out.transpose(1, 2).double() - want).abs().max().item(), b_out, "O handed to the backward")
+        check_bound((lse[..., 0].double() - want_lse).abs().max().item(), b_lse, "natural-log LSE")
+        seen["called"] = True
+        return tuple(torch.empty_like(t).copy_(gr.transpose(1, 2)) for t, gr in zip((qh, kh, vh), grads))
+
+    monkeypatch.setattr(flash_cudnn, "_cudnn_backward_op", lambda: fake_cudnn_backward)
+    qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = flash_cudnn._FlashCudnn.apply(qq, kk, vv, causal, scale)
+    got = torch.autograd.grad(out, (qq, kk, vv), do)
+    assert seen.get("called")
+    qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref = reference.attention(qd, kd, vd, causal=causal, scale=scale)
+    want = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    bound = attention_rel_bound(q, k, v, torch.float32, scale)   # the fp32 forward's O / LSE feed the oracle's grads
+    for name, a, w, t in zip(("dq", "dk", "dv"), got, want, (q, k, v)):
+        assert a.shape == t.shape
+        check_bound(rel(a, w), bound, f"{name} through the stand-in")
