@@ -1,14 +1,16 @@
 """Training attention (forward + backward) at the dispatcher's prefill cells, every backend in one process.
 
   python benchmarks/bench_train_attention.py [--dims 64,128] [--seqs 1024,4096,16384,32768] [--layouts seq,head]
+                                             [--tokens 16384] [--forward]
                                              [--dtypes bfloat16] [--rep 200] [--tag=-s17] [--out DIR]
 
-1. Gradient check (bf16 and fp16, S 1K-2K, MHA and GQA 4, causal or not, D 64 / 128): `flash_cudnn_bwd` (our flash
-   forward + torch's cuDNN backward) vs an fp32 oracle (relative rms of out, dq, dk, dv against the error model's
-   bound, tests/kernel_checks.attention_rel_bound) and vs SDPA cuDNN's own gradients; its LSE vs cuDNN forward's.
+1. Gradient check (bf16 at D 64 / 128 and fp16 at D 128, S 1K-2K, MHA and GQA 4, causal or not): `flash_cudnn_bwd`
+   (our flash forward + torch's cuDNN backward) vs an fp32 oracle (relative rms of out, dq, dk, dv against the
+   error model's bound, tests/kernel_checks.attention_rel_bound) and vs SDPA cuDNN's own gradients.
 2. Every backend that runs a call needing gradients (`kernels.tuning.measure(grad=True)`: the time of forward +
    backward of a fixed dO, do_bench medians) at B * S = 16K (B = 1 at 32K), 32 heads, MHA / GQA 4, causal or not,
-   on sequence-major and head-major inputs: cost-table entries of op "attention+backward"
+   on sequence-major and head-major inputs (`--tokens` sets B * S; `--forward` also times the forward alone): cost-
+   table entries of op "attention+backward"
    ({"entries": {"train": [...]}}, merged into the shipped table by `update_cost_table.py RESULTS train "why"`).
 Prints ours / best SDPA per cell last; JSON: results/<gpu>-train-attention<tag>.json.
 """
@@ -82,6 +84,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--seqs", default="1024,4096,16384,32768")
+    ap.add_argument("--tokens", type=int, default=tuning.TOKENS, help="B * S per cell (B = max(tokens // S, 1))")
+    ap.add_argument("--forward", action="store_true",
+                    help="also the forward alone (flash_triton vs SDPA) at the same cells: entries['forward']")
     ap.add_argument("--layouts", default="seq,head")
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--no-check", action="store_true")
@@ -97,7 +102,8 @@ def main(argv=None):
     dims = [int(x) for x in args.dims.split(",")]
     seqs = [int(x) for x in args.seqs.split(",")]
     dtypes = [getattr(torch, x) for x in args.dtypes.split(",")]
-    cells = [c for c in tuning.default_cells(dtypes=tuple(dtypes), head_dims=tuple(dims)) if c[1] in seqs]
+    cells = [(max(args.tokens // c[1], 1),) + c[1:]
+             for c in tuning.default_cells(dtypes=tuple(dtypes), head_dims=tuple(dims)) if c[1] in seqs]
     sdpa = SDPA if args.all_sdpa else ("sdpa_cudnn", "sdpa")
     names = [b.name for b in dense_op.BACKENDS if b.name in tuple(args.ours.split(",")) + sdpa]
     entries = []
@@ -107,6 +113,15 @@ def main(argv=None):
                    entries={"train": entries}, seconds=round(time.time() - t0, 1))
         save_results(res, f"{gpu_name()}-train-attention{args.tag}.json", args.out)
         log(f"{layout}: {len(entries)} cells in {time.time() - t0:.0f} s")
+    if args.forward:
+        fwd = []
+        for layout in args.layouts.split(","):
+            fwd += tuning.measure(cells, backends=["flash_triton", *sdpa], log=log, layout=layout, rep=args.rep)
+        res["entries"]["forward"] = fwd
+        save_results(res, f"{gpu_name()}-train-attention{args.tag}.json", args.out)
+        for e in fwd:
+            log(f"forward {e.get('layout', 'seq')} causal={e['causal']} D{e['D']} {e['Hq']}/{e['Hq'] // e['group']} "
+                f"{e['B']}x{e['Sq']}: " + " ".join(f"{n} {t:.3f}" for n, t in e["ms"].items()))
     log("\n| layout | causal | D | Hq/Hk | B x S | flash_cudnn_bwd | flash_triton | best SDPA | ours / best SDPA |")
     log("|---|---|---|---|---|---|---|---|---|")
     for e in entries:
