@@ -156,3 +156,48 @@ def test_backward_hands_cudnn_the_tensors_its_own_forward_would_save(causal, Hk,
     for name, a, w, t in zip(("dq", "dk", "dv"), got, want, (q, k, v)):
         assert a.shape == t.shape
         check_bound(rel(a, w), bound, f"{name} through the stand-in")
+
+
+@gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon forward needs sm_90")
+@pytest.mark.parametrize("routed", [False, True])
+def test_gpu_compiled_training_step_equals_eager(routed):
+    """torch.compile(fullgraph=True) of a step whose attention runs flash_cudnn_bwd, forced (backend=) or routed by a
+    measured "attention+backward" cell: no graph break, and the compiled step's output and gradients are the eager
+    step's (the same two kernels run; cuDNN's backward is deterministic at these shapes, so within 1e-6 relative)."""
+    B, S, Hq, Hk, D = 1, 2048, 8, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+               for H in (Hq, Hk, Hk))
+    do = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    force = None if routed else "flash_cudnn_bwd"
+    old_table = dispatch._TABLE[0]
+    if routed:
+        cell = dict(causal=True, D=D, group=Hq // Hk, dtype="bfloat16", B=B, Sq=S, Sk=S, Hq=Hq, layout="head")
+        dispatch.set_cost_table(dispatch.CostTable({"entries": [
+            dict(cell, op="attention", ms={"flash_triton": 1.0, "sdpa_cudnn": 1.2}),
+            dict(cell, op="attention+backward", ms={"flash_cudnn_bwd": 4.0, "flash_triton": 5.0, "sdpa_cudnn": 4.4})]}))
+
+    def step(q, k, v):
+        return dense_op.attention(q, k, v, causal=True, backend=force)
+
+    results = []
+    try:
+        if routed:
+            call = dispatch.Call.of("attention", q.detach().requires_grad_(True), k, v, causal=True)
+            assert dense_op.DISPATCH._decide(call).backend == "flash_cudnn_bwd"
+        for fn in (step, torch.compile(step, fullgraph=True)):
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+            out = fn(qq, kk, vv)
+            results.append((out, *torch.autograd.grad(out, (qq, kk, vv), do)))
+    finally:
+        dispatch.set_cost_table(old_table)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert rel(a, b) <= 1e-6, (name, rel(a, b))
+    # and it is that backend: the eager gradients equal a direct flash_cudnn_bwd call's
+    qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = flash_cudnn.attention(qq, kk, vv, causal=True)
+    direct = (out, *torch.autograd.grad(out, (qq, kk, vv), do))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), results[0], direct):
+        assert rel(a, b) <= 1e-6, (name, rel(a, b))
