@@ -826,3 +826,40 @@ def test_gluon_exp_poly_gpu(monkeypatch, poly, D, causal, dtype):
         nxt = check_skip(qs, ks, vs, None, thr, tile=tile, dtype=dtype)
         qs, ks, vs, _ = structured_qkv(1, 4000, 4000, 2, 1, D, dtype, tile, seed=24, device="cuda", assign=assign)
         check_skip(qs, ks, vs, nxt, thr, tile=tile, dtype=dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_pingpong_gpu_bit_equal(D, causal):
+    """cfg pingpong orders the two warpgroups' GEMM issues and changes no arithmetic: out and LSE bit-equal to the
+    free-running kernel's (GQA, a partial last tile, an offset causal diagonal, q-tiles from the dynamic counter),
+    and equal to the reference within the kernel's tolerances; the skip mode (D 64 / 128) writes the same next lists
+    and output."""
+    from sparsepatch.kernels.skip import gluon as skip_gluon
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(D + causal)
+    Sq, Sk = (4000, 4128) if causal else (4000, 4000)
+    q = torch.randn(2, Sq, 4, D, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(2, Sk, 2, D, device="cuda", generator=g).to(dtype) for _ in range(2))
+    if not skip_gluon.supported(q, k, v, (128, 128), dense=True):
+        pytest.skip("Gluon kernel not available here")
+    base = skip_gluon.dense_fwd(q, k, v, D ** -0.5, True, causal=causal)
+    pp = skip_gluon.dense_fwd(q, k, v, D ** -0.5, True, cfg=dict(pingpong=True), causal=causal)
+    assert torch.equal(pp[0], base[0]) and torch.equal(pp[1], base[1])
+    rout, rlse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    assert_close(pp[0], rout, dtype)
+    torch.testing.assert_close(pp[1], rlse, atol=2e-3, rtol=1e-4)
+    if D <= 128 and not causal:
+        Tq, Tk = -(-Sq // 128), -(-Sk // 128)
+        keep = torch.rand(2, 4, Tq, Tk, device="cuda", generator=g) < 0.4
+        keep[..., -1] = True   # the partial last k-tile in every list
+        counts = keep.sum(-1).to(torch.int32)
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True).to(torch.int32)   # kept tiles first, ascending
+        lists = [skip_gluon.skip_fwd(q, k, v, counts, order, -2.0, D ** -0.5, True, cfg=cfg)
+                 for cfg in (None, dict(pingpong=True))]
+        (out_a, cnt_a, idx_a, lse_a), (out_b, cnt_b, idx_b, lse_b) = lists
+        assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b) and torch.equal(cnt_a, cnt_b)
+        listed = torch.arange(Tk, device="cuda") < cnt_a.unsqueeze(-1)   # (entries past a count are not written)
+        assert torch.equal(idx_a[listed], idx_b[listed])
