@@ -427,13 +427,11 @@ PHASE_VARIANTS = {
     # session 15 defaults turned off: pointer loads instead of TMA descriptors; tile mode's compressed launch masked
     "ptr": dict(sel=("token", "tile"), attrs=dict(NSA_TMA=False)),
     "no_split": dict(sel=("tile",), attrs=dict(CMP_MASK_SPLIT=False)),
-    # session 16: the selected and window branches in two launches (the fused `_tile_branches_kernel` is the default
-    # since); session 17: the compressed branch inside the fused launch at 3 K/V stages (FUSED_CMP, the default):
-    # fused_nocmp = session 16's path (the separate o_cmp launch, the fused launch at 2 stages), fused_s2 = FUSED_CMP
-    # at 2 stages. With FUSED_CMP "_cmp_kernel" is only the importance launch at the tiles' first tokens and the
-    # compressed branch's time is inside "_tile_branches_kernel"
+    # two_launch: the selected and window branches in two launches and o_cmp from the full-length `_cmp_kernel`
+    # launch, instead of the fused `_tile_branches_kernel` (the default: all three branches, 3 K/V stages);
+    # fused_s2: the fused launch at 2 stages. With the fused launch "_cmp_kernel" is only the importance launch at
+    # the tiles' first tokens and the compressed branch's time is inside "_tile_branches_kernel"
     "two_launch": dict(sel=("tile",), attrs=dict(FUSED_BRANCHES=False)),
-    "fused_nocmp": dict(sel=("tile",), attrs=dict(FUSED_CMP=False, NUM_STAGES="fused=2")),
     "fused_s2": dict(sel=("tile",), attrs=dict(NUM_STAGES="fused=2")),
 }
 PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel",
@@ -499,7 +497,7 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384, sels=("token"
     saved = {kk: getattr(nsa, kk) for kk in ("SLC_TILE_ROWS", "PARALLEL_TOPK", "TOPK_PARALLEL_MIN_BLOCKS",
                                             "NUM_WARPS", "NUM_STAGES", "CMP_TILE_ROWS", "SWA_TILE_ROWS",
                                             "CMP_BLOCK_N", "SWA_BLOCK_N", "CMP_MASK_SPLIT", "NSA_TMA",
-                                            "FUSED_BRANCHES", "FUSED_CMP")}
+                                            "FUSED_BRANCHES")}
 
     def attrs(spec):
         """A variant's overrides; NUM_WARPS / NUM_STAGES "kernel=n[,kernel=n]" -> a copy of the saved dict with

@@ -1,9 +1,10 @@
-"""NSA forward switches (session 15): NSA_TMA (K / V through TMA descriptors) and CMP_MASK_SPLIT (unmasked full key
-tiles in selection="tile"'s compressed launch), both on by default; below them selection="tile"'s fused launch
-(FUSED_BRANCHES, session 16) and the compressed branch inside it (FUSED_CMP, session 17). Turning either off runs the same fp32
-operations on the same values, so the selected blocks equal the default's and the reference's
-exactly, and the outputs equal the default's (interpreter: bit for bit; GPU bf16: same indices, outputs within bf16
-rounding of the default)."""
+"""NSA forward switches: NSA_TMA (K / V through TMA descriptors) and CMP_MASK_SPLIT (unmasked full key tiles in
+selection="tile"'s compressed launch), both on by default. Turning either off runs the same fp32 operations on the
+same values, so the selected blocks equal the default's and the reference's exactly, and the outputs equal the
+default's (interpreter: bit for bit; GPU bf16: same indices, outputs within bf16 rounding of the default).
+Below them selection="tile"'s fused launch (FUSED_BRANCHES: the selected, window and compressed branches in one
+`_tile_branches_kernel` launch) against the separate kernels (FUSED_BRANCHES=False: the o_cmp launch of
+`_cmp_kernel`, the selected and window kernels): the same blocks, outputs within rounding of each other."""
 from __future__ import annotations
 
 import math
@@ -132,92 +133,6 @@ def _fused_loops_covered(idx, bs, window):
     return seen
 
 
-@needs_triton
-@pytest.mark.parametrize("dtype, G, gated, tma", [(torch.float32, 3, True, True), (torch.float16, 2, False, True),
-                                                  (torch.float32, 16, False, True), (torch.float32, 3, True, False)])
-def test_fused_branches_equal_two_launches_and_reference(dtype, G, gated, tma, monkeypatch):
-    """FUSED_BRANCHES (selection="tile"): `_tile_branches_kernel` (selected + window branches and the gate
-    combine in one launch) selects the same blocks and computes the two-launch path's function: the selected
-    branch is the same fp32 operations, the window sums its blocks in another order (rounding only). fp32: within
-    the reference bound; fp16: within 4e-3 (P and the output rounded to fp16 in the kernel, ~4 ulps), as
-    test_nsa.test_triton_matches_reference. The saved branch outputs / LSEs (the backward's inputs) agree too."""
-    from sparsepatch.kernels.nsa import forward as nsa
-    T = 100
-    cfg = NSAConfig(**FUSED_CFG, selection="tile")
-    monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
-    monkeypatch.setattr(nsa, "NSA_TMA", tma)             # False: pointer loads (loop 1 unmasked)
-    q, k, v = rand(1, T, G, 1, 16, dtype=dtype, seed=80 + G)
-    gates = torch.rand(1, T, G, 3, generator=torch.Generator().manual_seed(G)) if gated else None
-    monkeypatch.setattr(nsa, "FUSED_BRANCHES", False)
-    base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
-    assert all(_fused_loops_covered(bidx, cfg.block_size, cfg.window))
-    want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
-    assert torch.equal(bidx.long(), widx)
-    tol = nsa_tol(q.float(), k.float(), v.float()) if dtype == torch.float32 else 4e-3
-    monkeypatch.setattr(nsa, "FUSED_BRANCHES", True)
-    monkeypatch.setattr(nsa, "FUSED_CMP", False)          # o_cmp from the separate launch (FUSED_CMP: below)
-    monkeypatch.setattr(nsa, "_slc_tile_kernel", None)    # the fused launch replaces both
-    monkeypatch.setattr(nsa, "_swa_kernel", None)
-    out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
-    assert torch.equal(idx, bidx)
-    check_bound(max_err(out, base), tol, "fused vs two launches")
-    check_bound(max_err(out, want), tol, "fused vs reference")
-    if dtype == torch.float32:   # save=True: per-branch LSE (log2) and ungated outputs, as the backward reads them
-        k_cmp, v_cmp = ref.compress_kv(k, v, cfg)
-        scale = q.shape[-1] ** -0.5
-        _, _, lse_f, bo_f = nsa._forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save=True)
-        monkeypatch.undo()
-        monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
-        monkeypatch.setattr(nsa, "NSA_TMA", tma)
-        monkeypatch.setattr(nsa, "FUSED_BRANCHES", False)
-        monkeypatch.setattr(nsa, "FUSED_CMP", False)
-        _, _, lse_b, bo_b = nsa._forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save=True)
-        check_bound(max_err(bo_f, bo_b), nsa_tol(q, k, v), "saved branch outputs")
-        assert torch.equal(lse_f[0], lse_b[0])   # the compressed branch: the same launch (+inf rows included)
-        # selected / window LSE = m + log2(l): l a sum of <= T terms in [0, 1] summed in another order (each sum
-        # within T fp32 ulps relative), so |d log2 l| <= T * 2^-24 / ln 2; margin x2 and one ulp of m
-        lb = lse_b[1:]
-        check_bound(max_err(lse_f[1:], lb), 2 * T * 2.0 ** -24 / math.log(2) + 2.0 ** -23 * lb.abs().max().item(),
-                    "saved LSE")
-    assert nsa.fused_applies(64, 4, 0, 128) and nsa.fused_applies(16, 16, 32, 64)
-    assert not nsa.fused_applies(64, 4, 3000, 128)            # a prefill starting mid-tile: the two launches
-    assert not nsa.fused_applies(24, 4, 0, 128) and not nsa.fused_applies(128, 4, 0, 128)
-    assert not nsa.fused_applies(16, 32, 0, 128) and not nsa.fused_applies(64, 4, 0, 256)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("G, Hk, T", [(16, 4, 4096), (16, 2, 3000), (4, 4, 4000), (1, 8, 1000)])
-def test_gpu_fused_branches_equal_two_launches_bf16(G, Hk, T, monkeypatch):
-    """bf16, NSAConfig(selection="tile") sizes (block 64, window 512), CUDA: FUSED_BRANCHES selects exactly the
-    two-launch path's blocks, gives its outputs to bf16 rounding and the reference's where the selections agree,
-    with gates and with the gradient path (save=True: the saved branch outputs feed the backward)."""
-    from sparsepatch.kernels.nsa import forward as nsa
-    cfg = NSAConfig(selection="tile")
-    q, k, v = rand(1, T, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=T + G, device="cuda")
-    gates = torch.rand(1, T, G * Hk, 3, generator=torch.Generator().manual_seed(G)).cuda()
-    monkeypatch.setattr(nsa, "FUSED_BRANCHES", False)
-    base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
-    want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
-    with monkeypatch.context() as m:
-        m.setattr(nsa, "FUSED_BRANCHES", True)
-        m.setattr(nsa, "_swa_kernel", None)     # the fused launch runs (it replaces the window launch)
-        out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
-    assert torch.equal(idx, bidx)
-    assert _bf16_err(out, base) < 2e-2
-    rows = (idx.long() == widx).all(-1).all(-1)[0]
-    assert rows.float().mean().item() > 0.99
-    assert _bf16_err(out[0, rows], want[0, rows]) < 2e-2
-    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-    dout = torch.randn_like(q)
-    grads = []
-    for fused in (True, False):
-        monkeypatch.setattr(nsa, "FUSED_BRANCHES", fused)
-        o = nsa.nsa_attention(qg, kg, vg, cfg, gates=gates)
-        grads.append(torch.autograd.grad(o, (qg, kg, vg), dout))
-    for a, b in zip(*grads):
-        assert _bf16_err(a, b) < 2e-2 * max(1.0, b.float().abs().max().item())
-
-
 class _Spy:
     """Stands in for a Triton kernel object: records the keyword arguments of each launch, then launches it."""
 
@@ -240,14 +155,19 @@ def _spy_launches(monkeypatch, nsa):
 
 
 def _path(spies):
-    """(o_cmp launches (STORE_O), importance launches, the fused launch's FUSED_CMP) of the calls recorded since the
-    last _path call."""
+    """(o_cmp launches (STORE_O), importance launches, fused launches) of the calls recorded since the last _path
+    call."""
     cmp_, fused = spies
-    got = (sum(kw["STORE_O"] for kw in cmp_.calls), sum(kw["SELECT"] for kw in cmp_.calls),
-           [kw["FUSED_CMP"] for kw in fused.calls])
+    got = (sum(kw["STORE_O"] for kw in cmp_.calls), sum(kw["SELECT"] for kw in cmp_.calls), len(fused.calls))
     cmp_.calls.clear()
     fused.calls.clear()
     return got
+
+
+# `_path` of one tile-mode forward: the fused launch (the compressed branch inside it, the importance launch at the
+# tiles' first tokens), or the separate kernels (FUSED_BRANCHES=False: the o_cmp launch of every token too)
+FUSED = (0, 1, 1)
+SEPARATE = (1, 1, 0)
 
 
 def _n_visible(pos, cfg):
@@ -257,51 +177,57 @@ def _n_visible(pos, cfg):
 
 @interpret_only
 @pytest.mark.parametrize("dtype, G, gated, tma", [(torch.float32, 3, True, True), (torch.float16, 2, False, True),
-                                                  (torch.float32, 16, False, True), (torch.float32, 1, True, False),
-                                                  (torch.float32, 4, False, False)])
-def test_fused_cmp_equals_separate_launch_and_reference(dtype, G, gated, tma, monkeypatch):
-    """FUSED_CMP (selection="tile", the fused launch): `_tile_branches_kernel` computes the compressed branch of its own
-    rows, and the full-length o_cmp launch does not run (the importance launch at the tiles' first tokens does). The
-    same function: the compressed keys get the same fp32 operations, the three gated terms are summed in another
-    order (rounding only), so against the separate launch (both through the fused kernel) and the reference the
-    bounds of test_fused_branches_equal_two_launches_and_reference hold. fp32 with gates
-    also checks the saved o_cmp / LSE the backward reads. G = 1 and groups padded to a power of two; TMA descriptors
-    and pointer loads."""
+                                                  (torch.float32, 16, False, True), (torch.float32, 3, True, False),
+                                                  (torch.float32, 1, True, False), (torch.float32, 4, False, False)])
+def test_fused_equals_separate_kernels_and_reference(dtype, G, gated, tma, monkeypatch):
+    """FUSED_BRANCHES (selection="tile"): `_tile_branches_kernel` computes the selected, window and compressed
+    branches of its rows and the gate combine in one launch; `_cmp_kernel` runs only as the importance launch at the
+    tiles' first tokens (no o_cmp launch) and the selected / window kernels not at all. Against FUSED_BRANCHES=False
+    (the o_cmp launch, `_slc_tile_kernel`, `_swa_kernel`) it selects the same blocks and computes the same function:
+    the selected and compressed branches are the same fp32 operations, the window sums its blocks in another order
+    and the three gated terms are summed in another order (rounding only). fp32: within the reference bound; fp16:
+    within 4e-3 (P and the output rounded to fp16 in the kernel, ~4 ulps), as test_nsa.test_triton_matches_reference.
+    fp32 also checks the saved branch outputs / LSEs the backward reads. Covered: the fused kernel's three K / V
+    loops (selected blocks before the window, inside it, unselected window blocks), rows that see no compressed key
+    (the first tokens), programs whose rows all see a full 16-key compressed tile (the unmasked loop) followed by a
+    partial one (the masked loop), n_c = 0; G = 1 and groups padded to a power of two; TMA descriptors and pointer
+    loads (loop 1 unmasked)."""
     from sparsepatch.kernels.nsa import forward as nsa
     T = 100
     cfg = NSAConfig(**FUSED_CFG, selection="tile")
     monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
-    monkeypatch.setattr(nsa, "NSA_TMA", tma)
+    monkeypatch.setattr(nsa, "NSA_TMA", tma)             # False: pointer loads (loop 1 unmasked)
     n_c = (T - cfg.compress_block) // cfg.compress_stride + 1
-    # the compressed loop's cases: rows that see no compressed key (the first tokens), programs whose rows all see a
-    # full 16-key tile (the unmasked loop) followed by a partial one (the masked loop)
     bt = max(1, min(nsa.FUSED_ROWS // (1 << (G - 1).bit_length()), cfg.block_size))   # tokens per fused program
-    starts = range(0, T, bt)
     assert _n_visible(0, cfg) == 0 and n_c == 24
-    assert any(_n_visible(t0, cfg) >= 16 and _n_visible(min(t0 + bt, T) - 1, cfg) > 16 for t0 in starts)
-    q, k, v = rand(1, T, G, 1, 16, dtype=dtype, seed=90 + G)
+    assert any(_n_visible(t0, cfg) >= 16 and _n_visible(min(t0 + bt, T) - 1, cfg) > 16 for t0 in range(0, T, bt))
+    q, k, v = rand(1, T, G, 1, 16, dtype=dtype, seed=80 + G)
     gates = torch.rand(1, T, G, 3, generator=torch.Generator().manual_seed(G)) if gated else None
     want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
     spies = _spy_launches(monkeypatch, nsa)
-    monkeypatch.setattr(nsa, "FUSED_CMP", False)
+    monkeypatch.setattr(nsa, "FUSED_BRANCHES", False)
     base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
-    assert _path(spies) == (1, 1, [False])
+    assert _path(spies) == SEPARATE
+    assert all(_fused_loops_covered(bidx, cfg.block_size, cfg.window))
     assert torch.equal(bidx.long(), widx)
     tol = nsa_tol(q.float(), k.float(), v.float()) if dtype == torch.float32 else 4e-3
-    monkeypatch.setattr(nsa, "FUSED_CMP", True)
-    out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
-    assert _path(spies) == (0, 1, [True])
+    monkeypatch.setattr(nsa, "FUSED_BRANCHES", True)
+    with monkeypatch.context() as m:
+        m.setattr(nsa, "_slc_tile_kernel", None)    # the fused launch replaces both
+        m.setattr(nsa, "_swa_kernel", None)
+        out, idx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    assert _path(spies) == FUSED
     assert torch.equal(idx, bidx)
-    check_bound(max_err(out, base), tol, "fused compressed branch vs separate launch")
-    check_bound(max_err(out, want), tol, "fused compressed branch vs reference")
-    if dtype == torch.float32 and gated:   # save=True: the compressed branch's saved output and LSE (log2 units)
+    check_bound(max_err(out, base), tol, "fused vs separate kernels")
+    check_bound(max_err(out, want), tol, "fused vs reference")
+    if dtype == torch.float32:   # save=True: per-branch LSE (log2) and ungated outputs, as the backward reads them
         k_cmp, v_cmp = ref.compress_kv(k, v, cfg)
         scale = q.shape[-1] ** -0.5
         res = {}
-        for on in (True, False):
-            monkeypatch.setattr(nsa, "FUSED_CMP", on)
-            res[on] = nsa._forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save=True)
-            assert _path(spies) == ((0, 1, [True]) if on else (1, 1, [False]))
+        for fused in (True, False):
+            monkeypatch.setattr(nsa, "FUSED_BRANCHES", fused)
+            res[fused] = nsa._forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, save=True)
+            assert _path(spies) == (FUSED if fused else SEPARATE)
         (out_f, _, lse_f, bo_f), (out_b, _, lse_b, bo_b) = res[True], res[False]
         check_bound(max_err(out_f, out_b), tol, "save=True output")
         check_bound(max_err(bo_f, bo_b), nsa_tol(q, k, v), "saved branch outputs")
@@ -314,24 +240,31 @@ def test_fused_cmp_equals_separate_launch_and_reference(dtype, G, gated, tma, mo
         fin = lse_b[0][~empty]
         check_bound(max_err(lse_f[0][~empty], fin), 2 * n_c * 2.0 ** -24 / math.log(2)
                     + 2.0 ** -23 * fin.abs().max().item(), "saved compressed LSE")
-        lb = lse_b[1:]   # selected / window: the same loops (their LSE as in the test above)
+        # selected / window LSE = m + log2(l): l a sum of <= T terms in [0, 1] summed in another order (each sum
+        # within T fp32 ulps relative), so |d log2 l| <= T * 2^-24 / ln 2; margin x2 and one ulp of m
+        lb = lse_b[1:]
         check_bound(max_err(lse_f[1:], lb), 2 * T * 2.0 ** -24 / math.log(2) + 2.0 ** -23 * lb.abs().max().item(),
                     "saved selected / window LSE")
     # no complete compressed block at all (n_c = 0: the compressed loop runs no tile, every row's o_cmp is 0)
-    monkeypatch.setattr(nsa, "FUSED_CMP", True)
+    monkeypatch.setattr(nsa, "FUSED_BRANCHES", True)
     q6, k6, v6 = (x[:, :cfg.compress_block - 2] for x in (q, k, v))
     g6 = None if gates is None else gates[:, :cfg.compress_block - 2]
     assert ref.compress_kv(k6, v6, cfg)[0].shape[1] == 0
     out = nsa.nsa_attention(q6, k6, v6, cfg, gates=g6)
-    assert _path(spies) == (0, 1, [True])
+    assert _path(spies) == FUSED
     check_bound(max_err(out, ref.nsa_attention(q6, k6, v6, cfg, gates=g6)), tol, "n_c = 0 vs reference")
+    assert nsa.fused_applies(64, 4, 0, 128) and nsa.fused_applies(16, 16, 32, 64)
+    assert not nsa.fused_applies(64, 4, 3000, 128)            # a prefill starting mid-tile: the separate kernels
+    assert not nsa.fused_applies(24, 4, 0, 128) and not nsa.fused_applies(128, 4, 0, 128)
+    assert not nsa.fused_applies(16, 32, 0, 128) and not nsa.fused_applies(64, 4, 0, 256)
 
 
 @interpret_only
-def test_fused_cmp_gradients_equal_separate_launch(monkeypatch):
-    """With a gradient needed the fused launch writes what the o_cmp launch writes for the backward (o_cmp in q's
-    dtype, its LSE): the Triton gradients of q, k, v and the gates with FUSED_CMP on equal the reference's within
-    test_nsa_backward.grad_tol, and those with it off within twice that (each side carries its own error)."""
+def test_fused_gradients_equal_separate_kernels(monkeypatch):
+    """With a gradient needed the fused launch writes what the separate kernels write for the backward (o_cmp, o_slc,
+    o_swa in q's dtype, their LSEs): the Triton gradients of q, k, v and the gates through the fused launch equal the
+    reference's within test_nsa_backward.grad_tol, and those through the separate kernels (FUSED_BRANCHES=False)
+    within twice that (each side carries its own error)."""
     from sparsepatch.kernels.nsa import forward as nsa
     from test_nsa_backward import _grads, _inputs, _rel, grad_tol
     cfg = NSAConfig(**FUSED_CFG, selection="tile")
@@ -340,29 +273,31 @@ def test_fused_cmp_gradients_equal_separate_launch(monkeypatch):
     tol = grad_tol(leaves)
     spies = _spy_launches(monkeypatch, nsa)
     got = {}
-    for on in (True, False):
-        monkeypatch.setattr(nsa, "FUSED_CMP", on)
+    for fused in (True, False):
+        monkeypatch.setattr(nsa, "FUSED_BRANCHES", fused)
         ls = {n: x.detach().clone().requires_grad_(True) for n, x in leaves.items()}
-        out, idx, got[on] = _grads(nsa.nsa_attention, ls, dout, cfg)
-        assert _path(spies) == ((0, 1, [True]) if on else (1, 1, [False]))
+        out, idx, got[fused] = _grads(nsa.nsa_attention, ls, dout, cfg)
+        assert _path(spies) == (FUSED if fused else SEPARATE)
     ref_leaves = {n: x.detach().clone().requires_grad_(True) for n, x in leaves.items()}
     _, widx, want = _grads(ref.nsa_attention, ref_leaves, dout, cfg)
     assert torch.equal(idx.long(), widx)
     for n in got[True]:
         assert want[n].abs().max() > 0, n
-        check_bound(_rel(got[True][n], want[n]), tol, f"d{n} fused compressed vs reference")
-        check_bound(_rel(got[True][n], got[False][n]), 2 * tol, f"d{n} fused compressed vs separate launch")
+        check_bound(_rel(got[True][n], want[n]), tol, f"d{n} fused vs reference")
+        check_bound(_rel(got[True][n], got[False][n]), 2 * tol, f"d{n} fused vs separate kernels")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("G, Hk, T, gated", [(16, 4, 4096, False), (16, 4, 4096, True), (4, 4, 3000, True),
-                                             (1, 8, 1000, False)])
-def test_gpu_fused_cmp_equals_separate_launch_bf16(G, Hk, T, gated, monkeypatch):
-    """bf16, NSAConfig(selection="tile") sizes (HQ64 H4 D128 at 4K), CUDA: FUSED_CMP on and off select the same
-    blocks, and their outputs differ by at most the rounding to bf16 of two fp32 results that differ by fp32
-    rounding (the gated terms summed in another order, the compressed branch in another kernel): one bf16 ulp
-    (<= 2^-7 |out|) plus an fp32 sum bound over the keys (kernel_checks.fp_bound) at the scale of |v|. The path that
-    ran is checked (no o_cmp launch with FUSED_CMP), and so are the gradients through the saved outputs."""
+@pytest.mark.parametrize("G, Hk, T, gated", [(16, 4, 4096, False), (16, 4, 4096, True), (16, 2, 3000, True),
+                                             (4, 4, 4000, True), (1, 8, 1000, False)])
+def test_gpu_fused_equals_separate_kernels_bf16(G, Hk, T, gated, monkeypatch):
+    """bf16, NSAConfig(selection="tile") sizes (HQ64 H4 D128 at 4K), CUDA: the fused launch and the separate kernels
+    (FUSED_BRANCHES=False) select the same blocks, and their outputs differ by at most the rounding to bf16 of two
+    fp32 results that differ by fp32 rounding (the window's blocks and the gated terms summed in another order, the
+    selected and compressed branches in other kernels; both paths keep the partial sums in fp32): one bf16 ulp
+    (<= 2^-7 |out|) plus an fp32 sum bound over the keys (kernel_checks.fp_bound) at the scale of |v|; and the
+    reference's outputs to bf16 rounding where the selections agree. The path that ran is checked (the fused
+    launch: no o_cmp launch), and so are the gradients through the saved outputs."""
     from kernel_checks import fp_bound
     from sparsepatch.kernels.nsa import forward as nsa
     cfg = NSAConfig(selection="tile")
@@ -370,23 +305,27 @@ def test_gpu_fused_cmp_equals_separate_launch_bf16(G, Hk, T, gated, monkeypatch)
     gates = torch.rand(1, T, G * Hk, 3, generator=torch.Generator().manual_seed(G)).cuda() if gated else None
     spies = _spy_launches(monkeypatch, nsa)
     res = {}
-    for on in (False, True):
-        monkeypatch.setattr(nsa, "FUSED_CMP", on)
-        res[on] = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
-        assert _path(spies) == ((0, 1, [True]) if on else (1, 1, [False]))
+    for fused in (False, True):
+        monkeypatch.setattr(nsa, "FUSED_BRANCHES", fused)
+        res[fused] = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+        assert _path(spies) == (FUSED if fused else SEPARATE)
     (out, idx), (base, bidx) = res[True], res[False]
     assert torch.equal(idx, bidx)
     a, b = out.double(), base.double()
     slack = fp_bound(torch.float32, T + 128, v.double().abs().max().item())
     excess = ((a - b).abs() - 2.0 ** -7 * torch.maximum(a.abs(), b.abs())).max().item()
-    check_bound(excess, slack, "bf16 FUSED_CMP on vs off, beyond one bf16 ulp")
+    check_bound(excess, slack, "bf16 fused vs separate kernels, beyond one bf16 ulp")
+    want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
+    rows = (idx.long() == widx).all(-1).all(-1)[0]
+    assert rows.float().mean().item() > 0.99
+    assert _bf16_err(out[0, rows], want[0, rows]) < 2e-2
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     dout = torch.randn_like(q)
     grads = []
-    for on in (True, False):
-        monkeypatch.setattr(nsa, "FUSED_CMP", on)
+    for fused in (True, False):
+        monkeypatch.setattr(nsa, "FUSED_BRANCHES", fused)
         o = nsa.nsa_attention(qg, kg, vg, cfg, gates=gates)
         grads.append(torch.autograd.grad(o, (qg, kg, vg), dout))
-        assert _path(spies) == ((0, 1, [True]) if on else (1, 1, [False]))
+        assert _path(spies) == (FUSED if fused else SEPARATE)
     for x, y in zip(*grads):
         assert _bf16_err(x, y) < 2e-2 * max(1.0, y.float().abs().max().item())

@@ -21,9 +21,8 @@ Four kernels per call (plus mean/weighted pooling of k/v in PyTorch, `nsa_refere
    union is nearly every visible block).
 4. `_swa_kernel`  sliding-window attention on the same tiles as (1); adds g_swa * o_swa and stores the output.
    selection="tile" with FUSED_BRANCHES: `_tile_branches_kernel` replaces (3) and (4) by one launch (both
-   branches and the gate combine per program; a block in both is loaded and multiplied by q once); with FUSED_CMP
-   it also computes the compressed branch, so (1) runs only for the selection tiles' first tokens (importance, no
-   o_cmp).
+   branches and the gate combine per program; a block in both is loaded and multiplied by q once) that also
+   computes the compressed branch, so (1) runs only for the selection tiles' first tokens (importance, no o_cmp).
 
 Supported (else `supports` is False and the dispatcher uses the reference): causal=True, head dim 16..256 power
 of two, block_size % compress_stride == 0 with block_size / compress_stride a power of two <= 64, compress_block
@@ -478,7 +477,7 @@ def _swa_kernel(Q, K, V, PART, GATES, OUT, BO_W, LSE, KD, VD,
 
 
 @triton.jit
-def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE_W, KD, VD,
+def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE_W, KD, VD,
                           KC, VC, LSE_C, KCD, VCD,
                           sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, scb, scs, sch, s_ib, s_it, s_ih,
                           sgb, sgs, sgh, sgc, sob, sos, soh, skcb, skcs, skch,
@@ -486,25 +485,25 @@ def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S,
                           BS: tl.constexpr, NSEL: tl.constexpr, NSELP: tl.constexpr, HEAD_DIM: tl.constexpr,
                           GP: tl.constexpr, BT: tl.constexpr, HAS_GATES: tl.constexpr, SAVE: tl.constexpr,
                           WB: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr = False,
-                          FUSED_CMP: tl.constexpr = False, CB: tl.constexpr = 1, CS: tl.constexpr = 1,
+                          CB: tl.constexpr = 1, CS: tl.constexpr = 1,
                           CMP_N: tl.constexpr = 64, CMP_TMA: tl.constexpr = False, PIN: tl.constexpr = False):
-    """selection="tile": the selected and window branches of BT tokens x the group's heads (rows = BT * GP, all
-    tokens inside one selection tile, BS a power of two) in one program, with the gate combine -> OUT.
+    """selection="tile": the selected, window and compressed branches of BT tokens x the group's heads (rows =
+    BT * GP, all tokens inside one selection tile, BS a power of two) in one program, with the gate combine -> OUT.
 
-    The window's key tiles are selection blocks wlo .. whi (the tile's own block). Three loops, each K / V block
-    loaded once: (1) the tile's selected blocks before wlo: every key visible to every row, so no mask; selected
+    The window's key tiles are selection blocks wlo .. whi (the tile's own block). Three loops over K / V, each
+    block loaded once: (1) the tile's selected blocks before wlo: every key visible to every row, so no mask; selected
     state only. (2) the selected blocks inside the window: Q K^T once, both online-softmax states (masks differ
     only at the window's lower edge). (3) the window's unselected blocks: window state only. The selected state
     visits its blocks in ascending order, as `_slc_tile_kernel` (same fp32 operations); the window state visits
     the same tiles as `_swa_kernel` with BLOCK_N = BS, selected ones first (a different summation order: rounding
     differences only). WB: a power of two >= the most window blocks of a program (window // BS + 2).
-    OC: o_cmp (fp32); OUT, BO_W: OUT's strides; BO_C, BO_S: OC's (as the two-launch path).
-    FUSED_CMP: the compressed branch of the program's rows is computed here too (`_cmp_rows`: KC / VC (B, n_c, Hk,
-    D) with strides skc*, through KCD / VCD when CMP_TMA, CMP_N keys per tile; the same fp32 operations as
-    `_cmp_kernel`'s pass 1), after the window loop, when the selected and window accumulators are already folded
-    into the gated result: at most two (M, HEAD_DIM) fp32 states are live at any point. OC is then not read (only
-    its strides address BO_C / BO_S); with SAVE, BO_C = o_cmp in BO_C's dtype and LSE_C its LSE (B, T, Hq) in log2
-    units, +inf for a row that sees no compressed key, as `_cmp_kernel` writes them."""
+    Then the compressed branch of the program's rows (`_cmp_rows`: KC / VC (B, n_c, Hk, D) with strides skc*,
+    through KCD / VCD when CMP_TMA, CMP_N keys per tile; the same fp32 operations as `_cmp_kernel`'s pass 1), after
+    the selected and window accumulators are folded into the gated result: at most two (M, HEAD_DIM) fp32 states
+    are live at any point. n_c = 0: no compressed key, o_cmp = 0.
+    OUT, BO_W: strides so*; BO_C, BO_S: strides sc* (B, T, Hq, D). With SAVE: BO_C / BO_S / BO_W = the ungated
+    o_cmp / o_slc / o_swa in their dtype, LSE_C / LSE_S / LSE_W their LSEs (B, T, Hq) in log2 units (LSE_C +inf for
+    a row that sees no compressed key), as the separate kernels write them."""
     b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP, 0, 1)
     b32 = tl.program_id(1) // Hk
     M: tl.constexpr = BT * GP
@@ -572,62 +571,42 @@ def _tile_branches_kernel(Q, K, V, IDX, OC, GATES, OUT, BO_C, BO_S, BO_W, LSE_S,
     l_w1 = tl.where(l_w == 0.0, 1.0, l_w)
     o_s = acc_s / l_s1[:, None]
     o_w = acc_w / l_w1[:, None]
-    if FUSED_CMP:
-        # selected + window folded into one fp32 result first (acc_s / acc_w die here; `_pin` keeps the compiler
-        # from sinking o_s / o_w below the compressed loop, which would keep three accumulators live there and
-        # make ptxas serialise every wgmma of the kernel: C7512), then the compressed branch with its own
-        # accumulator: two (M, HEAD_DIM) fp32 states live, as in loop 2
-        if SAVE:   # for the backward, as the two-launch path: o_slc, o_swa in q's dtype and their LSEs
-            crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
-            orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
-            lrow = (b64 * T + tok64) * (Hk * G) + head
-            tl.store(BO_S + crow, o_s.to(BO_S.dtype.element_ty), mask=row_ok[:, None])
-            tl.store(LSE_S + lrow, m_s + tl.math.log2(l_s1), mask=row_ok)
-            tl.store(BO_W + orow, o_w.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
-            tl.store(LSE_W + lrow, m_w + tl.math.log2(l_w1), mask=row_ok)
-        if HAS_GATES:
-            gb = GATES + b64 * sgb + tok64 * sgs + head * sgh
-            g1 = tl.load(gb + sgc, mask=row_ok, other=0.0).to(tl.float32)
-            g2 = tl.load(gb + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)
-            res = g1[:, None] * o_s + g2[:, None] * o_w
-        else:
-            res = (o_s + o_w) * (1.0 / 3.0)
-        res = _pin(res, PIN)
-        acc_c, l_c, m_c = _cmp_rows(q, KC + b64 * skcb + hk * skch, VC + b64 * skcb + hk * skch, KCD, VCD, b32, hk,
-                                    skcs, offs_d, qpos, minpos, maxpos, n_c, qk_scale, CB, CS, CMP_N, HEAD_DIM, M,
-                                    STAGES, CMP_TMA)
-        l_c1 = tl.where(l_c == 0.0, 1.0, l_c)
-        o_c = acc_c / l_c1[:, None]
+    # selected + window folded into one fp32 result first (acc_s / acc_w die here; `_pin` keeps the compiler
+    # from sinking o_s / o_w below the compressed loop, which would keep three accumulators live there and
+    # make ptxas serialise every wgmma of the kernel: C7512), then the compressed branch with its own
+    # accumulator: two (M, HEAD_DIM) fp32 states live, as in loop 2
+    if SAVE:   # for the backward, as the two-launch path: o_slc, o_swa in q's dtype and their LSEs
         crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
         orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
-        if SAVE:   # o_cmp in q's dtype and its LSE (log2 units; +inf: a row that sees no compressed key)
-            lrow = (b64 * T + tok64) * (Hk * G) + head
-            tl.store(BO_C + crow, o_c.to(BO_C.dtype.element_ty), mask=row_ok[:, None])
-            tl.store(LSE_C + lrow, tl.where(l_c == 0.0, float("inf"), m_c + tl.math.log2(l_c1)), mask=row_ok)
-        if HAS_GATES:
-            g0 = tl.load(gb, mask=row_ok, other=0.0).to(tl.float32)
-            res = res + g0[:, None] * o_c
-        else:
-            res = res + o_c * (1.0 / 3.0)
+        lrow = (b64 * T + tok64) * (Hk * G) + head
+        tl.store(BO_S + crow, o_s.to(BO_S.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE_S + lrow, m_s + tl.math.log2(l_s1), mask=row_ok)
+        tl.store(BO_W + orow, o_w.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE_W + lrow, m_w + tl.math.log2(l_w1), mask=row_ok)
+    if HAS_GATES:
+        gb = GATES + b64 * sgb + tok64 * sgs + head * sgh
+        g1 = tl.load(gb + sgc, mask=row_ok, other=0.0).to(tl.float32)
+        g2 = tl.load(gb + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)
+        res = g1[:, None] * o_s + g2[:, None] * o_w
     else:
-        crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
-        orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
-        oc = tl.load(OC + crow, mask=row_ok[:, None], other=0.0)
-        if SAVE:   # for the backward, as the two-launch path: o_cmp, o_slc, o_swa in q's dtype and the two LSEs
-            lrow = (b64 * T + tok64) * (Hk * G) + head
-            tl.store(BO_C + crow, oc.to(BO_C.dtype.element_ty), mask=row_ok[:, None])
-            tl.store(BO_S + crow, o_s.to(BO_S.dtype.element_ty), mask=row_ok[:, None])
-            tl.store(LSE_S + lrow, m_s + tl.math.log2(l_s1), mask=row_ok)
-            tl.store(BO_W + orow, o_w.to(BO_W.dtype.element_ty), mask=row_ok[:, None])
-            tl.store(LSE_W + lrow, m_w + tl.math.log2(l_w1), mask=row_ok)
-        if HAS_GATES:
-            gb = GATES + b64 * sgb + tok64 * sgs + head * sgh
-            g0 = tl.load(gb, mask=row_ok, other=0.0).to(tl.float32)
-            g1 = tl.load(gb + sgc, mask=row_ok, other=0.0).to(tl.float32)
-            g2 = tl.load(gb + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)
-            res = (g0[:, None] * oc + g1[:, None] * o_s) + g2[:, None] * o_w
-        else:
-            res = (oc + o_s) * (1.0 / 3.0) + o_w * (1.0 / 3.0)
+        res = (o_s + o_w) * (1.0 / 3.0)
+    res = _pin(res, PIN)
+    acc_c, l_c, m_c = _cmp_rows(q, KC + b64 * skcb + hk * skch, VC + b64 * skcb + hk * skch, KCD, VCD, b32, hk,
+                                skcs, offs_d, qpos, minpos, maxpos, n_c, qk_scale, CB, CS, CMP_N, HEAD_DIM, M,
+                                STAGES, CMP_TMA)
+    l_c1 = tl.where(l_c == 0.0, 1.0, l_c)
+    o_c = acc_c / l_c1[:, None]
+    crow = b64 * scb + (tok64 * scs + head * sch)[:, None] + offs_d[None, :]
+    orow = b64 * sob + (tok64 * sos + head * soh)[:, None] + offs_d[None, :]
+    if SAVE:   # o_cmp in q's dtype and its LSE (log2 units; +inf: a row that sees no compressed key)
+        lrow = (b64 * T + tok64) * (Hk * G) + head
+        tl.store(BO_C + crow, o_c.to(BO_C.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE_C + lrow, tl.where(l_c == 0.0, float("inf"), m_c + tl.math.log2(l_c1)), mask=row_ok)
+    if HAS_GATES:
+        g0 = tl.load(gb, mask=row_ok, other=0.0).to(tl.float32)
+        res = res + g0[:, None] * o_c
+    else:
+        res = res + o_c * (1.0 / 3.0)
     tl.store(OUT + orow, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -692,8 +671,7 @@ SWA_BLOCK_N = 64
 # H200 sweep (session 15, `bench_nsa --phases`, HQ64 H4 D128, results/h200-nsa-phases-s15.json): cmp 3 stages
 # -3 to -9% at 16K-64K (same selections), per-token slc 2 warps -1 to -2%; 128-row programs or 128-key tiles for cmp
 # and swa were 5-50% slower at every length. Head dim 256 keeps cmp at 2 stages (3 K/V stages of 64 x 256 plus q
-# exceed shared memory). fused 3 stages (113 KB, still 2 CTAs per SM) with FUSED_CMP: -5 to -26% vs 2 at 4K-64K
-# (session 17; without FUSED_CMP it was +9% at 64K).
+# exceed shared memory). fused 3 stages (113 KB, still 2 CTAs per SM): -5 to -26% vs 2 at 4K-64K (session 17).
 NUM_WARPS = dict(cmp=4, swa=4, slc=2, topk=4, topk_small=2, slc_tile=8, slc_tile_64=4, fused=4)
 NUM_STAGES = dict(cmp=3, swa=2, slc=3, slc_tile=3, fused=3)
 # Selected branch: `_slc_kernel` (one program per token: rows = the G heads padded to 16, K/V loaded per token) or
@@ -726,24 +704,19 @@ TOPK_PARALLEL_MIN_BLOCKS = 0
 # pass split too: tile 64K cmp -8 to -9%, 4K +7%; per-token calls slower (their importance pass), so there it is off.
 NSA_TMA = True
 CMP_MASK_SPLIT = True
-# FUSED_BRANCHES (selection="tile", issue 27): `_tile_branches_kernel` runs the selected and window branches of
-# FUSED_ROWS-row programs in one pass (K / V of a block in both loaded and multiplied by q once, the gate combine in
-# registers, no fp32 partial through memory) instead of `_slc_tile_kernel` + `_swa_kernel`; the same function
-# (`fused_applies`: otherwise the two launches). H200, HQ64 H4 D128 bf16, tile-mode forward 4K / 8K / 16K / 64K:
-# 0.729 -> 0.637, 1.526 -> 1.381, 3.274 -> 3.063, 19.63 -> 19.03 ms (benchmarks/NOTES.md, session 16).
+# FUSED_BRANCHES (selection="tile", issue 27): `_tile_branches_kernel` runs the selected, window and compressed
+# branches of FUSED_ROWS-row programs in one pass (K / V of a block in both the selected and the window branch loaded
+# and multiplied by q once, the gate combine in registers, no fp32 partial or o_cmp through memory) instead of
+# `_slc_tile_kernel` + `_swa_kernel` + the o_cmp launch of `_cmp_kernel` (which then runs only as the importance
+# launch at the selection tiles' first tokens); the same function (`fused_applies`: otherwise the separate kernels).
+# The compressed branch runs after the window loop, once the selected and window states are folded into the gated
+# result, so at most two 64 x D fp32 states are live. H200, HQ64 H4 D128 bf16, tile-mode forward: the selected and
+# window branches fused, 4K / 8K / 16K / 64K: 0.729 -> 0.637, 1.526 -> 1.381, 3.274 -> 3.063, 19.63 -> 19.03 ms
+# (session 16); the compressed branch inside it too (3 K/V stages) vs the separate o_cmp launch (2 stages),
+# 4K / 8K / 16K / 32K / 64K: 0.740 -> 0.548, 1.334 -> 1.213, 3.025 -> 2.738, 7.319 -> 6.696, 19.48 -> 18.35 ms
+# (session 17; `bench_nsa.py --phases --selection tile`, benchmarks/NOTES.md).
 FUSED_BRANCHES = True
 FUSED_ROWS = 64
-# FUSED_CMP (selection="tile", where the fused launch runs): `_tile_branches_kernel` also computes the compressed
-# branch of its own rows (after the window loop, once the selected and window states are folded into the gated
-# result, so at most two 64 x D fp32 states are live), and the full-length `_cmp_kernel` launch that writes o_cmp
-# (fp32, read back by the fused epilogue) does not run; the importance launch at the tiles' first tokens stays.
-# The same function (the compressed keys' same fp32 operations; the three gated terms summed in another order).
-# It saves a launch of T / 4 * Hk programs (each a prologue, n_c / 128 key tiles on average, the fp32 o_cmp store)
-# and the o_cmp read in the fused epilogue. H200, HQ64 H4 D128 bf16, tile-mode forward with the fused launch at 3
-# K/V stages vs session 16 (separate launch, 2 stages), 4K / 8K / 16K / 32K / 64K: 0.740 -> 0.548, 1.334 -> 1.213,
-# 3.025 -> 2.738, 7.319 -> 6.696, 19.48 -> 18.35 ms (`bench_nsa.py --phases --selection tile`, benchmarks/NOTES.md
-# session 17): faster at every length, so no length rule.
-FUSED_CMP = True
 
 
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
@@ -880,11 +853,11 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
     tile = config.selection == "tile"
     bt_f = max(1, min(FUSED_ROWS // GP, bs))   # tokens per fused program: inside one selection tile
     fused = tile and FUSED_BRANCHES and fused_applies(bs, bt_f, q_off, D)
-    fused_cmp = fused and FUSED_CMP
     out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=dev)
-    # o_cmp (fp32), read back by the selected / fused launch; with fused_cmp no launch reads or writes it, and `out`
-    # stands in where an argument is unused (its strides, those of every (B, T, Hq, D) tensor here, address bo)
-    o_cmp = out if fused_cmp else torch.empty((B, T, Hq, D), dtype=torch.float32, device=dev)
+    # o_cmp (fp32), read back by the selected launch; the fused launch computes the compressed branch itself, so
+    # there no launch reads or writes it, and `out` stands in where an argument is unused (its strides, those of
+    # every (B, T, Hq, D) tensor here, address bo)
+    o_cmp = out if fused else torch.empty((B, T, Hq, D), dtype=torch.float32, device=dev)
     if save:
         lse = torch.empty((3, B, T, Hq), dtype=torch.float32, device=dev)
         bo = torch.empty((3, B, T, Hq, D), dtype=q.dtype, device=dev)
@@ -917,9 +890,9 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
     if not tile:
         idx = select(T, 0, 1, True)
     else:
-        # o_cmp of every token (fused_cmp: inside the fused launch instead); the importance and top-k only at the
+        # o_cmp of every token (the fused launch: inside it instead); the importance and top-k only at the
         # selection tiles' first tokens, whose selection every token of the tile then uses
-        if not fused_cmp:
+        if not fused:
             _cmp_kernel[grid_cmp](
                 *cmp_args, o_cmp, o_cmp, lse_c, *cmp_descs, *cmp_strides, T, n_c, q_off, Hq, Hk, G, NBP, qk_scale,
                 0, SELECT=False, SAVE=save, STORE_O=True, TS=1, MASK_SPLIT=CMP_MASK_SPLIT, **cmp_meta)
@@ -950,15 +923,15 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
     if fused:
         fkd, fvd = _descs(q, (k, bs), (v, bs))
         _tile_branches_kernel[(triton.cdiv(T, bt_f), B * Hk)](
-            q, k, v, idx, o_cmp, gt, out, bo_c, bo_s, bo_w, lse_s, lse_w,
+            q, k, v, idx, gt, out, bo_c, bo_s, bo_w, lse_s, lse_w,
             *((fkd, fvd) if fkd is not None else (out, out)), k_cmp, v_cmp, lse_c,
-            *((kd, vd) if fused_cmp and kd is not None else (out, out)), *strides,
+            *((kd, vd) if kd is not None else (out, out)), *strides,
             out.stride(0), out.stride(1), out.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
-            T, S, q_off, Hk, G, qk_scale, config.window, n_c if fused_cmp else 0,
+            T, S, q_off, Hk, G, qk_scale, config.window, n_c,
             BS=bs, NSEL=nsel, NSELP=triton.next_power_of_2(nsel), HEAD_DIM=D, GP=GP, BT=bt_f,
             WB=triton.next_power_of_2(config.window // bs + 2),
             HAS_GATES=gates is not None, SAVE=save, STAGES=NUM_STAGES["fused"], USE_TMA=fkd is not None,
-            FUSED_CMP=fused_cmp, CB=l, CS=d, CMP_N=CMP_BLOCK_N, CMP_TMA=fused_cmp and kd is not None,
+            CB=l, CS=d, CMP_N=CMP_BLOCK_N, CMP_TMA=kd is not None,
             PIN=not _interpret(),
             num_warps=NUM_WARPS["fused"], num_stages=NUM_STAGES["fused"])
         return out, idx, lse, bo
