@@ -46,11 +46,6 @@ SETTINGS = {
     # every exponential on MUFU / one in 8 on the FMA pipe (cfg exp_poly)
     **{f"poly{n}": {key: dict(gluon=True, causal_gluon=True, gluon_exp_poly=n) for key in _GLUON_KEYS}
        for n in (0, 8)},
-    # the two consumer warpgroups issue their GEMMs in strict turns (cfg pingpong); pp_poly0: and every exponential
-    # on MUFU
-    "pp": {key: dict(gluon=True, causal_gluon=True, gluon_pingpong=True) for key in _GLUON_KEYS},
-    "pp_poly0": {key: dict(gluon=True, causal_gluon=True, gluon_pingpong=True, gluon_exp_poly=0)
-                 for key in _GLUON_KEYS},
 }
 
 

@@ -50,7 +50,7 @@ BN = 128  # keys per k-tile (head dim 256, dense only: 64, as K / V stages of 12
 # dynamic (causal only): q-tiles handed out by an atomic counter instead of static round-robin shares (`_producer`;
 # H200 bf16: +2 to +14% at 16K / 32K, neutral at 1K, NOTES session 15)
 GLUON_SKIP_CONFIG = dict(stages=3, consumer_regs=232, producer_regs=40, kstage=True, pv_async=True, dynamic=True,
-                         exp_poly=0, pingpong=False)
+                         exp_poly=0)
 # head dim 64, dense mode: one exponential in 8 on the FMA pipe (H200 bf16, ours / best SDPA: causal +2 to +7% at
 # 4K-32K; 1 in 2, 4 or 16 measured slower or between, and the skip mode, with its keep test per tile, 1-2% slower:
 # NOTES session 16)
@@ -266,22 +266,17 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, q_ready, q_empty, wx, wx_full, wx_empty,
-                  turn, item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob, stride_os,
+                  item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE, PRB, MAXK, stride_ob, stride_os,
                   stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold, causal_off, D: gl.constexpr,
                   STAGES: gl.constexpr,
                   NWORDS: gl.constexpr, WG: gl.constexpr, LAST_PARTIAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                   SKIP: gl.constexpr, KSTAGE: gl.constexpr, PV_ASYNC: gl.constexpr, STATEFUL: gl.constexpr,
                   CAUSAL: gl.constexpr, FORCED: gl.constexpr, BN: gl.constexpr,
-                  SPLIT: gl.constexpr, DYNAMIC: gl.constexpr, PROBE: gl.constexpr, POLY: gl.constexpr,
-                  PINGPONG: gl.constexpr):
+                  SPLIT: gl.constexpr, DYNAMIC: gl.constexpr, PROBE: gl.constexpr, POLY: gl.constexpr):
         """One warpgroup: rows [64 * WG, 64 * WG + 64) of every owned q-tile (DYNAMIC: of every q-tile the
         producer publishes in item_smem, until it publishes -1). WG 0 also writes the next lists
         (STATEFUL: not on a warm-up call, which visits every tile); FORCED: the must_do tiles (q-tile row flags FROW,
-        k-tile column flags FCOL, int8) are kept whatever their keep test said.
-        PINGPONG: in the tile loop the two warpgroups issue their GEMMs in strict turns (turn.index(WG) is this
-        warpgroup's turn, armed by the other one right after it issued its own), so one warpgroup's softmax runs
-        under the other's GEMMs instead of both warpgroups drifting into the same phase (FA3's ping-pong schedule).
-        Both warpgroups run the same q-tiles with the same tile counts, so their turn counters stay in step."""
+        k-tile column flags FCOL, int8) are kept whatever their keep test said."""
         NW: gl.constexpr = gl.num_warps()
         WSPAN: gl.constexpr = 32 if SKIP else (1 << 30)   # tiles per run of the tile loop
         RM: gl.constexpr = 16 * NW
@@ -302,7 +297,6 @@ if HAS_GLUON:
         P = gl.num_programs(0)
         g = 0
         k = 0
-        pp = 0   # PINGPONG: this warpgroup's GEMM turns taken so far
         if DYNAMIC:
             mbarrier.wait(q_ready, 0)
             lin = gl.max(item_smem.load(w_layout), 0)
@@ -371,19 +365,11 @@ if HAS_GLUON:
                 for t in range(gl.maximum(w * WSPAN, 1), gl.minimum(w * WSPAN + WSPAN, n_it)):
                     slot = g % STAGES
                     mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-                    if PINGPONG:   # warpgroup 0's turn pp follows warpgroup 1's turn pp - 1; 1's turn pp, 0's pp
-                        if WG == 0:
-                            mbarrier.wait(turn.index(0), (pp + 1) & 1, pred=pp > 0)
-                        else:
-                            mbarrier.wait(turn.index(1), pp & 1)
                     s_tok = warpgroup_mma(qh, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                                           is_async=True)
                     if SPLIT:
                         mbarrier.wait(v_ready.index(prev), prev_phase)
                     o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
-                    if PINGPONG:
-                        mbarrier.arrive(turn.index(1 - WG))
-                        pp += 1
                     s = warpgroup_mma_wait(1, deps=[s_tok])
                     if SPLIT:
                         mbarrier.arrive(empty.index(slot))
@@ -528,7 +514,7 @@ if HAS_GLUON:
                            PV_ASYNC: gl.constexpr = True, STATEFUL: gl.constexpr = False, CAUSAL: gl.constexpr = False,
                            FORCED: gl.constexpr = False, LAYOUT: gl.constexpr = 0,
                            BLOCK_N: gl.constexpr = 128, DYNAMIC: gl.constexpr = False, PROBE: gl.constexpr = False,
-                           EXP_POLY: gl.constexpr = 0, PINGPONG: gl.constexpr = False):
+                           EXP_POLY: gl.constexpr = 0):
         """Launched with num_warps=4 and grid (programs,): default partition = warpgroup 0 (rows 0-63 of each
         q-tile), worker 0 (4 warps) = warpgroup 1 (rows 64-127), worker 1 (1 warp) = the loads.
         STATEFUL (the patcher's skip_step): CNT / IDX (read) and CNT_OUT / IDX_OUT (written) are two list slots each
@@ -558,7 +544,6 @@ if HAS_GLUON:
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         wx = gl.allocate_shared_memory(gl.int32, [NWORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(STAGES):
@@ -570,20 +555,18 @@ if HAS_GLUON:
         mbarrier.init(bars.index(1), count=2)        # q_empty
         mbarrier.init(bars.index(2), count=1)        # wx_full (warpgroup 1's words)
         mbarrier.init(bars.index(3), count=1)        # wx_empty
-        mbarrier.init(turn.index(0), count=1)        # PINGPONG: warpgroup 0 may issue (armed by warpgroup 1)
-        mbarrier.init(turn.index(1), count=1)        # PINGPONG: warpgroup 1 may issue (armed by warpgroup 0)
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0), bars.index(1), wx,
-                         bars.index(2), bars.index(3), turn, item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE,
+                         bars.index(2), bars.index(3), item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE,
                          PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold,
                          causal_off, D, STAGES, NWORDS, 0, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL,
-                         CAUSAL, FORCED, BLOCK_N, SPLIT, DYNAMIC, PROBE, EXP_POLY, PINGPONG)),
+                         CAUSAL, FORCED, BLOCK_N, SPLIT, DYNAMIC, PROBE, EXP_POLY)),
             (_consumer, (q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0), bars.index(1), wx,
-                         bars.index(2), bars.index(3), turn, item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE,
+                         bars.index(2), bars.index(3), item_smem, CNT, IDX, CNT_OUT, IDX_OUT, FROW, FCOL, warm, O, LSE,
                          PRB, MAXK, stride_ob, stride_os, stride_oh, Sq, Sk, Hq, Tq, Tk, n_items, qk_scale, threshold,
                          causal_off, D, STAGES, NWORDS, 1, LAST_PARTIAL, WRITE_LSE, SKIP, KSTAGE, PV_ASYNC, STATEFUL,
-                         CAUSAL, FORCED, BLOCK_N, SPLIT, DYNAMIC, PROBE, EXP_POLY, PINGPONG)),
+                         CAUSAL, FORCED, BLOCK_N, SPLIT, DYNAMIC, PROBE, EXP_POLY)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, v_ready, v_empty, bars.index(0),
                          bars.index(1), item_smem, CTR,
                          CNT, IDX, warm, PRB, MAXK, Sq, Sk, Hq, n_rep, Tq, Tk, n_items, causal_off, D, STAGES, SKIP,
@@ -767,7 +750,7 @@ def _launch(q, k, v, counts, indices, threshold, scale, return_lse, cfg, skip, s
                   PRODUCER_REGS=int(cfg["producer_regs"]), num_warps=4, SKIP=skip, KSTAGE=bool(cfg["kstage"]),
                   PV_ASYNC=bool(cfg["pv_async"]), STATEFUL=stateful, CAUSAL=bool(causal),
                   FORCED=forced is not None, LAYOUT=layout, BLOCK_N=bn, DYNAMIC=dynamic,
-                  PROBE=probe is not None, EXP_POLY=poly, PINGPONG=bool(cfg.get("pingpong", False)))
+                  PROBE=probe is not None, EXP_POLY=poly)
     kern = _skip_gluon_kernel[grid](**params)
     if _DIRECT[0] and probe is None and dev.index == torch.cuda.current_device():
         relaunch = direct_launcher(kern, grid)
