@@ -292,13 +292,11 @@ def test_fused_gradients_equal_separate_kernels(monkeypatch):
                                              (4, 4, 4000, True), (1, 8, 1000, False)])
 def test_gpu_fused_equals_separate_kernels_bf16(G, Hk, T, gated, monkeypatch):
     """bf16, NSAConfig(selection="tile") sizes (HQ64 H4 D128 at 4K), CUDA: the fused launch and the separate kernels
-    (FUSED_BRANCHES=False) select the same blocks, and their outputs differ by at most the rounding to bf16 of two
-    fp32 results that differ by fp32 rounding (the window's blocks and the gated terms summed in another order, the
-    selected and compressed branches in other kernels; both paths keep the partial sums in fp32): one bf16 ulp
-    (<= 2^-7 |out|) plus an fp32 sum bound over the keys (kernel_checks.fp_bound) at the scale of |v|; and the
-    reference's outputs to bf16 rounding where the selections agree. The path that ran is checked (the fused
-    launch: no o_cmp launch), and so are the gradients through the saved outputs."""
-    from kernel_checks import fp_bound
+    (FUSED_BRANCHES=False) select the same blocks, and their outputs agree to bf16 rounding (`_bf16_err`, as against
+    the reference): each path rounds its probabilities P to bf16 for the P V products, against running maxima that
+    differ between the two (the window's keys are tiled differently), so they are not one fp32 rounding apart (one
+    bf16 ulp plus an fp32 sum bound failed by 1.5x on an H200). Also the reference's outputs where the selections
+    agree, the path that ran (the fused launch: no o_cmp launch), and the gradients through the saved outputs."""
     from sparsepatch.kernels.nsa import forward as nsa
     cfg = NSAConfig(selection="tile")
     q, k, v = rand(1, T, G * Hk, Hk, 128, dtype=torch.bfloat16, seed=T + 7 * G, device="cuda")
@@ -311,10 +309,7 @@ def test_gpu_fused_equals_separate_kernels_bf16(G, Hk, T, gated, monkeypatch):
         assert _path(spies) == (FUSED if fused else SEPARATE)
     (out, idx), (base, bidx) = res[True], res[False]
     assert torch.equal(idx, bidx)
-    a, b = out.double(), base.double()
-    slack = fp_bound(torch.float32, T + 128, v.double().abs().max().item())
-    excess = ((a - b).abs() - 2.0 ** -7 * torch.maximum(a.abs(), b.abs())).max().item()
-    check_bound(excess, slack, "bf16 fused vs separate kernels, beyond one bf16 ulp")
+    assert _bf16_err(out, base) < 2e-2
     want, widx = ref.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
     rows = (idx.long() == widx).all(-1).all(-1)[0]
     assert rows.float().mean().item() > 0.99
