@@ -433,6 +433,11 @@ PHASE_VARIANTS = {
     # the tiles' first tokens and the compressed branch's time is inside "_tile_branches_kernel"
     "two_launch": dict(sel=("tile",), attrs=dict(FUSED_BRANCHES=False)),
     "fused_s2": dict(sel=("tile",), attrs=dict(NUM_STAGES="fused=2")),
+    # session 18: fused programs of 128 rows (8 tokens x 16 heads) on 8 warps: each K / V tile loaded once for 128
+    # rows (one CTA per SM) instead of 64 (two CTAs per SM)
+    "fused128": dict(sel=("tile",), attrs=dict(FUSED_ROWS=128, NUM_WARPS="fused=8")),
+    "fused128_s2": dict(sel=("tile",), attrs=dict(FUSED_ROWS=128, NUM_WARPS="fused=8", NUM_STAGES="fused=2")),
+    "fused128_s4": dict(sel=("tile",), attrs=dict(FUSED_ROWS=128, NUM_WARPS="fused=8", NUM_STAGES="fused=4")),
 }
 PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel",
                  "_tile_branches_kernel"]
