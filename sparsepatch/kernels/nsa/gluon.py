@@ -89,15 +89,16 @@ if HAS_GLUON:
         return g + 1
 
     @gluon.jit
-    def _load_q(k, b, hk, t0, T, Hk, q_desc, q_smem, q_ready, q_empty):
-        """q of the producer's k-th item into buffer k % 2 (8 boxes of the 16 heads of one token: rows
-        (b * T + t) * Hq + hk * 16 of the (B * T * Hq, D) view), once both consumers finished item k - 2."""
-        buf = k % 2
-        mbarrier.wait(q_empty.index(buf), ((k // 2) + 1) & 1, pred=k >= 2)
-        mbarrier.expect(q_ready.index(buf), 128 * 128 * 2)
-        for i in gl.static_range(8):
-            tma.async_copy_global_to_shared(q_desc, [(b * T + t0 + i) * (Hk * 16) + hk * 16, 0], q_ready.index(buf),
-                                            q_smem.index(buf).slice(16 * i, 16))
+    def _q_after(c, pre, k, b, hk, t0, T, Hk, q_desc, q_smem, q_ready, q_empty):
+        """Once the item's first `pre` tiles are issued (c == pre): q of the item (8 boxes of the 16 heads of one
+        token: rows (b * T + t) * Hq + hk * 16 of the (B * T * Hq, D) view), after both consumers finished the
+        previous item."""
+        if c == pre:
+            mbarrier.wait(q_empty, (k + 1) & 1, pred=k > 0)
+            mbarrier.expect(q_ready, 128 * 128 * 2)
+            for i in gl.static_range(8):
+                tma.async_copy_global_to_shared(q_desc, [(b * T + t0 + i) * (Hk * 16) + hk * 16, 0], q_ready,
+                                                q_smem.slice(16 * i, 16))
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty,
@@ -128,10 +129,15 @@ if HAS_GLUON:
                 n_in += (jb >= wlo).to(gl.int32)
             hi_c = gl.minimum(gl.where(maxpos + 1 >= CB, (maxpos + 1 - CB) // CS + 1, 0), n_c)
             n_ct = (hi_c + 63) // 64
-            _load_q(k, b, hk, t0, T, Hk, q_desc, q_smem, q_ready, q_empty)
+            # the first ring-full of this item's tiles waits only for slots the previous item frees; q once both
+            # consumers finished the previous item (`_q_after`)
+            pre = gl.minimum(n_u + (whi - wlo + 1 - n_in) + n_ct, STAGES)
+            c = 0
             for i in range(n_u):
                 jb = gl.load(lbase + i)
                 g = _load_tile(k_desc, v_desc, b * S + jb * 64, hk * 128, k_smem, v_smem, ready, empty, g, STAGES)
+                c += 1
+                _q_after(c, pre, k, b, hk, t0, T, Hk, q_desc, q_smem, q_ready, q_empty)
             for jw in range(wlo, whi + 1):
                 hit = 0
                 for i in range(n_u - n_in, n_u):
@@ -139,9 +145,13 @@ if HAS_GLUON:
                 if hit == 0:
                     g = _load_tile(k_desc, v_desc, b * S + jw * 64, hk * 128, k_smem, v_smem, ready, empty, g,
                                    STAGES)
+                    c += 1
+                    _q_after(c, pre, k, b, hk, t0, T, Hk, q_desc, q_smem, q_ready, q_empty)
             for i in range(n_ct):
                 g = _load_tile(kc_desc, vc_desc, b * n_c + i * 64, hk * 128, k_smem, v_smem, ready, empty, g,
                                STAGES)
+                c += 1
+                _q_after(c, pre, k, b, hk, t0, T, Hk, q_desc, q_smem, q_ready, q_empty)
             k += 1
             lin += P
 
@@ -282,6 +292,7 @@ if HAS_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+        qh = q_smem.slice(64 * WG, 64)
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         r = gl.arange(0, 64, layout=row_l)
@@ -306,8 +317,7 @@ if HAS_GLUON:
             m_w = gl.full([64], float("-inf"), gl.float32, row_l)
             l_w = gl.zeros([64], gl.float32, row_l)
             acc_w = gl.zeros([64, 128], gl.float32, o_layout)
-            mbarrier.wait(q_ready.index(k % 2), (k // 2) & 1)
-            qh = q_smem.index(k % 2).slice(64 * WG, 64)
+            mbarrier.wait(q_ready, k & 1)
             # A: every key of a selected block before the window is visible to every row
             acc_s, m_s, l_s, g = _phase(qh, k_smem, v_smem, ready, empty, g, acc_s, m_s, l_s, n1, qk_scale, qpos,
                                         nvis, window, -(1 << 30), 1 << 30, cand, wonly, rank, _KIND_SEL, STAGES,
@@ -340,7 +350,7 @@ if HAS_GLUON:
             acc_c, m_c, l_c, g = _phase(qh, k_smem, v_smem, ready, empty, g, acc_c, m_c, l_c, n_ct, qk_scale, qpos,
                                         nvis, window, 0, nvis_lo - 63, cand, wonly, rank, _KIND_CMP, STAGES,
                                         s_layout, p_layout, o_layout)
-            mbarrier.arrive(q_empty.index(k % 2))   # every Q K^T of this item is done: its q buffer may be refilled
+            mbarrier.arrive(q_empty)   # every Q K^T of this item is done: q may be refilled
             out = res + _normalized(acc_c, l_c, o_layout) * gl.expand_dims(g0, 1)
             ptrs = (OUT + b.to(gl.int64) * sob + gl.expand_dims(tok.to(gl.int64) * sos + head * soh, 1)
                     + gl.expand_dims(dcols, 0))
@@ -358,29 +368,27 @@ if HAS_GLUON:
         """Launched with num_warps=4, grid (programs,): default partition = warpgroup 0, worker 0 (4 warps) =
         warpgroup 1, worker 1 (1 warp) = the loads. Items lin = (b * Hk + hk) * n_groups + token group."""
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2, 128, 128], q_desc.layout)   # two items' q (double buffer)
+        q_smem = gl.allocate_shared_memory(dtype, [128, 128], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, 128], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, 128], v_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)   # one arrive per consumer warpgroup
-        for i in gl.static_range(2):
-            mbarrier.init(q_ready.index(i), count=1)     # q buffer i loaded (TMA bytes)
-            mbarrier.init(q_empty.index(i), count=2)     # q buffer i released by both consumer warpgroups
+        mbarrier.init(bars.index(0), count=1)        # q_ready (TMA bytes)
+        mbarrier.init(bars.index(1), count=2)        # q_empty
         fence_async_shared()
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, IDX, GATES, OUT,
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), IDX, GATES, OUT,
                          s_ib, s_it, s_ih, sgb, sgs, sgh, sgc, sob, sos, soh, T, n_c, q_off, Hk, window, n_groups,
                          n_items, qk_scale, 0, CB, CS, NSEL, NSELP, WB, STAGES, HAS_GATES)),
-            (_consumer, (q_smem, k_smem, v_smem, ready, empty, q_ready, q_empty, IDX, GATES, OUT,
+            (_consumer, (q_smem, k_smem, v_smem, ready, empty, bars.index(0), bars.index(1), IDX, GATES, OUT,
                          s_ib, s_it, s_ih, sgb, sgs, sgh, sgc, sob, sos, soh, T, n_c, q_off, Hk, window, n_groups,
                          n_items, qk_scale, 1, CB, CS, NSEL, NSELP, WB, STAGES, HAS_GATES)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, ready, empty,
-                         q_ready, q_empty, IDX, s_ib, s_it, s_ih, T, S, n_c, q_off, Hk, window,
+                         bars.index(0), bars.index(1), IDX, s_ib, s_it, s_ih, T, S, n_c, q_off, Hk, window,
                          n_groups, n_items, CB, CS, NSEL, NSELP, WB, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
