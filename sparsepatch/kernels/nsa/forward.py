@@ -673,7 +673,7 @@ SWA_BLOCK_N = 64
 # and swa were 5-50% slower at every length. Head dim 256 keeps cmp at 2 stages (3 K/V stages of 64 x 256 plus q
 # exceed shared memory). fused 3 stages (113 KB, still 2 CTAs per SM): -5 to -26% vs 2 at 4K-64K (session 17).
 NUM_WARPS = dict(cmp=4, swa=4, slc=2, topk=4, topk_small=2, slc_tile=8, slc_tile_64=4, fused=4)
-NUM_STAGES = dict(cmp=3, swa=2, slc=3, slc_tile=3, fused=3, gluon=4)
+NUM_STAGES = dict(cmp=3, swa=2, slc=3, slc_tile=3, fused=3)
 # Selected branch: `_slc_kernel` (one program per token: rows = the G heads padded to 16, K/V loaded per token) or
 # `_slc_tile_kernel` (R rows per program: R // next_pow2(G) tokens visit the union of their selected blocks; the
 # same function). SLC_TILE_ROWS: None = choose by `slc_tile_rows` (measured rule), 0 = always per token, R = always
@@ -717,9 +717,6 @@ CMP_MASK_SPLIT = True
 # (session 17; `bench_nsa.py --phases --selection tile`, benchmarks/NOTES.md).
 FUSED_BRANCHES = True
 FUSED_ROWS = 64
-# GLUON_TILE (selection="tile" inference where the fused launch runs, sm_90, head dim 128, blocks of 64, GQA 16):
-# the persistent warp-specialised Gluon kernel `nsa.gluon` instead of the Triton fused launch (the same function)
-GLUON_TILE = False
 
 
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
@@ -923,12 +920,6 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
                gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0)
     common = dict(BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D,
                   HAS_GATES=gates is not None, SAVE=save)
-    if fused and GLUON_TILE and not save:
-        from . import gluon as nsa_gluon
-        if nsa_gluon.supported(q, k, config, gates, save, q_off):
-            out = nsa_gluon.tile_forward(q, k, v, idx, k_cmp, v_cmp, n_c, gates, scale, config, q_off,
-                                         cfg=dict(stages=NUM_STAGES["gluon"]))
-            return out, idx, lse, bo
     if fused:
         fkd, fvd = _descs(q, (k, bs), (v, bs))
         _tile_branches_kernel[(triton.cdiv(T, bt_f), B * Hk)](
