@@ -114,22 +114,26 @@ def test_gpu_switches_equal_default_bf16(G, Hk, T, selection, slc_rows, monkeypa
 
 
 # selection="tile" with block 16 and window 40: a program's window spans 3-4 blocks with its lower edge inside a
-# block, so tiles from the 4th on have selected blocks before the window (the fused kernel's loop 1), inside it
-# (loop 2) and unselected window blocks (loop 3); T = 100 ends mid-tile (a partial last program)
+# block, so tiles from the 4th on have selected blocks before the window (the fused kernel's loop 1), at its edge
+# (loop 2), whole inside it for every row (loop 0) and unselected window blocks (loop 3); T = 100 ends mid-tile (a
+# partial last program)
 FUSED_CFG = dict(block_size=16, num_selected=3, window=40, compress_block=8, compress_stride=4)
 
 
-def _fused_loops_covered(idx, bs, window):
-    """(before, inside, window_only): some tile has a selected block before its window, one inside it, and an
-    unselected window block (the three loops of `_tile_branches_kernel`)."""
-    sel = idx[0, ::bs, 0].long().cpu()
-    seen = [False, False, False]
-    for j, s in enumerate(sel.tolist()):
-        wlo = max(j * bs - window + 1, 0) // bs
-        s = [b for b in s if b >= 0]
+def _fused_loops_covered(idx, bs, window, bt):
+    """(before, edge, whole, window_only) over the programs of bt tokens: some program has a selected block before
+    its window, one inside the window but not whole for every row, one whole inside it, and an unselected window
+    block (the four loops of `_tile_branches_kernel`)."""
+    T = idx.shape[1]
+    seen = [False, False, False, False]
+    for t0 in range(0, T, bt):
+        maxpos = min(t0 + bt, T) - 1
+        wlo = max(t0 - window + 1, 0) // bs
+        s = [b for b in idx[0, t0, 0].long().cpu().tolist() if b >= 0]
         seen[0] |= any(b < wlo for b in s)
-        seen[1] |= any(b >= wlo for b in s)
-        seen[2] |= any(b not in s for b in range(wlo, j + 1))
+        seen[1] |= any(b >= wlo and b * bs + window <= maxpos for b in s)
+        seen[2] |= any(b * bs + window > maxpos for b in s)
+        seen[3] |= any(b not in s for b in range(wlo, maxpos // bs + 1))
     return seen
 
 
@@ -187,8 +191,8 @@ def test_fused_equals_separate_kernels_and_reference(dtype, G, gated, tma, monke
     the selected and compressed branches are the same fp32 operations, the window sums its blocks in another order
     and the three gated terms are summed in another order (rounding only). fp32: within the reference bound; fp16:
     within 4e-3 (P and the output rounded to fp16 in the kernel, ~4 ulps), as test_nsa.test_triton_matches_reference.
-    fp32 also checks the saved branch outputs / LSEs the backward reads. Covered: the fused kernel's three K / V
-    loops (selected blocks before the window, inside it, unselected window blocks), rows that see no compressed key
+    fp32 also checks the saved branch outputs / LSEs the backward reads. Covered: the fused kernel's four K / V
+    loops (selected blocks whole inside every row's window, before it, at its edge, unselected window blocks), rows that see no compressed key
     (the first tokens), programs whose rows all see a full 16-key compressed tile (the unmasked loop) followed by a
     partial one (the masked loop), n_c = 0; G = 1 and groups padded to a power of two; TMA descriptors and pointer
     loads (loop 1 unmasked)."""
@@ -208,7 +212,7 @@ def test_fused_equals_separate_kernels_and_reference(dtype, G, gated, tma, monke
     monkeypatch.setattr(nsa, "FUSED_BRANCHES", False)
     base, bidx = nsa.nsa_attention(q, k, v, cfg, gates=gates, return_indices=True)
     assert _path(spies) == SEPARATE
-    assert all(_fused_loops_covered(bidx, cfg.block_size, cfg.window))
+    assert all(_fused_loops_covered(bidx, cfg.block_size, cfg.window, bt))
     assert torch.equal(bidx.long(), widx)
     tol = nsa_tol(q.float(), k.float(), v.float()) if dtype == torch.float32 else 4e-3
     monkeypatch.setattr(nsa, "FUSED_BRANCHES", True)

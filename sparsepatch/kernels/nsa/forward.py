@@ -490,13 +490,14 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
     """selection="tile": the selected, window and compressed branches of BT tokens x the group's heads (rows =
     BT * GP, all tokens inside one selection tile, BS a power of two) in one program, with the gate combine -> OUT.
 
-    The window's key tiles are selection blocks wlo .. whi (the tile's own block). Three loops over K / V, each
-    block loaded once: (1) the tile's selected blocks before wlo: every key visible to every row, so no mask; selected
-    state only. (2) the selected blocks inside the window: Q K^T once, both online-softmax states (masks differ
-    only at the window's lower edge). (3) the window's unselected blocks: window state only. The selected state
-    visits its blocks in ascending order, as `_slc_tile_kernel` (same fp32 operations); the window state visits
-    the same tiles as `_swa_kernel` with BLOCK_N = BS, selected ones first (a different summation order: rounding
-    differences only). WB: a power of two >= the most window blocks of a program (window // BS + 2).
+    The window's key tiles are selection blocks wlo .. whi (the tile's own block). Four loops over K / V, each
+    block loaded once: (0) the selected blocks whole inside every row's window (first key + window >
+    maxpos): both states have the same causal mask there, so one online-softmax state, copied into both when the
+    loop ends (one exponential and one P V per block instead of two); (1) the tile's selected blocks before wlo:
+    every key visible to every row, so no mask; selected state only. (2) the other selected blocks inside the
+    window (at its lower edge): Q K^T once, both states (masks differ only at
+    the window's lower edge). (3) the window's unselected blocks: window state only. Both states sum their blocks
+    in another order than `_slc_tile_kernel` / `_swa_kernel` (rounding differences only). WB: a power of two >= the most window blocks of a program (window // BS + 2).
     Then the compressed branch of the program's rows (`_cmp_rows`: KC / VC (B, n_c, Hk, D) with strides skc*,
     through KCD / VCD when CMP_TMA, CMP_N keys per tile; the same fp32 operations as `_cmp_kernel`'s pass 1), after
     the selected and window accumulators are folded into the gated result: at most two (M, HEAD_DIM) fp32 states
@@ -523,9 +524,24 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
     kbase = K + b64 * skb + hk * skh
     vbase = V + b64 * svb + hk * svh
 
-    m_s = tl.full([M], float("-inf"), tl.float32)
-    l_s = tl.zeros([M], tl.float32)
-    acc_s = tl.zeros([M, HEAD_DIM], tl.float32)
+    n_u = tl.sum((selv >= 0).to(tl.int32), 0)
+    # Loop 0: the selected blocks every row sees whole inside its window (first key + window > maxpos; list
+    # entries n2 .. n_u - 1): both states have the same (causal) mask there, so one state, copied into both after
+    n2 = tl.sum(((selv >= 0) & (selv * BS + window <= maxpos)).to(tl.int32), 0)
+    m_b = tl.full([M], float("-inf"), tl.float32)
+    l_b = tl.zeros([M], tl.float32)
+    acc_b = tl.zeros([M, HEAD_DIM], tl.float32)
+    for i in tl.range(n2, n_u, num_stages=STAGES):
+        j0 = tl.load(lbase + i) * BS
+        key = j0 + offs_n
+        kv_ok = key < S
+        k = _kv_tile(KD, kbase, b32, hk, j0, key, kv_ok, sks, offs_d, BS, HEAD_DIM, USE_TMA, True)
+        v = _kv_tile(VD, vbase, b32, hk, j0, key, kv_ok, svs, offs_d, BS, HEAD_DIM, USE_TMA, True)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        acc_b, l_b, m_b = _online(acc_b, l_b, m_b, tl.where(key[None, :] <= qpos[:, None], s, float("-inf")), v)
+    m_s, l_s, acc_s = m_b, l_b, acc_b
+    m_w, l_w, acc_w = m_b, l_b, acc_b
+    # Loop 1: the selected blocks before the window (entries 0 .. n1 - 1), unmasked, selected state only
     for i in tl.range(0, n1, num_stages=STAGES):
         j0 = tl.load(lbase + i) * BS
         key = j0 + offs_n
@@ -533,14 +549,9 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
         v = _kv_tile(VD, vbase, b32, hk, j0, key, key < S, svs, offs_d, BS, HEAD_DIM, USE_TMA, False)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         acc_s, l_s, m_s = _online(acc_s, l_s, m_s, s, v)
-
-    m_w = tl.full([M], float("-inf"), tl.float32)
-    l_w = tl.zeros([M], tl.float32)
-    acc_w = tl.zeros([M, HEAD_DIM], tl.float32)
-    # Loop 2: the selected blocks inside the window (list entries n1 .. n_u - 1: every selected block is <= whi),
-    # one K / V load and one Q K^T for both states
-    n_u = tl.sum((selv >= 0).to(tl.int32), 0)
-    for i in tl.range(n1, n_u, num_stages=STAGES):
+    # Loop 2: the other selected blocks inside the window (list entries n1 .. n2 - 1: every selected block is
+    # <= whi), one K / V load and one Q K^T for both states
+    for i in tl.range(n1, n2, num_stages=STAGES):
         j0 = tl.load(lbase + i) * BS
         key = j0 + offs_n
         kv_ok = key < S
