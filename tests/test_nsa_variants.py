@@ -328,3 +328,42 @@ def test_gpu_fused_equals_separate_kernels_bf16(G, Hk, T, gated, monkeypatch):
         assert _path(spies) == (FUSED if fused else SEPARATE)
     for x, y in zip(*grads):
         assert _bf16_err(x, y) < 2e-2 * max(1.0, y.float().abs().max().item())
+
+
+POOL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", POOL_DTYPES)
+@pytest.mark.parametrize("S, cb, cs, D, layout", [(100, 8, 4, 16, "seq"), (257, 32, 16, 128, "head"),
+                                                   (61, 12, 3, 64, "seq"), (7, 8, 4, 16, "seq")])
+def test_pool_kernel_equals_compress_kv(dtype, S, cb, cs, D, layout):
+    """`_compress` (mean pooling in `_pool_kernel`, calls without a gradient) against `compress_kv` (unfold + mean):
+    both sum CB values in fp32 and scale once, in another order. Error model: each fp32 sum is within
+    (CB - 1) * u * sum|x| <= (CB - 1) * u * CB * max|x| of the exact one (u = 2^-24), so after the division by CB
+    the means differ by < 2 * CB * u * max|x|; the output rounding adds one ulp of the output's dtype (the two fp32
+    values may round to neighbours; eps * |out| is one to two ulps). Covered: head-major strides (k, v as views of (B, Hk, S, D)), CB not a power of two,
+    a partial last program, S < CB (no compressed block), B = 2, and the gradient path keeping `compress_kv`."""
+    from sparsepatch.kernels.nsa import forward as nsa
+    dev = "cuda" if CUDA else "cpu"
+    cfg = NSAConfig(block_size=max(16, cb), num_selected=2, window=32, compress_block=cb, compress_stride=cs)
+    g = torch.Generator(device=dev).manual_seed(S + cb)
+    shape = (2, 3, S, D) if layout == "head" else (2, S, 3, D)
+    k, v = (torch.randn(shape, generator=g, device=dev).to(dtype) for _ in range(2))
+    if layout == "head":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    want_k, want_v = ref.compress_kv(k, v, cfg)
+    got_k, got_v = nsa._compress(k, v, cfg, None, needs_grad=False)
+    assert got_k.shape == want_k.shape == (2, ref.num_compressed(S, cfg), 3, D) and got_k.dtype == dtype
+    for got, want, x in ((got_k, want_k, k), (got_v, want_v, v)):
+        if want.numel() == 0:
+            continue
+        ulp = torch.finfo(dtype).eps * want.float().abs()
+        bound = ulp + 2 * cb * 2.0 ** -24 * x.float().abs().max()
+        excess = ((got.float() - want.float()).abs() - bound).max().item()
+        assert excess <= 0, f"pooled values off by {excess:.3g} beyond the error model"
+    kg = k.detach().float().requires_grad_()
+    kc, vc = nsa._compress(kg, v.float(), cfg, None, needs_grad=True)   # autograd through compress_kv
+    if kc.numel():
+        kc.sum().backward()
+        assert torch.equal(kc, ref.compress_kv(kg, v.float(), cfg)[0]) and kg.grad.abs().sum() > 0

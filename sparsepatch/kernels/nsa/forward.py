@@ -1,6 +1,7 @@
 """Native Sparse Attention forward in Triton: the same function (same selected blocks) as `nsa_reference`.
 
-Four kernels per call (plus mean/weighted pooling of k/v in PyTorch, `nsa_reference.compress_kv`):
+Four kernels per call (plus the pooling of k/v: mean pooling in `_pool_kernel` for calls without a gradient,
+else `nsa_reference.compress_kv` in PyTorch):
 
 1. `_cmp_kernel`  compressed-branch attention. One program = a tile of BT consecutive query tokens x the G query
    heads of one KV head (rows = BT * GP, GP = next_pow2(G); GQA heads share every k/v load, and MHA gets BT = 64
@@ -56,11 +57,13 @@ LOG2E = 1.4426950408889634
 
 # ---------------------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _online(acc, l_i, m_i, s, v):
-    """One online-softmax step in log2 units; s already scaled and masked (-inf)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+def _online(acc, l_i, m_i, s, v, qk_scale):
+    """One online-softmax step in log2 units; s = the raw scores Q K^T (masked: -inf), qk_scale > 0 (log2 units).
+    The row maximum is taken before scaling (max(s) * c = max(s * c) for c > 0, the same fp32 value): one FMUL per
+    row instead of one per score, and the exponent's scale-and-subtract is one FFMA."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_use[:, None])
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -317,9 +320,9 @@ def _slc_kernel(Q, K, V, IDX, OC, GATES, PART, BO_C, BO_S, LSE, KD, VD,
         ok = (offs_n < BS) & (key < lim) & (key <= qpos)
         k = _kv_tile(KD, kbase, b, hk, j0, key, ok, sks, offs_d, BSP, HEAD_DIM, USE_TMA, True)
         v = _kv_tile(VD, vbase, b, hk, j0, key, ok, svs, offs_d, BSP, HEAD_DIM, USE_TMA, True)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
         s = tl.where(ok[None, :], s, float("-inf"))
-        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+        acc, l_i, m_i = _online(acc, l_i, m_i, s, v, qk_scale)
     _slc_epilogue(acc, l_i, m_i, OC, GATES, PART, BO_C, BO_S, LSE, b64, t64, head, g_ok, offs_d,
                   sob, sos, soh, sgb, sgs, sgh, sgc, T, Hk, G, HAS_GATES, SAVE)
 
@@ -413,12 +416,12 @@ def _slc_tile_kernel(Q, K, V, IDX, LIST, OC, GATES, PART, BO_C, BO_S, LSE, KD, V
         kv_ok = (offs_n < BS) & (key < S)
         k = _kv_tile(KD, kbase, b32, hk, jb * BS, key, kv_ok, sks, offs_d, BSP, HEAD_DIM, USE_TMA, True)
         v = _kv_tile(VD, vbase, b32, hk, jb * BS, key, kv_ok, svs, offs_d, BSP, HEAD_DIM, USE_TMA, True)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
         ok = kv_ok[None, :] & (key[None, :] <= qpos[:, None])
         if not SHARED:
             ok = ok & (tl.max((sel == jb).to(tl.int32), 1) != 0)[:, None]
         s = tl.where(ok, s, float("-inf"))
-        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+        acc, l_i, m_i = _online(acc, l_i, m_i, s, v, qk_scale)
     _slc_epilogue(acc, l_i, m_i, OC, GATES, PART, BO_C, BO_S, LSE, b64, tok64, head, row_ok, offs_d,
                   sob, sos, soh, sgb, sgs, sgh, sgc, T, Hk, G, HAS_GATES, SAVE)
 
@@ -454,10 +457,10 @@ def _swa_kernel(Q, K, V, PART, GATES, OUT, BO_W, LSE, KD, VD,
         kv_ok = key < hi
         k = _kv_tile(KD, kbase, b32, hk, start, key, kv_ok, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, True)
         v = _kv_tile(VD, vbase, b32, hk, start, key, kv_ok, svs, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, True)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
         ok = (key[None, :] <= qpos[:, None]) & (key[None, :] > qpos[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
-        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+        acc, l_i, m_i = _online(acc, l_i, m_i, s, v, qk_scale)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     if SAVE:   # for the backward: o_swa (B, T, Hq, D) in q's dtype (OUT's layout) and its LSE
@@ -491,13 +494,14 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
     BT * GP, all tokens inside one selection tile, BS a power of two) in one program, with the gate combine -> OUT.
 
     The window's key tiles are selection blocks wlo .. whi (the tile's own block). Four loops over K / V, each
-    block loaded once: (0) the selected blocks whole inside every row's window (first key + window >
-    maxpos): both states have the same causal mask there, so one online-softmax state, copied into both when the
-    loop ends (one exponential and one P V per block instead of two); (1) the tile's selected blocks before wlo:
-    every key visible to every row, so no mask; selected state only. (2) the other selected blocks inside the
-    window (at its lower edge): Q K^T once, both states (masks differ only at
-    the window's lower edge). (3) the window's unselected blocks: window state only. Both states sum their blocks
-    in another order than `_slc_tile_kernel` / `_swa_kernel` (rounding differences only). WB: a power of two >= the most window blocks of a program (window // BS + 2).
+    block loaded once: (0) the selected blocks whole inside every row's window (first key + window > maxpos): both
+    states have the same causal mask there, so one online-softmax state, copied into both when the loop ends (one
+    exponential and one P V per block instead of two); (1) the tile's selected blocks before wlo: every key visible
+    to every row, so no mask; selected state only; (2) the other selected blocks inside the window (at its lower
+    edge): Q K^T once, both states (masks differ only at the window's lower edge); (3) the window's unselected
+    blocks: window state only. Both states sum their blocks in another order than `_slc_tile_kernel` /
+    `_swa_kernel` (rounding differences only). WB: a power of two >= the most window blocks of a program
+    (window // BS + 2).
     Then the compressed branch of the program's rows (`_cmp_rows`: KC / VC (B, n_c, Hk, D) with strides skc*,
     through KCD / VCD when CMP_TMA, CMP_N keys per tile; the same fp32 operations as `_cmp_kernel`'s pass 1), after
     the selected and window accumulators are folded into the gated result: at most two (M, HEAD_DIM) fp32 states
@@ -537,8 +541,9 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
         kv_ok = key < S
         k = _kv_tile(KD, kbase, b32, hk, j0, key, kv_ok, sks, offs_d, BS, HEAD_DIM, USE_TMA, True)
         v = _kv_tile(VD, vbase, b32, hk, j0, key, kv_ok, svs, offs_d, BS, HEAD_DIM, USE_TMA, True)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        acc_b, l_b, m_b = _online(acc_b, l_b, m_b, tl.where(key[None, :] <= qpos[:, None], s, float("-inf")), v)
+        s = tl.dot(q, tl.trans(k))
+        acc_b, l_b, m_b = _online(acc_b, l_b, m_b, tl.where(key[None, :] <= qpos[:, None], s, float("-inf")), v,
+                                  qk_scale)
     m_s, l_s, acc_s = m_b, l_b, acc_b
     m_w, l_w, acc_w = m_b, l_b, acc_b
     # Loop 1: the selected blocks before the window (entries 0 .. n1 - 1), unmasked, selected state only
@@ -547,8 +552,8 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
         key = j0 + offs_n
         k = _kv_tile(KD, kbase, b32, hk, j0, key, key < S, sks, offs_d, BS, HEAD_DIM, USE_TMA, False)
         v = _kv_tile(VD, vbase, b32, hk, j0, key, key < S, svs, offs_d, BS, HEAD_DIM, USE_TMA, False)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        acc_s, l_s, m_s = _online(acc_s, l_s, m_s, s, v)
+        s = tl.dot(q, tl.trans(k))
+        acc_s, l_s, m_s = _online(acc_s, l_s, m_s, s, v, qk_scale)
     # Loop 2: the other selected blocks inside the window (list entries n1 .. n2 - 1: every selected block is
     # <= whi), one K / V load and one Q K^T for both states
     for i in tl.range(n1, n2, num_stages=STAGES):
@@ -557,11 +562,13 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
         kv_ok = key < S
         k = _kv_tile(KD, kbase, b32, hk, j0, key, kv_ok, sks, offs_d, BS, HEAD_DIM, USE_TMA, True)
         v = _kv_tile(VD, vbase, b32, hk, j0, key, kv_ok, svs, offs_d, BS, HEAD_DIM, USE_TMA, True)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
         causal = key[None, :] <= qpos[:, None]
-        acc_s, l_s, m_s = _online(acc_s, l_s, m_s, tl.where(causal & kv_ok[None, :], s, float("-inf")), v)
+        acc_s, l_s, m_s = _online(acc_s, l_s, m_s, tl.where(causal & kv_ok[None, :], s, float("-inf")), v,
+                                  qk_scale)
         acc_w, l_w, m_w = _online(acc_w, l_w, m_w,
-                                  tl.where(causal & (key[None, :] > qpos[:, None] - window), s, float("-inf")), v)
+                                  tl.where(causal & (key[None, :] > qpos[:, None] - window), s, float("-inf")), v,
+                                  qk_scale)
     # Loop 3: the window's other blocks (wlo .. whi, not selected), ascending: the i-th is picked from WB
     # candidates by rank, not by a branch (a branch around the second update serialises every wgmma: ptxas C7513)
     cand = wlo + tl.arange(0, WB)
@@ -574,9 +581,9 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
         kv_ok = key < S
         k = _kv_tile(KD, kbase, b32, hk, j0, key, kv_ok, sks, offs_d, BS, HEAD_DIM, USE_TMA, True)
         v = _kv_tile(VD, vbase, b32, hk, j0, key, kv_ok, svs, offs_d, BS, HEAD_DIM, USE_TMA, True)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
         ok = (key[None, :] <= qpos[:, None]) & (key[None, :] > qpos[:, None] - window)
-        acc_w, l_w, m_w = _online(acc_w, l_w, m_w, tl.where(ok, s, float("-inf")), v)
+        acc_w, l_w, m_w = _online(acc_w, l_w, m_w, tl.where(ok, s, float("-inf")), v, qk_scale)
 
     l_s1 = tl.where(l_s == 0.0, 1.0, l_s)
     l_w1 = tl.where(l_w == 0.0, 1.0, l_w)
@@ -656,17 +663,42 @@ def _cmp_rows(q, kbase, vbase, KD, VD, b, hk, sks, offs_d, qpos, minpos, maxpos,
         c = start + offs_n
         k = _kv_tile(KD, kbase, b, hk, start, c, c < hi, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, False)
         v = _kv_tile(VD, vbase, b, hk, start, c, c < hi, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, False)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+        s = tl.dot(q, tl.trans(k))
+        acc, l_i, m_i = _online(acc, l_i, m_i, s, v, qk_scale)
     for start in tl.range(full, hi, BLOCK_N, num_stages=STAGES):
         c = start + offs_n
         kv_ok = c < hi
         k = _kv_tile(KD, kbase, b, hk, start, c, kv_ok, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, True)
         v = _kv_tile(VD, vbase, b, hk, start, c, kv_ok, sks, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, True)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
         s = tl.where(c[None, :] < nvis[:, None], s, float("-inf"))
-        acc, l_i, m_i = _online(acc, l_i, m_i, s, v)
+        acc, l_i, m_i = _online(acc, l_i, m_i, s, v, qk_scale)
     return acc, l_i, m_i
+
+
+@triton.jit
+def _pool_kernel(K, V, KC, VC, n_c, Hk, skb, sks, skh, svb, svs, svh, scb, scs, sch,
+                 CB: tl.constexpr, CS: tl.constexpr, CPB: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Mean pooling of K and V (`nsa_reference.compress_kv` without weights): compressed block c of a (batch, KV
+    head) is the mean of rows c * CS .. c * CS + CB - 1, summed in fp32 -> KC / VC (B, n_c, Hk, D) with strides
+    sc*, in K's dtype. CPB compressed blocks per program (program_id 0), program_id 1 = b * Hk + KV head."""
+    bh = tl.program_id(1)
+    b64 = (bh // Hk).to(tl.int64)
+    hk = bh % Hk
+    c = tl.program_id(0) * CPB + tl.arange(0, CPB)
+    ok = (c < n_c)[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    rows = (c * CS).to(tl.int64)[:, None]
+    kp = K + b64 * skb + hk * skh + rows * sks + offs_d
+    vp = V + b64 * svb + hk * svh + rows * svs + offs_d
+    acc_k = tl.zeros([CPB, HEAD_DIM], tl.float32)
+    acc_v = tl.zeros([CPB, HEAD_DIM], tl.float32)
+    for r in tl.static_range(CB):     # unrolled: every row's load in flight at once (a loop waits on each)
+        acc_k += tl.load(kp + r * sks, mask=ok, other=0.0).to(tl.float32)
+        acc_v += tl.load(vp + r * svs, mask=ok, other=0.0).to(tl.float32)
+    out = b64 * scb + hk * sch + c.to(tl.int64)[:, None] * scs + offs_d
+    tl.store(KC + out, (acc_k / CB).to(KC.dtype.element_ty), mask=ok)
+    tl.store(VC + out, (acc_v / CB).to(VC.dtype.element_ty), mask=ok)
 
 
 FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
@@ -816,6 +848,28 @@ def _descs(q, *specs):
         return (None,) * len(specs)
     out = tuple(head_major_desc(t, n) for t, n in specs)
     return (None,) * len(specs) if any(x is None for x in out) else out
+
+
+POOL_BLOCKS = 4   # compressed blocks per `_pool_kernel` program
+
+
+def _compress(k, v, config, compress_weights, needs_grad: bool):
+    """Compressed keys / values (B, n_c, Hk, D): mean pooling by `_pool_kernel` (one launch for both; PyTorch's
+    unfold + mean takes two reductions over a strided view, ~17 us at 4K tokens on an H200), the same values as
+    `compress_kv` up to fp32 summation order. Weighted pooling, and calls that need a gradient (PyTorch autograd
+    differentiates the pooling), keep `compress_kv`."""
+    if compress_weights is not None or needs_grad:
+        return compress_kv(k, v, config, compress_weights)
+    B, S, Hk, D = k.shape
+    n_c = ref.num_compressed(S, config)
+    kc = k.new_empty((B, n_c, Hk, D))
+    vc = k.new_empty((B, n_c, Hk, D))
+    if n_c:
+        _pool_kernel[(triton.cdiv(n_c, POOL_BLOCKS), B * Hk)](
+            k, v, kc, vc, n_c, Hk, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            kc.stride(0), kc.stride(1), kc.stride(2), CB=config.compress_block, CS=config.compress_stride,
+            CPB=POOL_BLOCKS, HEAD_DIM=D, num_warps=4)
+    return kc, vc
 
 
 def _topk(imp_a, imp_b, n_b: int, q_off: int, tok0: int, ts: int, bs: int, nsel: int) -> torch.Tensor:
@@ -1083,7 +1137,7 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
         prior = ref.tile_prior(config, k.shape[1] - q.shape[1], cache)
     elif offs is None:
         prior = ref.tile_prior(config, k.shape[1] - q.shape[1])
-        k_cmp, v_cmp = compress_kv(k, v, config, compress_weights)
+        k_cmp, v_cmp = _compress(k, v, config, compress_weights, needs_grad)
     if decode and prior is None:
         # token selection, or the first token of a selection tile: the decode step selects (and returns the blocks
         # the tile's later tokens reuse)
@@ -1100,7 +1154,7 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
             if b == a:
                 continue
             ks, vs = k[:, a:b], v[:, a:b]
-            k_cmp, v_cmp = compress_kv(ks, vs, config, compress_weights)
+            k_cmp, v_cmp = _compress(ks, vs, config, compress_weights, needs_grad)
             o, i = _run(q[:, a:b], ks, vs, k_cmp, v_cmp, None if gates is None else gates[:, a:b], scale, config,
                         needs_grad)
             outs.append(o)
