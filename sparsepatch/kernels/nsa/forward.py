@@ -1,7 +1,6 @@
 """Native Sparse Attention forward in Triton: the same function (same selected blocks) as `nsa_reference`.
 
-Four kernels per call (plus the pooling of k/v: mean pooling in `_pool_kernel` for calls without a gradient,
-else `nsa_reference.compress_kv` in PyTorch):
+Four kernels per call (plus mean/weighted pooling of k/v in PyTorch, `nsa_reference.compress_kv`):
 
 1. `_cmp_kernel`  compressed-branch attention. One program = a tile of BT consecutive query tokens x the G query
    heads of one KV head (rows = BT * GP, GP = next_pow2(G); GQA heads share every k/v load, and MHA gets BT = 64
@@ -489,7 +488,8 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
                           GP: tl.constexpr, BT: tl.constexpr, HAS_GATES: tl.constexpr, SAVE: tl.constexpr,
                           WB: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr = False,
                           CB: tl.constexpr = 1, CS: tl.constexpr = 1,
-                          CMP_N: tl.constexpr = 64, CMP_TMA: tl.constexpr = False, PIN: tl.constexpr = False):
+                          CMP_N: tl.constexpr = 64, CMP_TMA: tl.constexpr = False, PIN: tl.constexpr = False,
+                          SEL_ROWS: tl.constexpr = 1):
     """selection="tile": the selected, window and compressed branches of BT tokens x the group's heads (rows =
     BT * GP, all tokens inside one selection tile, BS a power of two) in one program, with the gate combine -> OUT.
 
@@ -518,7 +518,8 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
     offs_s = tl.arange(0, NSELP)
     q = tl.load(Q + b64 * sqb + (tok64 * sqs + head * sqh)[:, None] + offs_d[None, :], mask=row_ok[:, None],
                 other=0.0)
-    lbase = IDX + b64 * s_ib + hk * s_ih + t0.to(tl.int64) * s_it    # the first token's selection is the tile's
+    # the first token's selection is the tile's: IDX row t0 // SEL_ROWS (SEL_ROWS = BS: one row per selection tile)
+    lbase = IDX + b64 * s_ib + hk * s_ih + (t0 // SEL_ROWS).to(tl.int64) * s_it
     selv = tl.load(lbase + offs_s, mask=offs_s < NSEL, other=-1)      # ascending, -1 padding last
     minpos = t0 + q_off
     maxpos = tl.minimum(t0 + BT, T) - 1 + q_off
@@ -676,31 +677,6 @@ def _cmp_rows(q, kbase, vbase, KD, VD, b, hk, sks, offs_d, qpos, minpos, maxpos,
     return acc, l_i, m_i
 
 
-@triton.jit
-def _pool_kernel(K, V, KC, VC, n_c, Hk, skb, sks, skh, svb, svs, svh, scb, scs, sch,
-                 CB: tl.constexpr, CS: tl.constexpr, CPB: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Mean pooling of K and V (`nsa_reference.compress_kv` without weights): compressed block c of a (batch, KV
-    head) is the mean of rows c * CS .. c * CS + CB - 1, summed in fp32 -> KC / VC (B, n_c, Hk, D) with strides
-    sc*, in K's dtype. CPB compressed blocks per program (program_id 0), program_id 1 = b * Hk + KV head."""
-    bh = tl.program_id(1)
-    b64 = (bh // Hk).to(tl.int64)
-    hk = bh % Hk
-    c = tl.program_id(0) * CPB + tl.arange(0, CPB)
-    ok = (c < n_c)[:, None]
-    offs_d = tl.arange(0, HEAD_DIM)[None, :]
-    rows = (c * CS).to(tl.int64)[:, None]
-    kp = K + b64 * skb + hk * skh + rows * sks + offs_d
-    vp = V + b64 * svb + hk * svh + rows * svs + offs_d
-    acc_k = tl.zeros([CPB, HEAD_DIM], tl.float32)
-    acc_v = tl.zeros([CPB, HEAD_DIM], tl.float32)
-    for r in tl.static_range(CB):     # unrolled: every row's load in flight at once (a loop waits on each)
-        acc_k += tl.load(kp + r * sks, mask=ok, other=0.0).to(tl.float32)
-        acc_v += tl.load(vp + r * svs, mask=ok, other=0.0).to(tl.float32)
-    out = b64 * scb + hk * sch + c.to(tl.int64)[:, None] * scs + offs_d
-    tl.store(KC + out, (acc_k / CB).to(KC.dtype.element_ty), mask=ok)
-    tl.store(VC + out, (acc_v / CB).to(VC.dtype.element_ty), mask=ok)
-
-
 FORCE_FIRST_C = tl.constexpr(FORCE_FIRST)
 
 # ---------------------------------------------------------------------------------------------------------- host
@@ -850,28 +826,6 @@ def _descs(q, *specs):
     return (None,) * len(specs) if any(x is None for x in out) else out
 
 
-POOL_BLOCKS = 4   # compressed blocks per `_pool_kernel` program
-
-
-def _compress(k, v, config, compress_weights, needs_grad: bool):
-    """Compressed keys / values (B, n_c, Hk, D): mean pooling by `_pool_kernel` (one launch for both; PyTorch's
-    unfold + mean takes two reductions over a strided view, ~17 us at 4K tokens on an H200), the same values as
-    `compress_kv` up to fp32 summation order. Weighted pooling, and calls that need a gradient (PyTorch autograd
-    differentiates the pooling), keep `compress_kv`."""
-    if compress_weights is not None or needs_grad:
-        return compress_kv(k, v, config, compress_weights)
-    B, S, Hk, D = k.shape
-    n_c = ref.num_compressed(S, config)
-    kc = k.new_empty((B, n_c, Hk, D))
-    vc = k.new_empty((B, n_c, Hk, D))
-    if n_c:
-        _pool_kernel[(triton.cdiv(n_c, POOL_BLOCKS), B * Hk)](
-            k, v, kc, vc, n_c, Hk, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            kc.stride(0), kc.stride(1), kc.stride(2), CB=config.compress_block, CS=config.compress_stride,
-            CPB=POOL_BLOCKS, HEAD_DIM=D, num_warps=4)
-    return kc, vc
-
-
 def _topk(imp_a, imp_b, n_b: int, q_off: int, tok0: int, ts: int, bs: int, nsel: int) -> torch.Tensor:
     """`_topk_kernel` on selection scores imp_a + imp_b (fp32 (B, Hk, n_rows, NBP), NBP > n_b; imp_b[..., j] is the
     spill into block j, its entry 0 unread). Row i is query position tok0 + i * ts + q_off (its visible blocks:
@@ -888,12 +842,13 @@ def _topk(imp_a, imp_b, n_b: int, q_off: int, tok0: int, ts: int, bs: int, nsel:
     return sel
 
 
-def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, prior=None):
+def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, prior=None, need_idx: bool = True):
     """Triton forward for one batch of equal-length sequences; queries are the last T of S positions.
     selection="tile": `prior` (B, Hk, num_selected) is the selection of the tile containing the first query when
     that tile starts before it (`nsa_reference.tile_prior`), else None.
 
-    Returns (out (B, T, Hq, D) q.dtype, idx int32 (B, T, Hk, num_selected), lse, branch_out). With save=True
+    Returns (out (B, T, Hq, D) q.dtype, idx int32 (B, T, Hk, num_selected), lse, branch_out); idx is None when
+    need_idx is False and the fused tile-mode launch ran (it reads the per-tile selection). With save=True
     (a gradient is needed): lse (3, B, T, Hq) fp32 = per-branch (cmp, slc, swa) log2-sum-exp2 of the scaled
     scores (log2 units, +inf for a row that sees nothing) and branch_out (3, B, T, Hq, D) in q's dtype = the
     ungated o_cmp, o_slc, o_swa; the backward needs them for delta = rowsum(dO_b * O_b), the gate gradients and
@@ -972,23 +927,26 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
                                  "pass its selection (nsa_reference.tile_prior)")
             sel = torch.cat([prior.to(torch.int32).reshape(B, 1, Hk, nsel), sel], 1)
         # sel[:, j] is the selection of tile q_off // bs + j and query i lies in tile (q_off + i) // bs, so the
-        # per-token indices are sel repeated bs times, from row q_off % bs: one copy launch, no index tensor (the
-        # host path is what a short tile-mode call waits on)
+        # per-token indices are sel repeated bs times, from row q_off % bs: one copy launch, no index tensor; the
+        # fused launch reads sel itself, so without need_idx no copy (a short tile-mode call waits on the host)
         n = sel.shape[1]
         r0 = q_off % bs
-        idx = sel.unsqueeze(2).expand(B, n, bs, Hk, nsel).reshape(B, n * bs, Hk, nsel)[:, r0:r0 + T].contiguous()
+        idx = None
+        if need_idx or not fused:
+            idx = sel.unsqueeze(2).expand(B, n, bs, Hk, nsel).reshape(B, n * bs, Hk, nsel)[:, r0:r0 + T].contiguous()
     part = o_cmp  # g_cmp * o_cmp + g_slc * o_slc is written in place of o_cmp (each program reads its own rows)
     gt = gates if gates is not None else o_cmp
+    lst = sel if fused else idx     # the fused launch: one selection row per tile (SEL_ROWS = bs)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), o_cmp.stride(0), o_cmp.stride(1), o_cmp.stride(2),
-               idx.stride(0), idx.stride(1), idx.stride(2),
+               lst.stride(0), lst.stride(1), lst.stride(2),
                gt.stride(0), gt.stride(1), gt.stride(2), gt.stride(3) if gates is not None else 0)
     common = dict(BS=bs, BSP=max(16, triton.next_power_of_2(bs)), NSEL=nsel, HEAD_DIM=D,
                   HAS_GATES=gates is not None, SAVE=save)
     if fused:
         fkd, fvd = _descs(q, (k, bs), (v, bs))
         _tile_branches_kernel[(triton.cdiv(T, bt_f), B * Hk)](
-            q, k, v, idx, gt, out, bo_c, bo_s, bo_w, lse_s, lse_w,
+            q, k, v, sel, gt, out, bo_c, bo_s, bo_w, lse_s, lse_w,
             *((fkd, fvd) if fkd is not None else (out, out)), k_cmp, v_cmp, lse_c,
             *((kd, vd) if kd is not None else (out, out)), *strides,
             out.stride(0), out.stride(1), out.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
@@ -997,7 +955,7 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
             WB=triton.next_power_of_2(config.window // bs + 2),
             HAS_GATES=gates is not None, SAVE=save, STAGES=NUM_STAGES["fused"], USE_TMA=fkd is not None,
             CB=l, CS=d, CMP_N=CMP_BLOCK_N, CMP_TMA=kd is not None,
-            PIN=not _interpret(),
+            PIN=not _interpret(), SEL_ROWS=bs,
             num_warps=NUM_WARPS["fused"], num_stages=NUM_STAGES["fused"])
         return out, idx, lse, bo
     rows = slc_tile_rows(G, n_b, bs if tile else 0)
@@ -1087,15 +1045,16 @@ def _backward(ctx, dout, _didx, _dlse, _dbo):
 torch.library.register_autograd("sparsepatch::nsa_fwd", _backward, setup_context=_setup_context)
 
 
-def _run(q, k, v, k_cmp, v_cmp, gates, scale, cfg, needs_grad: bool = False, prior=None):
+def _run(q, k, v, k_cmp, v_cmp, gates, scale, cfg, needs_grad: bool = False, prior=None, need_idx: bool = True):
     """(out, idx). Compiled graphs and calls needing a gradient go through the op (autograd attached to it and
-    the branch LSEs / outputs saved); eager inference skips the op dispatch."""
+    the branch LSEs / outputs saved); eager inference skips the op dispatch, and without need_idx idx may be None
+    (selection="tile"'s fused launch reads the per-tile selection, so the per-token copy is skipped)."""
     if torch.compiler.is_compiling() or needs_grad:
         out, idx, _, _ = _nsa_fwd(q, k, v, k_cmp, v_cmp, gates, scale, cfg.block_size, cfg.num_selected,
                                   cfg.window, cfg.compress_block, cfg.compress_stride, cfg.selection == "tile",
                                   prior, bool(needs_grad))
         return out, idx
-    out, idx, _, _ = _forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, prior=prior)
+    out, idx, _, _ = _forward(q, k, v, k_cmp, v_cmp, gates, scale, cfg, prior=prior, need_idx=need_idx)
     return out, idx
 
 
@@ -1128,6 +1087,7 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
         gates = gates.to(torch.float32) if gates.dtype not in (torch.float16, torch.bfloat16, torch.float32) \
             else gates
     decode = nsa_decode.applies(q, k, cache, needs_grad, offs)   # one token per sequence: split-K decode path
+    need_idx = return_indices or cache is not None     # the cache keeps the last tile's selection
     prior = None
     if cache is not None:
         k, v, k_cmp, v_cmp = cache.update(k, v, config, compress_weights,
@@ -1137,7 +1097,7 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
         prior = ref.tile_prior(config, k.shape[1] - q.shape[1], cache)
     elif offs is None:
         prior = ref.tile_prior(config, k.shape[1] - q.shape[1])
-        k_cmp, v_cmp = _compress(k, v, config, compress_weights, needs_grad)
+        k_cmp, v_cmp = compress_kv(k, v, config, compress_weights)
     if decode and prior is None:
         # token selection, or the first token of a selection tile: the decode step selects (and returns the blocks
         # the tile's later tokens reuse)
@@ -1147,19 +1107,19 @@ def nsa_attention(q, k, v, config, gates=None, cu_seqlens=None, causal: bool = T
         out, idx = nsa_decode.nsa_decode(q, k, v, k_cmp, v_cmp, gates, scale, config, return_indices,
                                          indices=prior.to(torch.int32))
     elif offs is None:
-        out, idx = _run(q, k, v, k_cmp, v_cmp, gates, scale, config, needs_grad, prior)
+        out, idx = _run(q, k, v, k_cmp, v_cmp, gates, scale, config, needs_grad, prior, need_idx)
     else:
         outs, idxs = [], []
         for a, b in zip(offs, offs[1:]):
             if b == a:
                 continue
             ks, vs = k[:, a:b], v[:, a:b]
-            k_cmp, v_cmp = _compress(ks, vs, config, compress_weights, needs_grad)
+            k_cmp, v_cmp = compress_kv(ks, vs, config, compress_weights)
             o, i = _run(q[:, a:b], ks, vs, k_cmp, v_cmp, None if gates is None else gates[:, a:b], scale, config,
-                        needs_grad)
+                        needs_grad, need_idx=need_idx)
             outs.append(o)
             idxs.append(i)
-        out, idx = torch.cat(outs, 1), torch.cat(idxs, 1)
+        out, idx = torch.cat(outs, 1), (torch.cat(idxs, 1) if need_idx else None)
     if cache is not None and idx is not None:   # None: a decode step that continued the cached tile
         cache.keep_tile_selection(config, k.shape[1], idx)
     return (out, idx) if return_indices else out
