@@ -440,16 +440,16 @@ PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel
 
 def phase_breakdown(nsa, q, k, v, cfg, calls=3):
     """ms per phase of one forward: each kernel's launches summed within a call (tile mode launches `_cmp_kernel`
-    twice), compress (`_compress`: the k / v pooling, `_pool_kernel` without a gradient), total (events around the whole call) and glue = total - the rest (index
+    twice), compress_kv (PyTorch pooling), total (events around the whole call) and glue = total - the rest (index
     glue, allocations, launch gaps); min over `calls` calls after one warm-up."""
-    names = PHASE_KERNELS + ["compress"]
+    names = PHASE_KERNELS + ["compress_kv"]
     per_call = []
     cur = {}
     origs = {n: getattr(nsa, n).run for n in PHASE_KERNELS}
-    orig_ckv = nsa._compress
+    orig_ckv = nsa.compress_kv
     for n in PHASE_KERNELS:
         getattr(nsa, n).run = _event_timed(origs[n], n, lambda: cur)
-    nsa._compress = _event_timed(orig_ckv, "compress", lambda: cur)
+    nsa.compress_kv = _event_timed(orig_ckv, "compress_kv", lambda: cur)
     try:
         with torch.no_grad():
             nsa.nsa_attention(q, k, v, cfg)
@@ -465,7 +465,7 @@ def phase_breakdown(nsa, q, k, v, cfg, calls=3):
     finally:
         for n in PHASE_KERNELS:
             getattr(nsa, n).run = origs[n]
-        nsa._compress = orig_ckv
+        nsa.compress_kv = orig_ckv
     out = {}
     for n in names + ["total"]:
         vals = [sum(a.elapsed_time(b) for a, b in c[n]) for c in per_call if n in c]
@@ -588,12 +588,12 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384, sels=("token"
         print(f"{kk:16} " + " ".join(f"{r['x_cudnn'].get(kk, float('nan')):7.2f}" for r in rows))
     for kk in keys:
         print(f"{kk + ' ms':16} " + " ".join(f"{r['ms'].get(kk, float('nan')):7.3f}" for r in rows))
-    print("phases (ms): " + ", ".join(n for n in PHASE_KERNELS + ["compress", "glue", "total"]))
+    print("phases (ms): " + ", ".join(n for n in PHASE_KERNELS + ["compress_kv", "glue", "total"]))
     for r in rows:
         for kk in keys:
             ph = r["phases"].get(kk, {})
             print(f"{r['T'] // 1024:>3}K {kk:16} " + " ".join(
-                f"{n.strip('_').replace('_kernel', '')}={ph[n]:.3f}" for n in PHASE_KERNELS + ["compress", "glue",
+                f"{n.strip('_').replace('_kernel', '')}={ph[n]:.3f}" for n in PHASE_KERNELS + ["compress_kv", "glue",
                                                                                               "total"] if n in ph))
     for r in fb:
         print(f"fwd+bwd {r['T'] // 1024}K {r['key']:16} {r.get('ms', float('nan')):8.2f} ms  cuDNN "

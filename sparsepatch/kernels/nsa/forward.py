@@ -583,8 +583,10 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
         k = _kv_tile(KD, kbase, b32, hk, j0, key, kv_ok, sks, offs_d, BS, HEAD_DIM, USE_TMA, True)
         v = _kv_tile(VD, vbase, b32, hk, j0, key, kv_ok, svs, offs_d, BS, HEAD_DIM, USE_TMA, True)
         s = tl.dot(q, tl.trans(k))
-        ok = (key[None, :] <= qpos[:, None]) & (key[None, :] > qpos[:, None] - window)
-        acc_w, l_w, m_w = _online(acc_w, l_w, m_w, tl.where(ok, s, float("-inf")), v, qk_scale)
+        # no causal mask: these blocks precede whi (the tile's own block, always selected: the top-k picks the local
+        # block first), so every key is < minpos; only the window's lower edge masks
+        acc_w, l_w, m_w = _online(acc_w, l_w, m_w, tl.where(key[None, :] > qpos[:, None] - window, s, float("-inf")),
+                                  v, qk_scale)
 
     l_s1 = tl.where(l_s == 0.0, 1.0, l_s)
     l_w1 = tl.where(l_w == 0.0, 1.0, l_w)
