@@ -601,6 +601,74 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384, sels=("token"
     return rows, fb
 
 
+def _graph_ms(fn, rep=200):
+    """do_bench median of one CUDA-graph replay of fn (captured after warm-up on a side stream): GPU time alone."""
+    import triton
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, rep=rep, return_mode="median")
+
+
+def _host_ms(fn, n=40):
+    """Host ms per call to enqueue fn (n calls without a sync; the launch queue does not fill in n calls)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e3
+
+
+def host_bound(nsa, ts, rep=200):
+    """Issue 27: is a short NSA forward bound by the host? HQ64/H4 D128 bf16 B=1, per T: cuDNN causal and
+    NSAConfig token / tile, each timed eagerly (do_bench: back-to-back calls), its host ms per call (enqueue
+    only) and the CUDA-graph replay of the same call (GPU time without the host). Eager ~ host > graph: the call
+    waits on the host."""
+    import triton
+    HQ, H = 64, 4
+    rows = []
+    for T in ts:
+        g = torch.Generator(device="cuda").manual_seed(T)
+        q, k, v = (torch.randn(1, T, h, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (HQ, H, H))
+        row = dict(T=T)
+        with torch.no_grad():
+            fns = {"cudnn": cudnn_causal(q, k, v)}
+            for sel in ("token", "tile"):
+                cfg = NSAConfig(selection=sel)
+                fns[sel] = (lambda c: lambda: nsa.nsa_attention(q, k, v, c))(cfg)
+            for name, fn in fns.items():
+                d = dict(eager=triton.testing.do_bench(fn, rep=rep, return_mode="median"), host=_host_ms(fn))
+                try:
+                    d["graph"] = _graph_ms(fn, rep)
+                except Exception as exc:  # noqa: BLE001
+                    d["graph_error"] = _err(exc)
+                row[name] = d
+        for sel in ("token", "tile"):
+            for mode in ("eager", "graph"):
+                if mode in row[sel] and mode in row["cudnn"]:
+                    row[f"{sel}_x_cudnn_{mode}"] = row["cudnn"][mode] / row[sel][mode]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"{'T':>6} {'call':6} {'eager':>8} {'host':>8} {'graph':>8}  (ms)")
+    for r in rows:
+        for name in ("cudnn", "token", "tile"):
+            d = r[name]
+            print(f"{r['T']:6d} {name:6} {d['eager']:8.3f} {d['host']:8.3f} {d.get('graph', float('nan')):8.3f}")
+        print(f"{'':6} x cuDNN eager / graph: token {r.get('token_x_cudnn_eager', float('nan')):.2f} / "
+              f"{r.get('token_x_cudnn_graph', float('nan')):.2f}, tile {r.get('tile_x_cudnn_eager', float('nan')):.2f}"
+              f" / {r.get('tile_x_cudnn_graph', float('nan')):.2f}")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="T = 8K, 16K only")
@@ -637,6 +705,9 @@ def main(argv=None):
                     help="--phases: comma list, base first; names in PHASE_VARIANTS")
     ap.add_argument("--phase-t", default="4096,8192,16384,32768,65536")
     ap.add_argument("--phase-bwd-t", type=int, default=16384, help="--phases: fwd+bwd length (0: none)")
+    ap.add_argument("--host-bound", metavar="T[,T...]",
+                    help="only: eager vs host vs CUDA-graph ms of cuDNN and NSA token / tile at these lengths "
+                         "(JSON <gpu>-nsa-host.json unless --tag)")
     args = ap.parse_args(argv)
     if args.summary:
         with open(args.summary) as f:
@@ -659,6 +730,9 @@ def main(argv=None):
 
     def write(*_):
         _write(res, args.out, gpu, args.tag, quiet=True)
+    if args.host_bound:
+        res["host_bound"] = host_bound(nsa, [int(x) for x in args.host_bound.split(",")])
+        return _write(res, args.out, gpu, args.tag if args.tag != "nsa" else "nsa-host")
     if args.phases:
         variants = args.variants.split(",")
         bad = [n for n in variants if n not in PHASE_VARIANTS]
