@@ -433,20 +433,9 @@ PHASE_VARIANTS = {
     # the tiles' first tokens and the compressed branch's time is inside "_tile_branches_kernel"
     "two_launch": dict(sel=("tile",), attrs=dict(FUSED_BRANCHES=False)),
     "fused_s2": dict(sel=("tile",), attrs=dict(NUM_STAGES="fused=2")),
-    # k / v pooling as unfold + mean (before session 19: avg_pool2d over the (B, 1, S, Hk * D) view)
-    "unfold_mean": dict(sel=("token", "tile"), attrs=dict(compress_kv="unfold_mean")),
 }
 PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel",
                  "_tile_branches_kernel"]
-
-
-def _unfold_mean_compress(k, v, config, compress_weights=None, start: int = 0):
-    """`nsa_reference.compress_kv`'s mean pooling as it was before session 19 (unfold + mean), for --variants."""
-    assert compress_weights is None
-    l, d = config.compress_block, config.compress_stride
-    n = ref.num_compressed(k.shape[1], config)
-    a = start * d
-    return k[:, a:(n - 1) * d + l].unfold(1, l, d).mean(-1), v[:, a:(n - 1) * d + l].unfold(1, l, d).mean(-1)
 
 
 def phase_breakdown(nsa, q, k, v, cfg, calls=3):
@@ -508,14 +497,12 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384, sels=("token"
     saved = {kk: getattr(nsa, kk) for kk in ("SLC_TILE_ROWS", "PARALLEL_TOPK", "TOPK_PARALLEL_MIN_BLOCKS",
                                             "NUM_WARPS", "NUM_STAGES", "CMP_TILE_ROWS", "SWA_TILE_ROWS",
                                             "CMP_BLOCK_N", "SWA_BLOCK_N", "CMP_MASK_SPLIT", "NSA_TMA",
-                                            "FUSED_BRANCHES", "FUSED_ROWS", "compress_kv")}
+                                            "FUSED_BRANCHES", "FUSED_ROWS")}
 
     def attrs(spec):
         """A variant's overrides; NUM_WARPS / NUM_STAGES "kernel=n[,kernel=n]" -> a copy of the saved dict with
         those entries changed."""
         out = dict(spec["attrs"])
-        if out.get("compress_kv") == "unfold_mean":
-            out["compress_kv"] = _unfold_mean_compress
         for name in ("NUM_WARPS", "NUM_STAGES"):
             if isinstance(out.get(name), str):
                 out[name] = {**saved[name], **{kk: int(n) for kk, n in (e.split("=") for e in out[name].split(","))}}

@@ -41,7 +41,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..dense.reference import check_qkv
 
@@ -175,12 +174,6 @@ def compress_kv(k, v, config, compress_weights=None, start: int = 0):
         e = k.new_zeros((B, 0, Hk, D))
         return e, e.clone()
     a = start * d
-    if compress_weights is None and all(x.stride(3) == 1 and x.stride(2) == D for x in (k, v)):
-        # one pooling kernel per tensor over the (B, 1, S, Hk * D) view (unfold + mean reduces over a strided view)
-        def pool(x):
-            x = x[:, a:(n - 1) * d + l]
-            return F.avg_pool2d(x.reshape(B, 1, x.shape[1], Hk * D), (l, 1), (d, 1)).reshape(B, n - start, Hk, D)
-        return pool(k), pool(v)
     kb = k[:, a:(n - 1) * d + l].unfold(1, l, d)          # (B, n - start, Hk, D, l) view
     vb = v[:, a:(n - 1) * d + l].unfold(1, l, d)
     if compress_weights is None:
