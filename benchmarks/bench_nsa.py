@@ -433,8 +433,6 @@ PHASE_VARIANTS = {
     # the tiles' first tokens and the compressed branch's time is inside "_tile_branches_kernel"
     "two_launch": dict(sel=("tile",), attrs=dict(FUSED_BRANCHES=False)),
     "fused_s2": dict(sel=("tile",), attrs=dict(NUM_STAGES="fused=2")),
-    # token tiles launched in position order (default: the last tiles, the longest programs, first)
-    "first_first": dict(sel=("token", "tile"), attrs=dict(LAST_FIRST=False)),
 }
 PHASE_KERNELS = ["_cmp_kernel", "_topk_kernel", "_slc_kernel", "_slc_tile_kernel", "_swa_kernel",
                  "_tile_branches_kernel"]
@@ -499,7 +497,7 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384, sels=("token"
     saved = {kk: getattr(nsa, kk) for kk in ("SLC_TILE_ROWS", "PARALLEL_TOPK", "TOPK_PARALLEL_MIN_BLOCKS",
                                             "NUM_WARPS", "NUM_STAGES", "CMP_TILE_ROWS", "SWA_TILE_ROWS",
                                             "CMP_BLOCK_N", "SWA_BLOCK_N", "CMP_MASK_SPLIT", "NSA_TMA",
-                                            "FUSED_BRANCHES", "FUSED_ROWS", "LAST_FIRST")}
+                                            "FUSED_BRANCHES", "FUSED_ROWS")}
 
     def attrs(spec):
         """A variant's overrides; NUM_WARPS / NUM_STAGES "kernel=n[,kernel=n]" -> a copy of the saved dict with

@@ -71,15 +71,12 @@ def _online(acc, l_i, m_i, s, v, qk_scale):
 
 
 @triton.jit
-def _token_tile_rows(T, q_off, Hk, G, BT: tl.constexpr, GP: tl.constexpr, tok0, TS: tl.constexpr,
-                     LAST_FIRST: tl.constexpr = False):
+def _token_tile_rows(T, q_off, Hk, G, BT: tl.constexpr, GP: tl.constexpr, tok0, TS: tl.constexpr):
     """Rows of a (token tile, KV head) program (program_id 0: tile of BT row tokens; 1: b * Hk + KV head): row r
     is row token i = t0 + r // GP (of T) with query head hk * G + r % GP (GP = G padded to a power of two; padded
     rows not ok). Row token i is query token tok0 + i * TS (TS > 1: the first token of every selection tile).
-    LAST_FIRST: program_id 0 counts tiles from the last (causal work grows with the position, so the longest
-    programs start first and the launch's last wave holds short ones).
     -> (b64, hk, t0, tok, row_ok, head, qpos = the token's position among the keys)."""
-    pid_t = tl.num_programs(0) - 1 - tl.program_id(0) if LAST_FIRST else tl.program_id(0)
+    pid_t = tl.program_id(0)
     bh = tl.program_id(1)
     hk = bh % Hk
     b64 = (bh // Hk).to(tl.int64)
@@ -114,13 +111,13 @@ def _cmp_kernel(Q, KC, VC, OC, IMPA, IMPB, LSE, KD, VD,
                 CB: tl.constexpr, CS: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
                 HEAD_DIM: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
                 SELECT: tl.constexpr, SAVE: tl.constexpr, STORE_O: tl.constexpr, TS: tl.constexpr,
-                MASK_SPLIT: tl.constexpr = False, USE_TMA: tl.constexpr = False, LAST_FIRST: tl.constexpr = False):
+                MASK_SPLIT: tl.constexpr = False, USE_TMA: tl.constexpr = False):
     """T row tokens (query tokens tok0 + i * TS, see `_token_tile_rows`). STORE_O: write o_cmp (and with SAVE the
     LSE); SELECT: write the block importance of every row token to row i of IMP_A / IMP_B (B, Hk, T, NBP).
     MASK_SPLIT: pass 1 runs the key tiles every row token sees completely without the per-element score mask (the
     same values: the mask selects nothing there), the rest with it. USE_TMA: K / V tiles through the host
     descriptors KD, VD (boxes of BLOCK_N keys); the same values as the pointer loads."""
-    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP, tok0, TS, LAST_FIRST)
+    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP, tok0, TS)
     b32 = tl.program_id(1) // Hk
     M: tl.constexpr = BT * GP
     offs_d = tl.arange(0, HEAD_DIM)
@@ -492,7 +489,7 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
                           WB: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr = False,
                           CB: tl.constexpr = 1, CS: tl.constexpr = 1,
                           CMP_N: tl.constexpr = 64, CMP_TMA: tl.constexpr = False, PIN: tl.constexpr = False,
-                          SEL_ROWS: tl.constexpr = 1, LAST_FIRST: tl.constexpr = False):
+                          SEL_ROWS: tl.constexpr = 1):
     """selection="tile": the selected, window and compressed branches of BT tokens x the group's heads (rows =
     BT * GP, all tokens inside one selection tile, BS a power of two) in one program, with the gate combine -> OUT.
 
@@ -512,7 +509,7 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
     OUT, BO_W: strides so*; BO_C, BO_S: strides sc* (B, T, Hq, D). With SAVE: BO_C / BO_S / BO_W = the ungated
     o_cmp / o_slc / o_swa in their dtype, LSE_C / LSE_S / LSE_W their LSEs (B, T, Hq) in log2 units (LSE_C +inf for
     a row that sees no compressed key), as the separate kernels write them."""
-    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP, 0, 1, LAST_FIRST)
+    b64, hk, t0, tok, row_ok, head, qpos = _token_tile_rows(T, q_off, Hk, G, BT, GP, 0, 1)
     b32 = tl.program_id(1) // Hk
     M: tl.constexpr = BT * GP
     tok64 = tok.to(tl.int64)
@@ -741,10 +738,6 @@ CMP_MASK_SPLIT = True
 # (session 17; `bench_nsa.py --phases --selection tile`, benchmarks/NOTES.md).
 FUSED_BRANCHES = True
 FUSED_ROWS = 64
-# LAST_FIRST: `_cmp_kernel` (importance, per-token o_cmp) and the fused launch start their last token tiles first
-# (causal work grows with the position: the launch's last wave then holds short programs; a list-scheduling model
-# of the fused launch's per-program SASS: -3.0% at 4K, -1.1% at 8K, -0.5% at 16K)
-LAST_FIRST = True
 
 
 def slc_tile_rows(G: int, n_b: int, tile_block: int = 0) -> int:
@@ -913,8 +906,7 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
         imp_b = torch.empty((B, Hk, n_rows, NBP), dtype=torch.float32, device=dev)
         _cmp_kernel[(triton.cdiv(n_rows, BT), B * Hk)](
             *cmp_args, imp_a, imp_b, lse_c, *cmp_descs, *cmp_strides, n_rows, n_c, q_off, Hq, Hk, G, NBP,
-            qk_scale, tok0, SELECT=True, SAVE=save and store_o, STORE_O=store_o, TS=ts, LAST_FIRST=LAST_FIRST,
-            **cmp_meta)
+            qk_scale, tok0, SELECT=True, SAVE=save and store_o, STORE_O=store_o, TS=ts, **cmp_meta)
         return _topk(imp_a, imp_b, n_b, q_off, tok0, ts, bs, nsel)
 
     if not tile:
@@ -965,7 +957,7 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, scale, config, save: bool = False, pr
             WB=triton.next_power_of_2(config.window // bs + 2),
             HAS_GATES=gates is not None, SAVE=save, STAGES=NUM_STAGES["fused"], USE_TMA=fkd is not None,
             CB=l, CS=d, CMP_N=CMP_BLOCK_N, CMP_TMA=kd is not None,
-            PIN=not _interpret(), SEL_ROWS=bs, LAST_FIRST=LAST_FIRST,
+            PIN=not _interpret(), SEL_ROWS=bs,
             num_warps=NUM_WARPS["fused"], num_stages=NUM_STAGES["fused"])
         return out, idx, lse, bo
     rows = slc_tile_rows(G, n_b, bs if tile else 0)
