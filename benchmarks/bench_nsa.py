@@ -602,18 +602,11 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384, sels=("token"
 
 
 def _graph_ms(fn, rep=200):
-    """do_bench median of one CUDA-graph replay of fn (captured after warm-up on a side stream): GPU time alone."""
+    """do_bench median of one CUDA-graph replay of fn (`common.graph_replay`): GPU time alone."""
     import triton
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, rep=rep, return_mode="median")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import graph_replay
+    return triton.testing.do_bench(graph_replay(fn), rep=rep, return_mode="median")
 
 
 def _host_ms(fn, n=40):

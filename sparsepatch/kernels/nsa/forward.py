@@ -479,6 +479,18 @@ def _swa_kernel(Q, K, V, PART, GATES, OUT, BO_W, LSE, KD, VD,
 
 
 @triton.jit
+def _block_scores(q, KD, VD, kbase, vbase, b, hk, j0, offs_n, offs_d, S, sks, svs, BS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr):
+    """Keys j0 .. j0 + BS - 1 of one (batch, KV head) (`_kv_tile`): (key positions, key < S, the raw scores
+    q K^T (M, BS) fp32, the V tile)."""
+    key = j0 + offs_n
+    kv_ok = key < S
+    k = _kv_tile(KD, kbase, b, hk, j0, key, kv_ok, sks, offs_d, BS, HEAD_DIM, USE_TMA, MASKED)
+    v = _kv_tile(VD, vbase, b, hk, j0, key, kv_ok, svs, offs_d, BS, HEAD_DIM, USE_TMA, MASKED)
+    return key, kv_ok, tl.dot(q, tl.trans(k)), v
+
+
+@triton.jit
 def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE_W, KD, VD,
                           KC, VC, LSE_C, KCD, VCD,
                           sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, scb, scs, sch, s_ib, s_it, s_ih,
@@ -537,33 +549,22 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
     l_b = tl.zeros([M], tl.float32)
     acc_b = tl.zeros([M, HEAD_DIM], tl.float32)
     for i in tl.range(n2, n_u, num_stages=STAGES):
-        j0 = tl.load(lbase + i) * BS
-        key = j0 + offs_n
-        kv_ok = key < S
-        k = _kv_tile(KD, kbase, b32, hk, j0, key, kv_ok, sks, offs_d, BS, HEAD_DIM, USE_TMA, True)
-        v = _kv_tile(VD, vbase, b32, hk, j0, key, kv_ok, svs, offs_d, BS, HEAD_DIM, USE_TMA, True)
-        s = tl.dot(q, tl.trans(k))
+        key, kv_ok, s, v = _block_scores(q, KD, VD, kbase, vbase, b32, hk, tl.load(lbase + i) * BS, offs_n, offs_d,
+                                         S, sks, svs, BS, HEAD_DIM, USE_TMA, True)
         acc_b, l_b, m_b = _online(acc_b, l_b, m_b, tl.where(key[None, :] <= qpos[:, None], s, float("-inf")), v,
                                   qk_scale)
     m_s, l_s, acc_s = m_b, l_b, acc_b
     m_w, l_w, acc_w = m_b, l_b, acc_b
     # Loop 1: the selected blocks before the window (entries 0 .. n1 - 1), unmasked, selected state only
     for i in tl.range(0, n1, num_stages=STAGES):
-        j0 = tl.load(lbase + i) * BS
-        key = j0 + offs_n
-        k = _kv_tile(KD, kbase, b32, hk, j0, key, key < S, sks, offs_d, BS, HEAD_DIM, USE_TMA, False)
-        v = _kv_tile(VD, vbase, b32, hk, j0, key, key < S, svs, offs_d, BS, HEAD_DIM, USE_TMA, False)
-        s = tl.dot(q, tl.trans(k))
+        key, kv_ok, s, v = _block_scores(q, KD, VD, kbase, vbase, b32, hk, tl.load(lbase + i) * BS, offs_n, offs_d,
+                                         S, sks, svs, BS, HEAD_DIM, USE_TMA, False)
         acc_s, l_s, m_s = _online(acc_s, l_s, m_s, s, v, qk_scale)
     # Loop 2: the other selected blocks inside the window (list entries n1 .. n2 - 1: every selected block is
     # <= whi), one K / V load and one Q K^T for both states
     for i in tl.range(n1, n2, num_stages=STAGES):
-        j0 = tl.load(lbase + i) * BS
-        key = j0 + offs_n
-        kv_ok = key < S
-        k = _kv_tile(KD, kbase, b32, hk, j0, key, kv_ok, sks, offs_d, BS, HEAD_DIM, USE_TMA, True)
-        v = _kv_tile(VD, vbase, b32, hk, j0, key, kv_ok, svs, offs_d, BS, HEAD_DIM, USE_TMA, True)
-        s = tl.dot(q, tl.trans(k))
+        key, kv_ok, s, v = _block_scores(q, KD, VD, kbase, vbase, b32, hk, tl.load(lbase + i) * BS, offs_n, offs_d,
+                                         S, sks, svs, BS, HEAD_DIM, USE_TMA, True)
         causal = key[None, :] <= qpos[:, None]
         acc_s, l_s, m_s = _online(acc_s, l_s, m_s, tl.where(causal & kv_ok[None, :], s, float("-inf")), v,
                                   qk_scale)
@@ -578,11 +579,8 @@ def _tile_branches_kernel(Q, K, V, IDX, GATES, OUT, BO_C, BO_S, BO_W, LSE_S, LSE
     rank = tl.cumsum(wonly, 0) - 1
     for i in tl.range(0, tl.sum(wonly, 0), num_stages=STAGES):
         j0 = tl.sum(tl.where((wonly != 0) & (rank == i), cand, 0), 0) * BS
-        key = j0 + offs_n
-        kv_ok = key < S
-        k = _kv_tile(KD, kbase, b32, hk, j0, key, kv_ok, sks, offs_d, BS, HEAD_DIM, USE_TMA, True)
-        v = _kv_tile(VD, vbase, b32, hk, j0, key, kv_ok, svs, offs_d, BS, HEAD_DIM, USE_TMA, True)
-        s = tl.dot(q, tl.trans(k))
+        key, kv_ok, s, v = _block_scores(q, KD, VD, kbase, vbase, b32, hk, j0, offs_n, offs_d, S, sks, svs, BS,
+                                         HEAD_DIM, USE_TMA, True)
         # no causal mask: these blocks precede whi (the tile's own block, always selected: the top-k picks the local
         # block first), so every key is < minpos; only the window's lower edge masks
         acc_w, l_w, m_w = _online(acc_w, l_w, m_w, tl.where(key[None, :] > qpos[:, None] - window, s, float("-inf")),
