@@ -263,6 +263,29 @@ def test_fused_equals_separate_kernels_and_reference(dtype, G, gated, tma, monke
     assert not nsa.fused_applies(16, 32, 0, 128) and not nsa.fused_applies(64, 4, 0, 256)
 
 
+
+@interpret_only
+def test_fused_reads_the_per_tile_selection(monkeypatch):
+    """The fused launch reads one selection row per tile (SEL_ROWS = block_size), so a call that asks for no
+    indices builds no per-token index tensor: B = 2, Hk = 2 (the batch / KV-head strides of the per-tile tensor),
+    queries after a 48-token prefix (q_off > 0, at a tile boundary: still the fused launch) and from position 0.
+    Each equals the same call with return_indices=True bit for bit (the same launches on the same selection) and
+    the reference within its bound."""
+    from sparsepatch.kernels.nsa import forward as nsa
+    cfg = NSAConfig(**FUSED_CFG, selection="tile")
+    monkeypatch.setattr(nsa, "CMP_BLOCK_N", 16)
+    q, k, v = rand(2, 100, 6, 2, 16, seed=91)
+    spies = _spy_launches(monkeypatch, nsa)
+    for a in (0, 48):
+        out = nsa.nsa_attention(q[:, a:], k, v, cfg)
+        assert _path(spies) == FUSED and a % cfg.block_size == 0
+        out_i, idx = nsa.nsa_attention(q[:, a:], k, v, cfg, return_indices=True)
+        assert _path(spies) == FUSED
+        assert torch.equal(out, out_i) and idx.shape == (2, 100 - a, 2, cfg.num_selected)
+        want, widx = ref.nsa_attention(q[:, a:], k, v, cfg, return_indices=True)
+        assert torch.equal(idx.long(), widx)
+        check_bound(max_err(out, want), nsa_tol(q, k, v), f"per-tile selection read, queries from {a}")
+
 @interpret_only
 def test_fused_gradients_equal_separate_kernels(monkeypatch):
     """With a gradient needed the fused launch writes what the separate kernels write for the backward (o_cmp, o_slc,
