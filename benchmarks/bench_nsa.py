@@ -44,9 +44,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from sparsepatch.config import NSAConfig  # noqa: E402
 from sparsepatch.kernels.nsa import reference as ref  # noqa: E402
+from common import graph_replay, host_ms  # noqa: E402
 
 HEADS = [(64, 4), (32, 8), (16, 16)]
 TS = [8192, 16384, 32768, 65536]
@@ -601,31 +603,11 @@ def phases(nsa, ts, variants, write=None, rep=60, fwd_bwd_t=16384, sels=("token"
     return rows, fb
 
 
-def _graph_ms(fn, rep=200):
-    """do_bench median of one CUDA-graph replay of fn (`common.graph_replay`): GPU time alone."""
-    import triton
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import graph_replay
-    return triton.testing.do_bench(graph_replay(fn), rep=rep, return_mode="median")
-
-
-def _host_ms(fn, n=40):
-    """Host ms per call to enqueue fn (n calls without a sync; the launch queue does not fill in n calls)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e3
-
-
 def host_bound(nsa, ts, rep=200):
     """Issue 27: is a short NSA forward bound by the host? HQ64/H4 D128 bf16 B=1, per T: cuDNN causal and
     NSAConfig token / tile, each timed eagerly (do_bench: back-to-back calls), its host ms per call (enqueue
-    only) and the CUDA-graph replay of the same call (GPU time without the host). Eager ~ host > graph: the call
-    waits on the host."""
+    only, `common.host_ms`) and the CUDA-graph replay of the same call (GPU time without the host). Eager ~ host >
+    graph: the call waits on the host."""
     import triton
     HQ, H = 64, 4
     rows = []
@@ -639,9 +621,9 @@ def host_bound(nsa, ts, rep=200):
                 cfg = NSAConfig(selection=sel)
                 fns[sel] = (lambda c: lambda: nsa.nsa_attention(q, k, v, c))(cfg)
             for name, fn in fns.items():
-                d = dict(eager=triton.testing.do_bench(fn, rep=rep, return_mode="median"), host=_host_ms(fn))
+                d = dict(eager=triton.testing.do_bench(fn, rep=rep, return_mode="median"), host=host_ms(fn, 40))
                 try:
-                    d["graph"] = _graph_ms(fn, rep)
+                    d["graph"] = triton.testing.do_bench(graph_replay(fn), rep=rep, return_mode="median")
                 except Exception as exc:  # noqa: BLE001
                     d["graph_error"] = _err(exc)
                 row[name] = d

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ClockSampler, gpu_name, random_list, save_results  # noqa: E402
+from common import ClockSampler, gpu_name, host_ms, random_list, save_results  # noqa: E402
 
 SHAPES = [(1, 12, 32760, 128), (1, 40, 32760, 128), (1, 16, 4096, 128)]
 DENSITIES = [1.0, 0.5, 0.13, 0.05]
@@ -342,19 +342,6 @@ def _gpu_ms_host_hidden(fn, reps=60):
     return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[reps // 2]
 
 
-def _host_us(fn, calls=100):
-    """Host microseconds per call of fn while the GPU is busy (a long GPU sleep queued first)."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)   # ~0.1 s at H100 clocks: the queue never drains during the timed calls
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
-
-
 def host_check(log, shapes=((1, 12, 32760, 128), (1, 16, 4096, 128))):
     """Per density and launch path (cached launch plans vs Triton's JIT launcher): host us per call, do_bench ms
     and GPU ms with host time hidden; then a cProfile of the host path at the lowest density. Says how much of a
@@ -377,7 +364,7 @@ def host_check(log, shapes=((1, 12, 32760, 128), (1, 16, 4096, 128))):
             skip._DIRECT[0] = direct and mode == "plan"
             for lname, fn in fns.items():
                 long = S > 10000 and lname in ("dense", "rand1.0")
-                r = dict(shape=[B, H, S, D], list=lname, launch=mode, host_us=_host_us(fn),
+                r = dict(shape=[B, H, S, D], list=lname, launch=mode, host_us=host_ms(fn, 100, busy=True) * 1e3,
                          do_bench=bench_ms(fn, rep=100), hidden=_gpu_ms_host_hidden(fn, reps=20 if long else 60))
                 rows.append(r)
                 log(f"host {r}")
@@ -444,15 +431,15 @@ def host_breakdown(log, shape=(1, 16, 4096, 128)):
 
 
 def _host_parts(log, parts, title, calls=None, before=None, rounds=5):
-    """_host_us of each fn in parts {name: fn} (calls[name] calls, default 300; before() ahead of each timing), in
-    `rounds` interleaved rounds (this host's timings of one call move by 2-3x between timings); the median round
-    is kept. Prints a table headed `title`, returns the rows."""
+    """Host us per call (`common.host_ms`, GPU kept busy) of each fn in parts {name: fn} (calls[name] calls,
+    default 300; before() ahead of each timing), in `rounds` interleaved rounds (this host's timings of one call
+    move by 2-3x between timings); the median round is kept. Prints a table headed `title`, returns the rows."""
     samples = {name: [] for name in parts}
     for _ in range(rounds):
         for name, fn in parts.items():
             if before is not None:
                 before()
-            samples[name].append(_host_us(fn, calls=(calls or {}).get(name, 300)))
+            samples[name].append(host_ms(fn, (calls or {}).get(name, 300), busy=True) * 1e3)
     rows = [dict(part=name, host_us=sorted(v)[len(v) // 2], rounds=v) for name, v in samples.items()]
     for r in rows:
         log(f"host part {r}")

@@ -36,7 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import ROOT, gpu_name, graph_replay, random_list, save_results
+from common import ROOT, gpu_name, graph_replay, host_ms, random_list, save_results
 
 DENSITIES = (1.0, 0.5, 0.13)
 
@@ -93,18 +93,6 @@ def switch_cfgs(names):
             known = ", ".join(SWITCH_NAMES + ("all",)) if SWITCH_NAMES else "none at present"
             raise SystemExit(f"--switches: unknown {n!r} (known: {known})")
     return out
-
-
-def host_ms(fn, calls=20):
-    """Python time per call of fn with the GPU busy (calls queue behind the first; no sync inside the timing)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = (time.perf_counter() - t0) / calls * 1e3
-    torch.cuda.synchronize()
-    return t
 
 
 def main():

@@ -66,6 +66,22 @@ def wan_shaped(layers: int, heads: int, ffn: int, head_dim: int = 128, text_dim:
     return model.to(dtype).eval()
 
 
+def host_ms(fn, calls: int = 20, busy: bool = False) -> float:
+    """Host ms per call of fn: `calls` calls enqueued without a sync inside the timing (after one warm-up call).
+    busy: a long GPU sleep (~0.1 s on an H100) is queued first, so the queue never drains while they are timed."""
+    import time
+    fn()
+    torch.cuda.synchronize()
+    if busy:
+        torch.cuda._sleep(200_000_000)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) / calls * 1e3
+    torch.cuda.synchronize()
+    return t
+
+
 def graph_replay(fn, warmup: int = 3):
     """fn() captured in a CUDA graph after `warmup` calls on a side stream (so lazy initialisation and autotuning
     stay out of the graph); returns the graph's replay method (the bound method keeps the graph alive)."""

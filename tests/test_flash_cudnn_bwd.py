@@ -2,8 +2,9 @@
 
 CPU: which calls it declines and why (it must never take an inference call, a mask, an LSE output, causal with
 Sq != Sk, or a head dim its forward does not run), that a training call reaches it only through a measured
-"attention+backward" entry, and the glue to cuDNN's backward op (a stand-in checks what it is handed). GPU (sm_90): gradients vs an fp32 oracle within the error model's bound and vs SDPA
-cuDNN's own, for bf16 / fp16, D 64 / 128, MHA / GQA, causal or not, sequence- and head-major inputs.
+"attention+backward" entry, and the glue to cuDNN's backward op (a stand-in checks what it is handed). GPU
+(sm_90): gradients vs an fp32 oracle within the error model's bound and vs SDPA cuDNN's own, for bf16 / fp16,
+D 64 / 128, MHA / GQA, causal or not, sequence- and head-major inputs.
 """
 from __future__ import annotations
 

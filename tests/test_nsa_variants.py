@@ -192,10 +192,10 @@ def test_fused_equals_separate_kernels_and_reference(dtype, G, gated, tma, monke
     and the three gated terms are summed in another order (rounding only). fp32: within the reference bound; fp16:
     within 4e-3 (P and the output rounded to fp16 in the kernel, ~4 ulps), as test_nsa.test_triton_matches_reference.
     fp32 also checks the saved branch outputs / LSEs the backward reads. Covered: the fused kernel's four K / V
-    loops (selected blocks whole inside every row's window, before it, at its edge, unselected window blocks), rows that see no compressed key
-    (the first tokens), programs whose rows all see a full 16-key compressed tile (the unmasked loop) followed by a
-    partial one (the masked loop), n_c = 0; G = 1 and groups padded to a power of two; TMA descriptors and pointer
-    loads (loop 1 unmasked)."""
+    loops (selected blocks whole inside every row's window, before it, at its edge, unselected window blocks),
+    rows that see no compressed key (the first tokens), programs whose rows all see a full 16-key compressed tile
+    (the unmasked loop) followed by a partial one (the masked loop), n_c = 0; G = 1 and groups padded to a power
+    of two; TMA descriptors and pointer loads (loop 1 unmasked)."""
     from sparsepatch.kernels.nsa import forward as nsa
     T = 100
     cfg = NSAConfig(**FUSED_CFG, selection="tile")
