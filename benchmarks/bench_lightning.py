@@ -17,13 +17,14 @@ import math
 import os
 import platform
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from sparsepatch.kernels.lightning import reference as ref  # noqa: E402
+from common import host_ms  # noqa: E402
 
 H, D = 64, 128
 DECODE_B = [1, 4, 16, 32, 64, 128, 256]
@@ -81,15 +82,8 @@ def graph_time(step_fns, steps):
 
 
 def host_time(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return host
+    """Host us per call of fn (`common.host_ms` after 50 warm-up calls)."""
+    return host_ms(fn, n, warmup=50) * 1e3
 
 
 def bench_decode(fused_recurrent, batches, graph=True):

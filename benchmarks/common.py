@@ -66,11 +66,12 @@ def wan_shaped(layers: int, heads: int, ffn: int, head_dim: int = 128, text_dim:
     return model.to(dtype).eval()
 
 
-def host_ms(fn, calls: int = 20, busy: bool = False) -> float:
-    """Host ms per call of fn: `calls` calls enqueued without a sync inside the timing (after one warm-up call).
+def host_ms(fn, calls: int = 20, busy: bool = False, warmup: int = 1) -> float:
+    """Host ms per call of fn: `calls` calls enqueued without a sync inside the timing (after `warmup` calls).
     busy: a long GPU sleep (~0.1 s on an H100) is queued first, so the queue never drains while they are timed."""
     import time
-    fn()
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     if busy:
         torch.cuda._sleep(200_000_000)
